@@ -1,0 +1,112 @@
+"""The core types every probe, detector and exporter imports.
+
+Kept deliberately small: a Sample is one value of one registered metric for one
+resource at one time; an Event is something discrete that happened. Probes
+produce both, detectors read history and emit findings, exporters translate a
+Snapshot. Nothing here does I/O.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatch.agent.history import History
+    from gpuwatch.agent.snapshot import Snapshot
+
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One value of a registered metric.
+
+    metric:   the metric's registry name (its OpenTelemetry name, e.g. "hw.temperature").
+    resource: the GPU UUID for per-GPU metrics, "" for node or agent metrics.
+    labels:   the metric's other label values (never the GPU, which is the resource).
+    ts:       wall-clock seconds (time.time()) when the value was read.
+    """
+
+    metric: str
+    value: float
+    resource: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    ts: float = field(default_factory=time.time)
+
+    def series_key(self) -> tuple:
+        return (self.metric, self.resource, tuple(sorted(self.labels.items())))
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something discrete that happened: an XID, a probe failure, a finding."""
+
+    kind: str
+    resource: str = ""
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    ts: float = field(default_factory=time.time)
+
+
+class ProbeUnavailable(Exception):
+    """A probe cannot run here. The message must tell a person what to do about it."""
+
+
+class Probe(abc.ABC):
+    """A source of samples, ticked by the runner every `interval` seconds.
+
+    collect() must return within `deadline` seconds; if it does not, the runner
+    marks the probe late and keeps serving the last good samples.
+    """
+
+    name: str = "probe"
+    interval: float = 1.0
+    deadline: float = 5.0
+
+    def start(self) -> None:
+        """Acquire what the probe needs; raise ProbeUnavailable with a reason if it cannot run."""
+
+    @abc.abstractmethod
+    def collect(self) -> Iterable[Sample]:
+        """Read the current values. May raise ProbeUnavailable when the source went away."""
+
+    def events(self) -> list[Event]:
+        """Events seen since the last call (drained). Default: none."""
+        return []
+
+    def shutdown(self) -> None:
+        """Release everything. Must be idempotent."""
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """A detector's judgement: what it saw, about which resource, how sure."""
+
+    kind: str
+    resource: str
+    severity: str  # "info" | "warning" | "critical"
+    summary: str
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+    ts: float = field(default_factory=time.time)
+
+
+class Detector(abc.ABC):
+    name: str = "detector"
+
+    @abc.abstractmethod
+    def observe(self, history: "History") -> Iterable[Finding]:
+        """Pure: read series from history, return the findings that hold now."""
+
+
+class Exporter(abc.ABC):
+    name: str = "exporter"
+
+    def start(self) -> None:
+        """Open listeners or connections."""
+
+    @abc.abstractmethod
+    def publish(self, snapshot: "Snapshot") -> None:
+        """Take a new snapshot. Must not block on the network."""
+
+    def shutdown(self) -> None:
+        """Stop. Must be idempotent."""

@@ -1,0 +1,235 @@
+"""The `gpuwatch` command line.
+
+Every `gpuwatch agent` option mirrors a config-file setting and has a GPUWATCH_*
+environment variable (see `gpuwatch agent --help` and docs/configuration.md);
+precedence is flag > environment > file > default.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from gpuwatch.agent import __version__
+from gpuwatch.agent import config as config_mod
+from gpuwatch.agent.config import ConfigError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+config_option = click.option(
+    "--config", "config_path", envvar=config_mod.CONFIG_ENV, show_envvar=True, metavar="FILE",
+    help=f"TOML config file (default: {config_mod.DEFAULT_PATH} if it exists; '' for none).")
+
+
+def _load(config_path: str | None, overrides: dict[str, Any]) -> config_mod.Config:
+    try:
+        return config_mod.load(config_path, overrides)
+    except ConfigError as e:
+        raise click.ClickException(f"bad configuration: {e}") from None
+
+
+def _setting_options(fn):
+    """One click option per config setting, with its GPUWATCH_* environment variable."""
+    for s in reversed(config_mod.SETTINGS):
+        # Values stay text so that config.load() gives the same error messages as for the file.
+        fn = click.option(s.decls, s.param, envvar=s.env, show_envvar=True, default=None,
+                          help=f"{s.help} [config: {s.name}; default: {s.default!r}]")(fn)
+    return fn
+
+
+def _echo_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="gpuwatch")
+def main() -> None:
+    """gpuwatch: GPU observability and profiling agent.
+
+    Run `gpuwatch doctor` first to see what works on this machine and why.
+    """
+
+
+@main.command(context_settings=CONTEXT)
+@config_option
+@_setting_options
+def agent(config_path: str | None, **params: Any) -> None:
+    """Run the daemon in the foreground (systemd: Type=notify)."""
+    from gpuwatch.agent.daemon import Daemon
+    from gpuwatch.agent.logs import setup_logging
+    from gpuwatch.agent.store import StoreError
+
+    overrides = config_mod.overrides_from_params(params)
+    cfg = _load(config_path, overrides)
+    setup_logging(cfg.agent.log_level, cfg.agent.log_format)
+    try:
+        daemon = Daemon(cfg, config_path, overrides)
+    except (StoreError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(daemon.run())
+
+
+@main.command(context_settings=CONTEXT)
+@config_option
+@click.option("--nvml-replay", "replay", metavar="FILE", envvar="GPUWATCH_NVML_REPLAY",
+              help="Show a recorded NVML file instead of this machine's GPUs.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
+    """List the GPUs and the processes on them."""
+    from gpuwatch.agent.daemon import nvml_backend_factory
+    from gpuwatch.probes.nvml import backend as nvml_backend
+    from gpuwatch.probes.nvml.probe import inventory
+
+    cfg = _load(config_path, {"nvml.replay": replay})
+    try:
+        backend = nvml_backend_factory(cfg)()
+        rows = inventory(backend)
+    except nvml_backend.LibraryUnavailable as e:
+        raise click.ClickException(f"NVML unavailable: {e}") from None
+    finally:
+        try:
+            backend.close()
+        except Exception:
+            pass
+    if as_json:
+        _echo_json(rows)
+        return
+    _print_gpus(rows)
+
+
+def _print_gpus(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not rows:
+        console.print("No GPUs found.")
+        return
+    t = Table(box=None, pad_edge=False)
+    for col in ("GPU", "Name", "UUID", "Temp", "Power", "Memory", "Util"):
+        t.add_column(col, justify="right" if col in ("GPU", "Temp", "Power", "Util") else "left")
+    procs = Table(box=None, pad_edge=False)
+    for col in ("GPU", "PID", "Process", "Memory"):
+        procs.add_column(col, justify="right" if col != "Process" else "left")
+    for g in rows:
+        t.add_row(str(g.get("index", "?")), g.get("name", "?"), g.get("uuid", "?"),
+                  _fmt(g.get("temperature_celsius"), "{:.0f} °C"), _fmt(g.get("power_watts"), "{:.0f} W"),
+                  _mem(g.get("memory_used_bytes"), g.get("memory_total_bytes")),
+                  _fmt(g.get("utilization"), "{:.0%}"))
+        for p in g.get("processes", []):
+            procs.add_row(str(g.get("index", "?")), str(p.get("pid")), p.get("name", "?"),
+                          _mem(p.get("memory_bytes"), None))
+    console.print(t)
+    if procs.row_count:
+        console.print()
+        console.print(procs)
+    else:
+        console.print("\nNo processes on the GPUs.")
+
+
+def _fmt(v: Any, pattern: str) -> str:
+    return "—" if v is None else pattern.format(v)
+
+
+def _mem(used: float | None, total: float | None) -> str:
+    if used is None:
+        return "—"
+    s = f"{used / 2**30:.1f} GiB"
+    return s if total is None else f"{s} / {total / 2**30:.0f} GiB"
+
+
+@main.command(context_settings=CONTEXT)
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def doctor(config_path: str | None, as_json: bool) -> None:
+    """Check what gpuwatch needs on this machine; say exactly how to fix what is missing.
+
+    Exits 1 when a check fails.
+    """
+    from gpuwatch.agent import doctor as doctor_mod
+    from gpuwatch.probes.nvml.doctor import nvml_checks
+
+    cfg = _load(config_path, {})
+    checks = doctor_mod.run_checks(cfg.agent.state_dir, nvml_checks, cfg.control.socket)
+    if as_json:
+        _echo_json([c.as_dict() for c in checks])
+    else:
+        click.echo(doctor_mod.render(checks))
+    sys.exit(doctor_mod.exit_code(checks))
+
+
+@main.command(context_settings=CONTEXT)
+@config_option
+@click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
+              help="Control socket of the running agent (default: from the config).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
+    """Ask the running agent how it is doing."""
+    from gpuwatch.agent.control import ControlError, call
+
+    if not socket_path:
+        socket_path = _load(config_path, {}).control.socket
+    try:
+        st = call(socket_path, "status")
+    except ControlError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        _echo_json(st)
+        return
+    _print_status(st)
+
+
+def _print_status(st: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"gpuwatch {st['version']}  pid {st['pid']}  up {st['uptime_seconds']:.0f} s  "
+                  f"snapshot age {st.get('snapshot_age_seconds')} s")
+    for name, info in st.get("exporters", {}).items():
+        console.print(f"{name}: {info.get('listen', '')}")
+    t = Table(box=None, pad_edge=False)
+    for col in ("Probe", "State", "Last (ms)", "Late", "Errors", "Reason"):
+        t.add_column(col)
+    for name, p in sorted(st.get("probes", {}).items()):
+        state = p["state"]
+        color = "green" if state == "up" else "yellow" if state in ("starting", "late") else "red"
+        t.add_row(name, f"[{color}]{state}[/{color}]", f"{p['last_duration'] * 1e3:.1f}",
+                  str(p["late_total"]), str(p["errors_total"]), p.get("reason", ""))
+    console.print(t)
+    if st.get("gpus"):
+        console.print()
+        _print_gpus(st["gpus"])
+    if st.get("store_write_errors"):
+        console.print(f"[red]store write errors: {st['store_write_errors']}[/red]")
+
+
+@main.group(context_settings=CONTEXT)
+def debug() -> None:
+    """Tools for developers of gpuwatch."""
+
+
+@debug.command("record-nvml", context_settings=CONTEXT)
+@click.option("--out", required=True, type=click.Path(dir_okay=False, writable=True), help="Output JSON file.")
+@click.option("--ticks", default=5, show_default=True, type=click.IntRange(1, 1000),
+              help="Probe collections to record.")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.05, 60),
+              help="Seconds between collections.")
+def record_nvml(out: str, ticks: int, interval: float) -> None:
+    """Record every NVML call the probe makes, with its answer or error, for replay in tests."""
+    from gpuwatch.agent.api import ProbeUnavailable
+    from gpuwatch.probes.nvml import backend as nvml_backend
+    from gpuwatch.probes.nvml.replay import record
+
+    try:
+        summary = record(out, ticks=ticks, interval=interval,
+                         progress=lambda i, n: click.echo(f"tick {i}/{n}", err=True))
+    except (nvml_backend.LibraryUnavailable, ProbeUnavailable) as e:
+        raise click.ClickException(f"NVML unavailable, nothing to record: {e}") from None
+    click.echo(json.dumps(summary, default=str))
+
+
+if __name__ == "__main__":
+    main()

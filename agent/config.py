@@ -1,0 +1,496 @@
+"""Configuration: one TOML file, overridden by flags, each flag mirrored by a GPUWATCH_* variable.
+
+Every setting is declared once in SETTINGS; the CLI builds its options from that
+table, `load()` validates the file and the overrides against it, and the docs
+(docs/configuration.md) and the sample file (systemd/gpuwatch.toml) are rendered
+from it, so none of them can drift from the code. Bad configuration fails at
+start with the file (or flag), the key and the reason.
+
+    python -m gpuwatch.agent.config docs   > docs/configuration.md
+    python -m gpuwatch.agent.config sample > systemd/gpuwatch.toml
+"""
+from __future__ import annotations
+
+import difflib
+import grp
+import ipaddress
+import math
+import os
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+DEFAULT_PATH = "/etc/gpuwatch/gpuwatch.toml"
+CONFIG_ENV = "GPUWATCH_CONFIG"  # the CLI's --config mirror; the path itself is not a setting
+# The 9100-9999 exporter range on Prometheus' port-allocation wiki is full, and the GPU exporters
+# people run beside us take 9400 (dcgm-exporter), 9445, 9835 (nvidia_gpu_exporter), 8000 (nvitop)
+# and 9464 (OpenTelemetry's Prometheus exporter): we take 10480, outside the range, clear of
+# Kubernetes' 10248-10260. See docs/configuration.md.
+DEFAULT_PROMETHEUS_PORT = 10480
+MAX_FILE_BYTES = 1 << 20
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("text", "json")
+
+
+class ConfigError(Exception):
+    """Bad configuration. str() is `SOURCE: section.key: reason` (key omitted for whole-file errors)."""
+
+    def __init__(self, source: str, key: str | None, reason: str) -> None:
+        self.source = source
+        self.key = key
+        self.reason = reason
+        super().__init__(f"{source}: {key}: {reason}" if key else f"{source}: {reason}")
+
+
+# -- validators: take the typed value, return the value to keep or raise ValueError(reason) ------
+
+def _positive(v: float) -> float:
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError
+    return v
+
+
+def _at_least(n: int) -> Callable[[int], int]:
+    def check(v: int) -> int:
+        if v < n:
+            raise ValueError
+        return v
+    return check
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def check(v: str) -> str:
+        if v.lower() not in choices:
+            raise ValueError
+        return v.lower()
+    return check
+
+
+def _abs_path(v: str) -> str:
+    if not v or not os.path.isabs(v):
+        raise ValueError
+    return os.path.normpath(v)
+
+
+def _optional_abs_path(v: str) -> str:
+    return _abs_path(v) if v else ""
+
+
+def _existing_file(v: str) -> str:
+    if not v:
+        return ""
+    v = _abs_path(v)
+    if not os.path.isfile(v):
+        raise ValueError(f"no such file: {v}")
+    return v
+
+
+_PATH_CHECKS = (_abs_path, _optional_abs_path, _existing_file)
+
+
+def _group(v: str) -> str:
+    if not v:
+        return ""
+    try:
+        grp.getgrgid(int(v)) if v.isdigit() else grp.getgrnam(v)
+    except (KeyError, OverflowError):
+        raise ValueError(f"no such group: {v!r} (create it, or leave control.group empty for root only)")
+    return v
+
+
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+
+
+def parse_listen(v: str) -> tuple[str, int]:
+    """'127.0.0.1:9835', '[::1]:9835' or 'name:9835' -> (host, port). Raises ValueError with a reason."""
+    host, sep, port = v.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"expected HOST:PORT with a port 0-65535, got {v!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"{host} is not an IPv6 address")
+        return host[1:-1], int(port)
+    if ":" in host:
+        raise ValueError(f"an IPv6 address needs brackets: [{host}]:{port}")
+    if not host:
+        raise ValueError(f"no host in {v!r}: use 127.0.0.1:{port} for this machine only, "
+                         f"0.0.0.0:{port} for all interfaces")
+    if not _HOSTNAME.match(host):
+        raise ValueError(f"{host!r} is not an IP address or host name")
+    return host, int(port)
+
+
+def _listen(v: str) -> str:
+    parse_listen(v)
+    return v
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setting:
+    section: str
+    key: str
+    type: type  # bool, int, float or str: the TOML type the file must use
+    default: Any
+    help: str
+    flag: str  # "--listen"; booleans also get "--no-..." (see `decls`)
+    expect: str  # what a valid value looks like, for error messages and docs
+    check: Callable[[Any], Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.section}.{self.key}"
+
+    @property
+    def env(self) -> str:
+        return "GPUWATCH_" + self.flag[2:].upper().replace("-", "_")
+
+    @property
+    def param(self) -> str:
+        """The parameter name click derives from the flag: --socket-group -> socket_group."""
+        return self.flag[2:].replace("-", "_")
+
+    @property
+    def decls(self) -> str:
+        """The click option declaration: "--listen", or "--nvml/--no-nvml" for a boolean."""
+        return f"{self.flag}/--no-{self.flag[2:]}" if self.type is bool else self.flag
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("agent", "state_dir", str, "/var/lib/gpuwatch",
+            "Directory for the agent's SQLite store, gpuwatch.db (events that outlive a restart).",
+            "--state-dir", "an absolute path", _abs_path),
+    Setting("agent", "runtime_dir", str, "/run/gpuwatch",
+            "Directory for runtime files; the control socket lives here unless control.socket is set.",
+            "--runtime-dir", "an absolute path", _abs_path),
+    Setting("agent", "log_level", str, "info", "Least severe log messages to print.",
+            "--log-level", "one of " + ", ".join(LOG_LEVELS), _one_of(LOG_LEVELS)),
+    Setting("agent", "log_format", str, "text",
+            "Log line format: text, or one JSON object per line for log shippers.",
+            "--log-format", "one of " + ", ".join(LOG_FORMATS), _one_of(LOG_FORMATS)),
+    Setting("control", "socket", str, "",
+            "Path of the control socket that `gpuwatch status` and the other commands talk to. "
+            "Empty: control.sock in agent.runtime_dir.",
+            "--socket", "an absolute path, or empty", _optional_abs_path),
+    Setting("control", "group", str, "",
+            "Group whose members may use the control socket (mode 0660). Empty: root only.",
+            "--socket-group", "a group name or number, or empty", _group),
+    Setting("prometheus", "enabled", bool, True, "Serve Prometheus metrics on prometheus.listen.",
+            "--prometheus", "true or false"),
+    Setting("prometheus", "listen", str, f"127.0.0.1:{DEFAULT_PROMETHEUS_PORT}",
+            "Address for /metrics. IPv6 as [::1]:PORT; 0.0.0.0:PORT for all interfaces; port 0 picks a free one.",
+            "--listen", "HOST:PORT", _listen),
+    Setting("nvml", "enabled", bool, True, "Read GPU metrics through NVML.",
+            "--nvml", "true or false"),
+    Setting("nvml", "interval", float, 1.0, "Seconds between reads of the fast NVML metrics.",
+            "--nvml-interval", "a number of seconds > 0", _positive),
+    Setting("nvml", "slow_interval", float, 10.0,
+            "Seconds between reads of the slow NVML metrics (energy, PCIe throughput, per-process).",
+            "--nvml-slow-interval", "a number of seconds > 0", _positive),
+    Setting("nvml", "deadline", float, 5.0,
+            "Seconds a collection may take before the probe is marked late (its old samples are "
+            "kept for a while, then withdrawn).",
+            "--nvml-deadline", "a number of seconds > 0", _positive),
+    Setting("nvml", "max_processes_per_gpu", int, 16,
+            "Processes per GPU that get series of their own; the rest are folded into one.",
+            "--nvml-max-processes-per-gpu", "an integer >= 1", _at_least(1)),
+    Setting("nvml", "xid_events", bool, True, "Wait for XID error events from the driver.",
+            "--nvml-xid-events", "true or false"),
+    Setting("nvml", "replay", str, "",
+            "Path to a recorded NVML file to serve instead of the real GPUs (demos, tests). Empty: real GPUs.",
+            "--nvml-replay", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("nvml", "replay_gpus", int, 0,
+            "With nvml.replay: present this many GPUs cloned from the recording. 0: as recorded.",
+            "--nvml-replay-gpus", "an integer >= 0", _at_least(0)),
+    Setting("nvml", "replay_processes_per_gpu", int, 0,
+            "With nvml.replay: present this many processes per GPU cloned from the recorded ones "
+            "(benchmarks). 0: as recorded.",
+            "--nvml-replay-processes-per-gpu", "an integer >= 0", _at_least(0)),
+    Setting("history", "points", int, 720, "Points kept in memory per series for detectors.",
+            "--history-points", "an integer >= 1", _at_least(1)),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+_SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(s.section for s in SETTINGS))
+
+
+# -- the typed result --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AgentConfig:
+    state_dir: str
+    runtime_dir: str
+    log_level: str
+    log_format: str
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    socket: str  # always a path: the default is filled in from agent.runtime_dir
+    group: str  # "" means root only
+
+
+@dataclass(frozen=True)
+class PrometheusConfig:
+    enabled: bool
+    listen: str
+
+
+@dataclass(frozen=True)
+class NvmlConfig:
+    enabled: bool
+    interval: float
+    slow_interval: float
+    deadline: float
+    max_processes_per_gpu: int
+    xid_events: bool
+    replay: str
+    replay_gpus: int
+    replay_processes_per_gpu: int
+
+
+@dataclass(frozen=True)
+class HistoryConfig:
+    points: int
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentConfig
+    control: ControlConfig
+    prometheus: PrometheusConfig
+    nvml: NvmlConfig
+    history: HistoryConfig
+    path: str | None = field(default=None)  # the file that was read, None when none was
+
+
+_SECTION_TYPES = {"agent": AgentConfig, "control": ControlConfig, "prometheus": PrometheusConfig,
+                  "nvml": NvmlConfig, "history": HistoryConfig}
+
+
+# -- loading -----------------------------------------------------------------------------------
+
+def _describe(v: Any) -> str:
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, dict):
+        return "a table"
+    if isinstance(v, list):
+        return "a list"
+    return repr(v)
+
+
+def _typed(s: Setting, v: Any, from_text: bool) -> Any:
+    """Check the type (converting text from a flag or environment variable); ValueError on mismatch."""
+    if from_text and isinstance(v, str) and s.type is not str:
+        t = v.strip().lower()
+        if s.type is bool:
+            if t in ("1", "true", "yes", "on"):
+                return True
+            if t in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        try:
+            return s.type(t)
+        except ValueError:
+            raise ValueError from None
+    if s.type is float and isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    if type(v) is not s.type:  # bool is an int subclass: `interval = true` must fail
+        raise ValueError
+    return v
+
+
+def _validate(s: Setting, v: Any, source: str, from_text: bool) -> Any:
+    try:
+        v = _typed(s, v, from_text)
+        return s.check(v) if s.check else v
+    except ValueError as e:
+        reason = str(e) or f"expected {s.expect}, got {_describe(v)}"
+        raise ConfigError(source, s.name, reason) from None
+
+
+def _suggest(name: str) -> str:
+    """A hint for an unknown "section.key": a near key in that section, else the key in another section."""
+    section, _, key = name.partition(".")
+    keys = [s.key for s in SETTINGS if s.section == section]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.7)
+    if close:
+        return f" (did you mean {section}.{close[0]}?)"
+    elsewhere = difflib.get_close_matches(key, [s.key for s in SETTINGS], n=1, cutoff=0.8)
+    if elsewhere:
+        names = [s.name for s in SETTINGS if s.key == elsewhere[0]]
+        return f" (did you mean {' or '.join(names)}?)"
+    return ""
+
+
+def _read(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
+                raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes; "
+                                              "is this really the gpuwatch config?")
+            data = f.read(MAX_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(path, None, "no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(path, None, "is a directory, not a file") from None
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot read: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:  # grew while we read it, or a special file
+        raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(path, None, f"not UTF-8 text: byte 0x{data[e.start]:02x} on line {line} "
+                                      f"(TOML files must be UTF-8)") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        msg = str(e).replace("(at end of document)", f"(at the end of the file, line {text.count(chr(10)) + 1})")
+        raise ConfigError(path, None, f"invalid TOML: {msg}") from None
+
+
+def _from_file(path: str, doc: dict[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for section, table in doc.items():
+        if section not in _SECTIONS:
+            if not isinstance(table, dict):
+                # A bare `interval = 2` at the top: point at the section it belongs in.
+                hint = _suggest(f".{section}").replace(" (", " (settings go in sections: ")
+                raise ConfigError(path, section, f"unknown setting outside any section{hint}")
+            close = difflib.get_close_matches(section, _SECTIONS, n=1, cutoff=0.6)
+            hint = f" (did you mean [{close[0]}]?)" if close else f"; known sections: {', '.join(_SECTIONS)}"
+            raise ConfigError(path, None, f"unknown section [{section}]{hint}")
+        if not isinstance(table, dict):
+            raise ConfigError(path, section, f"expected a [{section}] section, got {_describe(table)}")
+        for key, v in table.items():
+            name = f"{section}.{key}"
+            s = BY_NAME.get(name)
+            if s is None:
+                raise ConfigError(path, name, "unknown setting" + _suggest(name))
+            values[name] = _validate(s, v, path, from_text=False)
+    return values
+
+
+def load(path: str | None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read the file (DEFAULT_PATH if it exists when path is None), apply overrides, validate.
+
+    overrides: {"section.key": value} from flags and GPUWATCH_* variables; None values are
+    ignored (an option that was not given). Values may be typed or text ("2.5", "false").
+    Relative paths in overrides are taken relative to the working directory.
+    """
+    if path is None:
+        path = DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
+    elif path == "":
+        path = None  # `--config ''`: defaults, flags and environment only, no file
+    values = _from_file(path, _read(path)) if path is not None else {}
+    for name, v in (overrides or {}).items():
+        s = BY_NAME.get(name)
+        if s is None:
+            raise ConfigError("overrides", name, "unknown setting" + _suggest(name))
+        if v is None:
+            continue
+        if s.check in _PATH_CHECKS and isinstance(v, str) and v:
+            v = os.path.abspath(v)
+        values[name] = _validate(s, v, f"{s.flag} / ${s.env}", from_text=True)
+    merged = {s.name: values.get(s.name, s.default) for s in SETTINGS}
+    if not merged["control.socket"]:
+        merged["control.socket"] = os.path.join(merged["agent.runtime_dir"], "control.sock")
+    sections = {sec: cls(**{n.split(".", 1)[1]: v for n, v in merged.items() if n.startswith(sec + ".")})
+                for sec, cls in _SECTION_TYPES.items()}
+    return Config(path=path, **sections)
+
+
+def overrides_from_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """Map click's parameter values ({"socket_group": ...}) to load()'s overrides ({"control.group": ...})."""
+    by_param = {s.param: s for s in SETTINGS}
+    return {by_param[k].name: v for k, v in params.items() if k in by_param and v is not None}
+
+
+# -- generated documents -------------------------------------------------------------------------
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    return repr(v)
+
+
+def render_config_doc() -> str:
+    """docs/configuration.md, from SETTINGS."""
+    out = [
+        "# Configuration",
+        "",
+        "<!-- Generated from agent/config.py by `python -m gpuwatch.agent.config docs`; do not edit. -->",
+        "",
+        f"gpuwatch reads one TOML file, `{DEFAULT_PATH}` (only if it exists), or the file given with",
+        f"`--config PATH` / `${CONFIG_ENV}` (which must exist). Command-line flags override the file, and",
+        "every flag has a `GPUWATCH_*` environment variable that sets it too. Precedence, highest first:",
+        "flag, environment variable, file, default.",
+        "",
+        "Mistakes stop the agent at start with the file, the setting and the reason, for example:",
+        "",
+        "```",
+        f'{DEFAULT_PATH}: nvml.interval: expected a number of seconds > 0, got "fast"',
+        "```",
+        "",
+        "Unknown sections and settings are errors (with the closest known name suggested), values must",
+        "have the right TOML type (`interval = \"2\"` is a string, not a number), the file must be UTF-8",
+        f"and at most {MAX_FILE_BYTES >> 20} MiB. An empty file means all defaults. Relative paths given as",
+        "flags or variables are taken from the working directory; in the file, paths must be absolute.",
+        "A commented sample with every setting is in `systemd/gpuwatch.toml`.",
+        "",
+    ]
+    for sec in _SECTIONS:
+        out += [f"## [{sec}]", "", "| setting | default | flag | environment | value | meaning |",
+                "|---|---|---|---|---|---|"]
+        for s in SETTINGS:
+            if s.section == sec:
+                flag = f"`{s.flag}` / `--no-{s.flag[2:]}`" if s.type is bool else f"`{s.flag}`"
+                out.append(f"| `{s.name}` | `{_toml_value(s.default)}` | {flag} | `{s.env}` | "
+                           f"{s.expect} | {s.help} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def render_sample_config() -> str:
+    """systemd/gpuwatch.toml: every setting, commented out, at its default."""
+    out = [
+        "# gpuwatch configuration: copy to /etc/gpuwatch/gpuwatch.toml and uncomment what you change.",
+        "# Every setting is shown at its default. Flags and GPUWATCH_* environment variables override",
+        "# this file; see docs/configuration.md.",
+        "# Generated from agent/config.py by `python -m gpuwatch.agent.config sample`; do not edit.",
+    ]
+    for sec in _SECTIONS:
+        out += ["", f"[{sec}]"]
+        for s in SETTINGS:
+            if s.section == sec:
+                out += [""] + textwrap.wrap(s.help, 92, initial_indent="# ", subsequent_indent="# ")
+                out += [f"# Value: {s.expect}. Flag: {s.flag}. Environment: {s.env}.",
+                        f"#{s.key} = {_toml_value(s.default)}"]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - regenerates the committed documents
+    what = sys.argv[1:] or [""]
+    if what[0] == "docs":
+        sys.stdout.write(render_config_doc())
+    elif what[0] == "sample":
+        sys.stdout.write(render_sample_config())
+    else:
+        sys.exit("usage: python -m gpuwatch.agent.config docs|sample")

@@ -1,0 +1,158 @@
+"""`gpuwatch agent`: wires config, probes, runner, store, exporters and the control socket.
+
+The daemon stays up whatever a probe does: probes that cannot run are reported
+(`gpuwatch_probe_up{probe}=0`, `gpuwatch status`, `gpuwatch doctor`) and retried.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+from gpuwatch.agent import __version__, sdnotify
+from gpuwatch.agent.api import Event, Probe
+from gpuwatch.agent.config import Config, ConfigError, load
+from gpuwatch.agent.control import ControlServer, PeerCred
+from gpuwatch.agent.history import History
+from gpuwatch.agent.logs import setup_logging
+from gpuwatch.agent.runner import Runner
+from gpuwatch.agent.store import Store
+
+log = logging.getLogger("gpuwatch.agent")
+
+
+def nvml_backend_factory(cfg: Config):
+    """The NVML backend the config asks for: the real library, or a recorded H200 replayed."""
+    if cfg.nvml.replay:
+        from gpuwatch.probes.nvml.replay import ReplayBackend
+
+        return functools.partial(ReplayBackend, cfg.nvml.replay, gpus=cfg.nvml.replay_gpus or None,
+                                 processes_per_gpu=cfg.nvml.replay_processes_per_gpu or None)
+    from gpuwatch.probes.nvml.backend import RealBackend
+
+    return RealBackend
+
+
+def build_probes(cfg: Config) -> list[Probe]:
+    probes: list[Probe] = []
+    if cfg.nvml.enabled:
+        from gpuwatch.probes.nvml.probe import NvmlProbe
+
+        p = NvmlProbe(nvml_backend_factory(cfg), interval=cfg.nvml.interval,
+                      slow_interval=cfg.nvml.slow_interval,
+                      max_processes_per_gpu=cfg.nvml.max_processes_per_gpu,
+                      xid_events=cfg.nvml.xid_events)
+        p.deadline = cfg.nvml.deadline
+        probes.append(p)
+    return probes
+
+
+class Daemon:
+    def __init__(self, cfg: Config, config_path: str | None, overrides: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.config_path = config_path
+        self.overrides = overrides
+        self.started = time.time()
+        self.stop_event = threading.Event()
+        self.store = Store.open(cfg.agent.state_dir)
+        self.exporters = []
+        if cfg.prometheus.enabled:
+            from gpuwatch.exporters.prometheus import PrometheusExporter
+
+            self.exporters.append(PrometheusExporter(cfg.prometheus.listen))
+        self.runner = Runner(build_probes(cfg), exporters=self.exporters,
+                             history=History(maxlen=cfg.history.points), on_event=self._on_event)
+        self.control = ControlServer(cfg.control.socket, {
+            "ping": lambda params, peer: "pong",
+            "status": self._status,
+        }, group=cfg.control.group or None)
+
+    # -- control socket handlers -----------------------------------------------------------
+    def _status(self, params: dict, peer: PeerCred) -> dict:
+        snap = self.runner.snapshot
+        gpus: dict[str, dict] = {}
+        for s in snap.samples:
+            if s.metric == "gpuwatch.gpu":
+                gpus.setdefault(s.resource, {}).update(
+                    uuid=s.resource, index=int(s.labels.get("index", -1)), name=s.labels.get("name", ""))
+            elif s.metric == "gpuwatch.gpu.up":
+                gpus.setdefault(s.resource, {})["up"] = bool(s.value)
+            elif s.metric == "hw.temperature" and s.labels.get("sensor") == "gpu":
+                gpus.setdefault(s.resource, {})["temperature_celsius"] = s.value
+            elif s.metric == "hw.power":
+                gpus.setdefault(s.resource, {})["power_watts"] = s.value
+            elif s.metric == "hw.gpu.memory.usage":
+                gpus.setdefault(s.resource, {})["memory_used_bytes"] = s.value
+            elif s.metric == "hw.gpu.memory.limit":
+                gpus.setdefault(s.resource, {})["memory_total_bytes"] = s.value
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_seconds": round(time.time() - self.started, 1),
+            "snapshot_age_seconds": round(time.time() - snap.ts, 2) if snap.ts else None,
+            "probes": {name: st.as_dict() for name, st in snap.probes.items()},
+            "gpus": sorted(gpus.values(), key=lambda g: g.get("index", -1)),
+            "exporters": {e.name: _exporter_info(e) for e in self.exporters},
+            "state_dir": self.cfg.agent.state_dir,
+            "store_write_errors": self.store.write_errors,
+            "recent_events": [{"ts": e.ts, "kind": e.kind, "resource": e.resource, "attrs": dict(e.attrs)}
+                              for e in snap.events[-20:]],
+        }
+
+    def _on_event(self, ev: Event) -> None:
+        log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))
+        self.store.record_event(ev)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def reload(self) -> None:
+        """SIGHUP: re-read the config. An invalid file keeps the running config."""
+        try:
+            new = load(self.config_path, self.overrides)
+        except ConfigError as e:
+            log.error("config reload rejected, keeping the running config: %s", e)
+            return
+        setup_logging(new.agent.log_level, new.agent.log_format)
+        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "history")
+                   if getattr(new, sec) != getattr(self.cfg, sec)]
+        self.cfg = new
+        if changed:
+            log.warning("config reloaded; log level applied now, changes in %s take effect on restart",
+                        ", ".join(changed))
+        else:
+            log.info("config reloaded: no changes")
+
+    def run(self) -> int:
+        for exp in self.exporters:
+            exp.start()
+        self.control.start()
+        self.store.record_run(__version__)
+        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, daemon=True).start())
+        watchdog = sdnotify.Watchdog()
+        self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY
+        sdnotify.ready()
+        log.info("gpuwatch %s started on %s (state %s, control socket %s)", __version__,
+                 socket.gethostname(), self.cfg.agent.state_dir, self.cfg.control.socket)
+        try:
+            # The watchdog is pinged from the runner loop, never from inside a probe call:
+            # a hung loop stops the pings, a hung NVML call does not.
+            self.runner.run(stop=self.stop_event, heartbeat=watchdog.ping)
+        finally:
+            sdnotify.notify("STOPPING=1")
+            log.info("shutting down")
+            self.control.stop()
+            self.runner.shutdown()
+            self.store.close()
+        return 0
+
+
+def _exporter_info(exp) -> dict:
+    port = getattr(exp, "port", None)
+    host = getattr(exp, "host", None)
+    return {"listen": f"{host}:{port}"} if port is not None else {}

@@ -1,0 +1,189 @@
+"""The metric registry: every metric gpuwatch exports is defined here, once.
+
+Each entry gives the OpenTelemetry name (hardware semantic conventions where one
+exists, `gpuwatch.*` otherwise), the UCUM unit, the instrument kind, the help
+text and the label names. Prometheus names are derived from these by the rules
+of OpenTelemetry's Prometheus compatibility spec, so no exporter invents a name:
+dots become underscores, the unit becomes a suffix (bytes, seconds, ...),
+counters end in `_total`. Values are always in base units.
+
+Per-GPU metrics have `gpu` as their first label; its value is the GPU UUID,
+which travels in Sample.resource.
+"""
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class Kind(enum.Enum):
+    GAUGE = "gauge"
+    COUNTER = "counter"  # monotonic; Prometheus name gets `_total`
+    INFO = "info"  # constant 1 carrying identity labels; Prometheus name ends in `_info`
+
+
+# UCUM unit -> Prometheus suffix. "" means no suffix (states, counts of things).
+_UNIT_SUFFIX = {
+    "By": "bytes",
+    "By/s": "bytes_per_second",
+    "s": "seconds",
+    "W": "watts",
+    "J": "joules",
+    "Cel": "celsius",
+    "Hz": "hertz",
+    "1": "ratio",
+    "": "",
+}
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    unit: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def per_gpu(self) -> bool:
+        return bool(self.labels) and self.labels[0] == "gpu"
+
+    @property
+    def prom_name(self) -> str:
+        base = re.sub(r"[^a-zA-Z0-9_]", "_", self.name)
+        suffix = _UNIT_SUFFIX[self.unit]
+        if suffix and not base.endswith("_" + suffix):
+            base = f"{base}_{suffix}"
+        if self.kind is Kind.INFO and not base.endswith("_info"):
+            base += "_info"
+        # The `_total` is added by the Prometheus client for counters; this is the family name.
+        return base
+
+    @property
+    def prom_exposed_name(self) -> str:
+        """The name as it appears in the exposition (with `_total` for counters)."""
+        return self.prom_name + ("_total" if self.kind is Kind.COUNTER else "")
+
+
+_G = ("gpu",)
+
+METRICS: tuple[Metric, ...] = (
+    # --- agent itself -------------------------------------------------------------------
+    Metric("gpuwatch.build", "", Kind.INFO, "gpuwatch build: version and Python.", ("version", "python")),
+    Metric("gpuwatch.probe.up", "", Kind.GAUGE,
+           "1 when the probe's last collection succeeded in time, 0 when it is unavailable, failing or late.",
+           ("probe",)),
+    Metric("gpuwatch.probe.duration", "s", Kind.GAUGE, "Wall time of the probe's last collection.", ("probe",)),
+    Metric("gpuwatch.probe.late", "", Kind.COUNTER,
+           "Collections that overran the probe's deadline.", ("probe",)),
+    Metric("gpuwatch.probe.errors", "", Kind.COUNTER, "Collections that raised an error.", ("probe",)),
+    Metric("gpuwatch.probe.events.dropped", "", Kind.COUNTER,
+           "Events a probe dropped because its queue was full.", ("probe",)),
+    Metric("gpuwatch.nvml.call.errors", "", Kind.COUNTER,
+           "NVML calls that returned an error other than not-supported, by NVML error name.",
+           ("error",)),
+    # --- GPU identity and health --------------------------------------------------------------
+    Metric("gpuwatch.gpu", "", Kind.INFO,
+           "GPU identity: one series per GPU, value 1.",
+           ("gpu", "index", "name", "pci_bus_id", "driver_version", "cuda_driver_version",
+            "vbios_version", "serial")),
+    Metric("gpuwatch.gpu.up", "", Kind.GAUGE,
+           "1 when the GPU answers NVML, 0 when it is lost or fell off the bus.", _G),
+    # --- temperature ------------------------------------------------------------------------
+    Metric("hw.temperature", "Cel", Kind.GAUGE, "Temperature by sensor (gpu core or memory).",
+           ("gpu", "sensor")),
+    Metric("hw.temperature.limit", "Cel", Kind.GAUGE,
+           "Temperature thresholds: slowdown, shutdown, max_operating (GPU), max_memory.",
+           ("gpu", "threshold")),
+    # --- clocks -------------------------------------------------------------------------------
+    Metric("gpuwatch.gpu.clock.frequency", "Hz", Kind.GAUGE, "Current clock by domain.", ("gpu", "clock")),
+    Metric("gpuwatch.gpu.clock.max_frequency", "Hz", Kind.GAUGE, "Maximum clock by domain.", ("gpu", "clock")),
+    Metric("gpuwatch.gpu.clock_event.active", "", Kind.GAUGE,
+           "1 while the clock-event (throttle) reason is active.", ("gpu", "reason")),
+    Metric("gpuwatch.gpu.clock_event.duration", "s", Kind.COUNTER,
+           "Cumulative time the driver held clocks below target for this reason (NVML violation counters).",
+           ("gpu", "reason")),
+    # --- power and energy ---------------------------------------------------------------------
+    Metric("hw.power", "W", Kind.GAUGE, "Power draw.", _G),
+    Metric("gpuwatch.gpu.power.limit", "W", Kind.GAUGE,
+           "Power limits: enforced (what the GPU holds now), default, min and max settable.",
+           ("gpu", "limit")),
+    Metric("hw.energy", "J", Kind.COUNTER, "Energy consumed since the driver was loaded.", _G),
+    # --- utilisation -------------------------------------------------------------------------
+    Metric("hw.gpu.utilization", "1", Kind.GAUGE,
+           "Fraction of the sample period a kernel (general), the encoder or the decoder was busy.",
+           ("gpu", "task")),
+    Metric("gpuwatch.gpu.memory_controller.utilization", "1", Kind.GAUGE,
+           "Fraction of the sample period device memory was being read or written.", _G),
+    # --- memory ---------------------------------------------------------------------------------
+    Metric("hw.gpu.memory.usage", "By", Kind.GAUGE, "Device memory used.", _G),
+    Metric("hw.gpu.memory.limit", "By", Kind.GAUGE, "Device memory total.", _G),
+    Metric("hw.gpu.memory.utilization", "1", Kind.GAUGE, "Device memory used / total.", _G),
+    Metric("gpuwatch.gpu.memory.free", "By", Kind.GAUGE, "Device memory free.", _G),
+    Metric("gpuwatch.gpu.memory.reserved", "By", Kind.GAUGE,
+           "Device memory reserved by the driver and firmware.", _G),
+    Metric("gpuwatch.gpu.bar1_memory.usage", "By", Kind.GAUGE, "BAR1 memory used.", _G),
+    Metric("gpuwatch.gpu.processes", "", Kind.GAUGE, "Processes with a context on the GPU, by type.",
+           ("gpu", "type")),
+    Metric("gpuwatch.process.gpu.memory.usage", "By", Kind.GAUGE,
+           "Device memory the driver charges to the process (the 'black' color of the leak detector). "
+           "The top processes by memory are kept; the rest are folded into pid=\"other\".",
+           ("gpu", "pid", "process")),
+    Metric("gpuwatch.process.gpu.utilization", "1", Kind.GAUGE,
+           "Fraction of the last sample period the process had a kernel running (NVML process utilisation).",
+           ("gpu", "pid", "process")),
+    # --- PCIe and NVLink ------------------------------------------------------------------------
+    Metric("gpuwatch.gpu.pcie.throughput", "By/s", Kind.GAUGE,
+           "PCIe throughput over a 20 ms NVML sample window.", ("gpu", "direction")),
+    Metric("gpuwatch.gpu.pcie.replays", "", Kind.COUNTER, "PCIe replay counter.", _G),
+    Metric("gpuwatch.gpu.pcie.link.generation", "", Kind.GAUGE, "PCIe link generation.", ("gpu", "state")),
+    Metric("gpuwatch.gpu.pcie.link.width", "", Kind.GAUGE, "PCIe link width (lanes).", ("gpu", "state")),
+    Metric("gpuwatch.gpu.nvlink.up", "", Kind.GAUGE, "1 when the NVLink link is active.", ("gpu", "link")),
+    Metric("gpuwatch.gpu.nvlink.io", "By", Kind.COUNTER, "NVLink data bytes by direction, all links.",
+           ("gpu", "direction")),
+    Metric("gpuwatch.gpu.nvlink.errors", "", Kind.COUNTER, "NVLink error counters by link and type.",
+           ("gpu", "link", "type")),
+    # --- errors -------------------------------------------------------------------------------
+    Metric("hw.errors", "", Kind.COUNTER,
+           "ECC errors: type corrected|uncorrected, counter volatile (since driver load) or aggregate (lifetime).",
+           ("gpu", "type", "counter")),
+    Metric("gpuwatch.gpu.remapped_rows", "", Kind.GAUGE, "Rows remapped by cause.", ("gpu", "cause")),
+    Metric("gpuwatch.gpu.remapped_rows.pending", "", Kind.GAUGE, "1 when a row remap waits for a GPU reset.", _G),
+    Metric("gpuwatch.gpu.remapped_rows.failure", "", Kind.GAUGE, "1 when a row remap failed.", _G),
+    Metric("gpuwatch.gpu.xid", "", Kind.COUNTER,
+           "Critical XID events seen by the agent since it started, by XID code.", ("gpu", "xid")),
+    # --- state --------------------------------------------------------------------------------
+    Metric("gpuwatch.gpu.performance_state", "", Kind.GAUGE, "Performance state P0 (fastest) .. P15.", _G),
+    Metric("gpuwatch.gpu.fan.speed", "1", Kind.GAUGE, "Fan speed as a fraction of its maximum.", ("gpu", "fan")),
+    Metric("gpuwatch.gpu.mig.mode", "", Kind.GAUGE, "MIG mode: 1 enabled, 0 disabled.", ("gpu", "state")),
+    # --- GPM (Hopper and newer) ----------------------------------------------------------
+    Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
+           "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),
+    Metric("gpuwatch.gpu.sm.occupancy", "1", Kind.GAUGE,
+           "GPM: warps resident on SMs as a fraction of the maximum, averaged over SMs.", _G),
+    Metric("gpuwatch.gpu.pipe.activity", "1", Kind.GAUGE,
+           "GPM: fraction of cycles a pipe was active (tensor, fp16, fp32, fp64).", ("gpu", "pipe")),
+    Metric("gpuwatch.gpu.dram.activity", "1", Kind.GAUGE,
+           "GPM: DRAM bandwidth utilisation as a fraction of peak.", _G),
+)
+
+REGISTRY: dict[str, Metric] = {m.name: m for m in METRICS}
+
+
+def get(name: str) -> Metric:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"metric {name!r} is not in the registry (agent/metrics.py)") from None
+
+
+def _check_registry() -> None:
+    seen: dict[str, str] = {}
+    for m in METRICS:
+        assert m.unit in _UNIT_SUFFIX, f"{m.name}: unit {m.unit!r} has no Prometheus suffix rule"
+        assert m.prom_name not in seen, f"{m.name} and {seen[m.prom_name]} derive the same Prometheus name"
+        seen[m.prom_name] = m.name
+
+
+_check_registry()

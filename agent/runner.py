@@ -1,0 +1,283 @@
+"""The runner owns time: it ticks each probe on its own interval, with a deadline.
+
+Each probe runs in a worker thread of its own, so a probe stuck in a native call
+(an NVML call hanging after an XID) delays only itself: the runner marks it late,
+keeps serving everything else, and does not start that probe again until the
+stuck call returns. Intervals are computed on time.monotonic(), so a wall-clock
+step does not make probes fire early or late. After each collection the runner
+appends to history and swaps in a new immutable Snapshot.
+"""
+from __future__ import annotations
+
+import logging
+import platform
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterable, Sequence
+
+from gpuwatch.agent import __version__
+from gpuwatch.agent.api import Detector, Event, Exporter, Finding, Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.history import History
+from gpuwatch.agent.snapshot import EMPTY, ProbeStatus, Snapshot
+
+log = logging.getLogger("gpuwatch.runner")
+
+# Backoff for probes that cannot start: 1 s, 2 s, 4 s ... capped.
+BACKOFF_START = 1.0
+BACKOFF_MAX = 300.0
+
+
+class _ProbeSlot:
+    """Runner-side state of one probe and its worker thread."""
+
+    def __init__(self, probe: Probe, clock: Callable[[], float]) -> None:
+        self.probe = probe
+        self.clock = clock
+        self.started = False
+        self.next_due = 0.0  # monotonic
+        self.backoff = BACKOFF_START
+        self.busy_since: float | None = None  # monotonic start of the running collection
+        self.late_reported = False
+        self.samples: tuple[Sample, ...] = ()
+        self.samples_mono = 0.0
+        self.status = ProbeStatus(name=probe.name, up=False, reason="not started yet",
+                                  interval=probe.interval)
+        self.go = threading.Event()
+        self.done = threading.Event()
+        self.stop = False
+        self.thread = threading.Thread(target=self._work, name=f"probe-{probe.name}", daemon=True)
+        self.result: tuple | None = None  # set by the worker, consumed by the runner
+
+    def _work(self) -> None:
+        while True:
+            self.go.wait()
+            self.go.clear()
+            if self.stop:
+                return
+            t0 = time.perf_counter()
+            try:
+                if not self.started:
+                    self.probe.start()
+                    self.started = True
+                samples = tuple(self.probe.collect())
+                events = self.probe.events()
+                self.result = ("ok", samples, events, time.perf_counter() - t0)
+            except ProbeUnavailable as e:
+                self.result = ("unavailable", str(e), [], time.perf_counter() - t0)
+            except Exception as e:  # a probe bug must not take the daemon down
+                log.exception("probe %s failed", self.probe.name)
+                self.result = ("error", f"{type(e).__name__}: {e}", [], time.perf_counter() - t0)
+            self.done.set()
+
+
+class Runner:
+    def __init__(
+        self,
+        probes: Sequence[Probe],
+        detectors: Sequence[Detector] = (),
+        exporters: Sequence[Exporter] = (),
+        history: History | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wallclock: Callable[[], float] = time.time,
+        max_events: int = 256,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> None:
+        names = [p.name for p in probes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"probe names must be unique: {names}")
+        self.clock = clock
+        self.wallclock = wallclock
+        self.slots = [_ProbeSlot(p, clock) for p in probes]
+        self.detectors = list(detectors)
+        self.exporters = list(exporters)
+        self.history = history or History()
+        self.events: deque[Event] = deque(maxlen=max_events)
+        self.on_event = on_event
+        self.findings: tuple[Finding, ...] = ()
+        self.snapshot: Snapshot = EMPTY
+        self.ticks = 0
+        self._stop = threading.Event()
+        self._threads_started = False
+
+    # -- lifecycle --------------------------------------------------------------------
+    def _start_threads(self) -> None:
+        if not self._threads_started:
+            for slot in self.slots:
+                slot.thread.start()
+            self._threads_started = True
+
+    def run(self, stop: threading.Event | None = None, heartbeat: Callable[[], None] | None = None,
+            resolution: float = 0.05) -> None:
+        """Run until `stop` is set. `heartbeat` is called every loop (systemd watchdog)."""
+        stop = stop or self._stop
+        self._start_threads()
+        while not stop.is_set():
+            self.step()
+            if heartbeat is not None:
+                heartbeat()
+            stop.wait(resolution)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Stop workers and shut probes down; a probe stuck in a call is left behind, not waited on."""
+        self._stop.set()
+        for slot in self.slots:
+            slot.stop = True
+            slot.go.set()
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            if slot.thread.is_alive():
+                slot.thread.join(max(0.0, deadline - time.monotonic()))
+            if not slot.thread.is_alive() or slot.busy_since is None:
+                try:
+                    slot.probe.shutdown()
+                except Exception:
+                    log.exception("probe %s shutdown failed", slot.probe.name)
+        for exp in self.exporters:
+            try:
+                exp.shutdown()
+            except Exception:
+                log.exception("exporter %s shutdown failed", exp.name)
+
+    # -- one pass of the loop ---------------------------------------------------------
+    def step(self) -> bool:
+        """Start due probes, collect finished ones, publish if anything changed."""
+        self._start_threads()
+        now = self.clock()
+        changed = False
+        for slot in self.slots:
+            if slot.busy_since is not None:
+                if slot.done.is_set():
+                    slot.done.clear()
+                    self._finish(slot, now)
+                    changed = True
+                elif not slot.late_reported and now - slot.busy_since > slot.probe.deadline:
+                    slot.late_reported = True
+                    st = slot.status
+                    slot.status = _replace(st, up=False, state="late", late_total=st.late_total + 1,
+                                           reason=f"collection running for more than its "
+                                                  f"{slot.probe.deadline:g} s deadline")
+                    log.warning("probe %s is late: still collecting after %.1f s",
+                                slot.probe.name, now - slot.busy_since)
+                    changed = True
+            if slot.busy_since is None and now >= slot.next_due:
+                slot.busy_since = now
+                slot.late_reported = False
+                slot.go.set()
+        if changed:
+            self._publish()
+        return changed
+
+    def tick_once(self, timeout: float = 30.0) -> Snapshot:
+        """Run every probe once, synchronously (CLI one-shots, tests, benchmarks)."""
+        self._start_threads()
+        for slot in self.slots:
+            slot.next_due = 0.0
+        self.step()
+        end = time.monotonic() + timeout
+        while any(s.busy_since is not None for s in self.slots) and time.monotonic() < end:
+            for s in self.slots:
+                if s.busy_since is not None:
+                    s.done.wait(0.01)
+            self.step()
+        return self.snapshot
+
+    def _finish(self, slot: _ProbeSlot, now: float) -> None:
+        kind, payload, events, duration = slot.result  # type: ignore[misc]
+        slot.result = None
+        slot.busy_since = None
+        st = slot.status
+        wall = self.wallclock()
+        if kind == "ok":
+            slot.samples = payload
+            slot.samples_mono = now
+            slot.backoff = BACKOFF_START
+            slot.next_due = now + slot.probe.interval
+            if st.state != "up":
+                log.info("probe %s is up", slot.probe.name)
+            slot.status = _replace(st, up=True, state="up", reason="", last_duration=duration,
+                                   last_success=wall)
+            self.history.append(payload)
+            for ev in events:
+                self._add_event(ev)
+        else:
+            # Start afresh next time: a failed source (driver reloaded, library gone) needs a new init.
+            if slot.started:
+                try:
+                    slot.probe.shutdown()
+                except Exception:
+                    log.exception("probe %s shutdown failed", slot.probe.name)
+                slot.started = False
+            slot.samples = ()
+            if kind == "unavailable":
+                slot.next_due = now + slot.backoff
+                retry = slot.backoff
+                slot.backoff = min(slot.backoff * 2, BACKOFF_MAX)
+                state = "unavailable"
+            else:
+                slot.next_due = now + slot.probe.interval
+                retry = slot.probe.interval
+                state = "failing"
+            if st.reason != payload:
+                log.warning("probe %s %s: %s (retrying in %.0f s)", slot.probe.name, state, payload, retry)
+                self._add_event(Event("probe.down", attrs={"probe": slot.probe.name, "reason": payload}))
+            slot.status = _replace(st, up=False, state=state, reason=payload, last_duration=duration,
+                                   errors_total=st.errors_total + (kind == "error"))
+
+    def _add_event(self, ev: Event) -> None:
+        self.events.append(ev)
+        if self.on_event is not None:
+            try:
+                self.on_event(ev)
+            except Exception:
+                log.exception("event handler failed")
+
+    def _publish(self) -> None:
+        now_mono = self.clock()
+        wall = self.wallclock()
+        samples: list[Sample] = []
+        for slot in self.slots:
+            # Samples of a late probe stay until they are three intervals old, then are withdrawn
+            # rather than exported as if they were current.
+            stale_after = max(3 * slot.probe.interval, slot.probe.deadline)
+            if slot.samples and now_mono - slot.samples_mono <= stale_after:
+                samples.extend(slot.samples)
+        samples.extend(self._agent_samples(wall))
+        findings: list[Finding] = []
+        for det in self.detectors:
+            try:
+                findings.extend(det.observe(self.history))
+            except Exception:
+                log.exception("detector %s failed", det.name)
+        self.ticks += 1
+        if self.ticks % 100 == 0:
+            self.history.expire(wall)
+        snap = Snapshot(ts=wall, samples=tuple(samples),
+                        probes={s.probe.name: s.status for s in self.slots},
+                        events=tuple(self.events), findings=tuple(findings))
+        self.snapshot = snap
+        for exp in self.exporters:
+            try:
+                exp.publish(snap)
+            except Exception:
+                log.exception("exporter %s failed to publish", exp.name)
+
+    def _agent_samples(self, wall: float) -> Iterable[Sample]:
+        yield Sample("gpuwatch.build", 1.0, labels={"version": __version__,
+                                                     "python": platform.python_version()}, ts=wall)
+        for slot in self.slots:
+            st = slot.status
+            lab = {"probe": st.name}
+            yield Sample("gpuwatch.probe.up", 1.0 if st.up else 0.0, labels=lab, ts=wall)
+            yield Sample("gpuwatch.probe.duration", st.last_duration, labels=lab, ts=wall)
+            yield Sample("gpuwatch.probe.late", float(st.late_total), labels=lab, ts=wall)
+            yield Sample("gpuwatch.probe.errors", float(st.errors_total), labels=lab, ts=wall)
+
+
+def _replace(st: ProbeStatus, **kw) -> ProbeStatus:
+    d = st.as_dict()
+    d.update(kw)
+    return ProbeStatus(**d)

@@ -1,0 +1,204 @@
+"""The store: what must outlive a restart, in SQLite (<state_dir>/gpuwatch.db, WAL mode).
+
+The schema version lives in PRAGMA user_version; MIGRATIONS[i] takes a database
+from version i to i + 1 in one transaction, so a crash mid-upgrade leaves the
+old schema intact. A database written by a newer gpuwatch is refused rather
+than guessed at.
+
+Writes never raise: a full disk or a read-only state directory stops the
+recording of events, not the serving of metrics. Each failure is counted in
+`write_errors` and logged once per distinct error until writes work again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+from typing import Callable
+
+from gpuwatch.agent.api import Event
+
+log = logging.getLogger("gpuwatch.store")
+
+DB_NAME = "gpuwatch.db"
+
+# Append only: each entry is the list of statements that moves the schema up one version.
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    (
+        """CREATE TABLE agent_runs (
+               id INTEGER PRIMARY KEY,
+               started_at REAL NOT NULL,
+               version TEXT NOT NULL,
+               pid INTEGER NOT NULL,
+               host TEXT NOT NULL)""",
+        """CREATE TABLE events (
+               id INTEGER PRIMARY KEY,
+               ts REAL NOT NULL,
+               kind TEXT NOT NULL,
+               resource TEXT NOT NULL DEFAULT '',
+               attrs TEXT NOT NULL DEFAULT '{}')""",
+        "CREATE INDEX events_kind_id ON events (kind, id)",
+    ),
+)
+SCHEMA_VERSION = len(MIGRATIONS)
+
+# Events kept; older ones are deleted as new ones arrive, so a flapping probe cannot fill the disk.
+MAX_EVENTS = 100_000
+_PRUNE_EVERY = 1000
+
+
+class StoreError(Exception):
+    """The store cannot be opened or read. The message names the file and what to do."""
+
+
+class Store:
+    def __init__(self, conn: sqlite3.Connection, path: str, max_events: int = MAX_EVENTS) -> None:
+        self._conn = conn
+        self.path = path
+        self.max_events = max_events
+        self.write_errors = 0
+        self._lock = threading.Lock()
+        self._failing: set[str] = set()  # error texts already logged since the last good write
+        self._inserts = 0
+
+    @classmethod
+    def open(cls, state_dir: str, max_events: int = MAX_EVENTS) -> "Store":
+        """Open (creating and migrating as needed) <state_dir>/gpuwatch.db. Raises StoreError."""
+        path = os.path.join(state_dir, DB_NAME)
+        try:
+            os.makedirs(state_dir, mode=0o750, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create the state directory {state_dir}: {e.strerror or e} "
+                             f"(set agent.state_dir to a writable directory)") from None
+        try:
+            # Created here rather than by SQLite so that it, and the -wal and -shm files SQLite
+            # copies its mode to, are 0640: events name processes and users.
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640))
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise StoreError(f"cannot create {path}: {e.strerror or e} "
+                             f"(set agent.state_dir to a writable directory)") from None
+        try:
+            conn = sqlite3.connect(path, timeout=1.0, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise StoreError(f"cannot open {path}: {e}") from None
+        try:
+            _prepare(conn, path)
+        except BaseException:
+            conn.close()
+            raise
+        return cls(conn, path, max_events)
+
+    # -- writes: never raise ------------------------------------------------------------------
+    def record_run(self, version: str) -> None:
+        """Note that an agent started (this process)."""
+        self._write(lambda c: c.execute(
+            "INSERT INTO agent_runs (started_at, version, pid, host) VALUES (?, ?, ?, ?)",
+            (time.time(), version, os.getpid(), socket.gethostname())))
+
+    def record_event(self, ev: Event) -> None:
+        attrs = json.dumps(dict(ev.attrs), default=str, sort_keys=True)
+
+        def insert(c: sqlite3.Connection) -> None:
+            cur = c.execute("INSERT INTO events (ts, kind, resource, attrs) VALUES (?, ?, ?, ?)",
+                            (ev.ts, ev.kind, ev.resource, attrs))
+            self._inserts += 1
+            if self._inserts % _PRUNE_EVERY == 0:
+                c.execute("DELETE FROM events WHERE id <= ?", (cur.lastrowid - self.max_events,))
+
+        self._write(insert)
+
+    def _write(self, fn: Callable[[sqlite3.Connection], object]) -> None:
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    fn(self._conn)
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                self.write_errors += 1
+                msg = str(e)
+                if msg not in self._failing:
+                    self._failing.add(msg)
+                    log.error("cannot write to %s: %s; not recording until this is fixed "
+                              "(metrics are still served)", self.path, msg)
+                return
+            if self._failing:
+                log.info("writing to %s works again (%d writes failed)", self.path, self.write_errors)
+                self._failing.clear()
+
+    # -- reads --------------------------------------------------------------------------------
+    def recent_events(self, limit: int = 100, kind: str | None = None) -> list[Event]:
+        """The newest `limit` events, newest first, optionally of one kind. Raises StoreError."""
+        sql = "SELECT ts, kind, resource, attrs FROM events"
+        args: list[object] = []
+        if kind is not None:
+            sql += " WHERE kind = ?"
+            args.append(kind)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            try:
+                rows = self._conn.execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot read events from {self.path}: {e}") from None
+        return [Event(kind=k, resource=r, attrs=_attrs(a), ts=ts) for ts, k, r, a in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def _attrs(text: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        return {"raw": text}
+    return v if isinstance(v, dict) else {"value": v}
+
+
+def _prepare(conn: sqlite3.Connection, path: str) -> None:
+    """Check the file is ours, switch to WAL, migrate. Raises StoreError naming the path."""
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        # user_version reads the header only; this reads the schema and catches truncation.
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"{path} is not a usable SQLite database ({e}): move it aside and "
+                         f"the agent will create a new one") from None
+    if version > SCHEMA_VERSION:
+        raise StoreError(f"{path} has schema version {version}, newer than this gpuwatch knows "
+                         f"({SCHEMA_VERSION}): it was written by a newer gpuwatch; upgrade, or point "
+                         f"agent.state_dir elsewhere")
+    try:
+        mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode != "wal":
+            log.warning("%s: SQLite would not use WAL mode (got %s); readers may wait on writers",
+                        path, mode)
+        conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable across process crashes
+        for v in range(version, SCHEMA_VERSION):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for stmt in MIGRATIONS[v]:
+                    conn.execute(stmt)
+                conn.execute(f"PRAGMA user_version = {v + 1}")
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            log.info("%s: schema migrated to version %d", path, v + 1)
+        # A file that is a database but not ours (user_version 0 with foreign tables) fails here.
+        conn.execute("SELECT ts, kind, resource, attrs FROM events LIMIT 0")
+    except sqlite3.DatabaseError as e:
+        raise StoreError(f"cannot use {path}: {e} (is agent.state_dir writable and the file a "
+                         f"gpuwatch database?)") from None

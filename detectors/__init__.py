@@ -1,0 +1,1 @@
+"""Detectors: pure judgements over history (leak, health, thermal, launch)."""

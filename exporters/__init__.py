@@ -1,0 +1,1 @@
+"""Exporters: translate the latest snapshot to Prometheus, OpenTelemetry, Perfetto."""

@@ -1,0 +1,1 @@
+"""Probes: sources of samples and events (NVML, eBPF, CUPTI, process, baseline)."""

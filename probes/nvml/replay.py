@@ -1,0 +1,373 @@
+"""Recording NVML answers on a real GPU, and replaying them anywhere.
+
+A recording is one JSON file, one line per call so that two recordings diff well:
+
+    {
+      "format": "gpuwatch-nvml-recording/1",
+      "recorded_at": "2026-11-30T12:00:00+00:00", "host": "...", "nvml_version": "...",
+      "driver_version": "...", "interval": 1.0, "ticks": 5,
+      "system": {"driver_version": [{"value": "580.159.04"}, null, ...], ...},
+      "gpus": [{"clock sm": [{"value": 1980}, ...],
+                "nvlink_link_count": [{"error": "NVML_ERROR_NOT_SUPPORTED"}, ...], ...}]
+    }
+
+Each call key ("op arg arg", see backend.call_key) holds one answer per tick: {"value": ...},
+{"error": NVML error name}, or null where the call was not made that tick. A call made several
+times in one tick keeps its first answer. Tick 0 also holds the probe's start.
+
+Replay serves tick by tick, advancing on begin_tick(). Tick 0 is played once (first GPM sample,
+first utilisation read); after the last tick it loops over ticks 1..n-1, adding to monotonic
+counters what they grew per pass, so they keep growing. Faults (Fault) are test tooling on top
+of the recorded answers: NVML errors from a tick on, delays, XID events.
+
+Record on a GPU machine:  gpuwatch debug record-nvml --out OUT.json [--ticks 5] [--interval 1]
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import socket
+import threading
+import time
+import uuid as uuidlib
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from gpuwatch.probes.nvml.backend import MONOTONIC_OPS, Backend, NvmlError, RealBackend, call_key
+from gpuwatch.probes.nvml.events import XID_CRITICAL_ERROR
+from gpuwatch.probes.nvml.probe import NvmlProbe
+
+FORMAT = "gpuwatch-nvml-recording/1"
+CLONED_PID_BASE = 100000  # processes_per_gpu pids: base + gpu * K + j
+
+
+class _TickCounter:
+    """Calls before the first begin_tick (the probe's start) belong to tick 0, as do the first tick's."""
+
+    def __init__(self) -> None:
+        self._begun = 0
+
+    def begin(self) -> None:
+        self._begun += 1
+
+    @property
+    def tick(self) -> int:
+        return max(0, self._begun - 1)
+
+
+# ---- recording -------------------------------------------------------------------------------
+
+class RecordingBackend(Backend):
+    """Wraps a backend and keeps every call's answer (or error name) per tick."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__()
+        self._inner = inner
+        self._lock = threading.Lock()
+        self._ticks = _TickCounter()
+        self._system: dict[str, dict[int, dict]] = {}
+        self._gpus: dict[int, dict[str, dict[int, dict]]] = {}
+
+    def call(self, op: str, gpu: int | None = None, *args: Any) -> Any:
+        try:
+            value = self._inner.call(op, gpu, *args)
+        except NvmlError as e:
+            self._keep(op, gpu, args, {"error": e.name})
+            raise
+        # A JSON round trip checks the answer is recordable and freezes it against later mutation.
+        self._keep(op, gpu, args, {"value": json.loads(json.dumps(value))})
+        return value
+
+    def _keep(self, op: str, gpu: int | None, args: tuple, answer: dict) -> None:
+        with self._lock:
+            calls = self._system if gpu is None else self._gpus.setdefault(gpu, {})
+            calls.setdefault(call_key(op, args), {}).setdefault(self._ticks.tick, answer)
+
+    def begin_tick(self) -> None:
+        self._inner.begin_tick()
+        with self._lock:
+            self._ticks.begin()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def recording(self, **meta: Any) -> dict:
+        """The recording so far, as the dict that write_recording() saves."""
+        with self._lock:
+            n = self._ticks.tick + 1
+
+            def per_tick(calls: dict[str, dict[int, dict]]) -> dict[str, list]:
+                return {key: [answers.get(t) for t in range(n)] for key, answers in sorted(calls.items())}
+
+            gpus = [per_tick(self._gpus.get(i, {})) for i in range(max(self._gpus, default=-1) + 1)]
+            return {"format": FORMAT, **meta, "ticks": n, "system": per_tick(self._system), "gpus": gpus}
+
+
+def write_recording(path: str | Path, recording: dict) -> None:
+    def calls_block(calls: dict, indent: str) -> str:
+        if not calls:
+            return "{}"
+        lines = [f"{indent}  {json.dumps(key)}: {json.dumps(answers)}" for key, answers in calls.items()]
+        return "{\n" + ",\n".join(lines) + f"\n{indent}}}"
+
+    head = [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in recording.items() if k not in ("system", "gpus")]
+    gpus = ",\n".join("    " + calls_block(calls, "    ") for calls in recording["gpus"])
+    text = "\n".join(["{", *head, f'  "system": {calls_block(recording["system"], "  ")},',
+                      '  "gpus": [', gpus, "  ]", "}"]) + "\n"
+    Path(path).write_text(text)
+
+
+def record(out_path: str | Path, ticks: int = 5, interval: float = 1.0,
+           progress: Callable[[int, int], None] | None = None,
+           backend_factory: Callable[[], Backend] = RealBackend) -> dict:
+    """Run the NVML probe (XID thread included) for `ticks` collections and save every NVML answer.
+
+    Slow and static ops are asked every tick so that a replay at any cadence finds real answers.
+    progress(i, ticks) follows each collection. Returns a summary of what was written. Raises
+    LibraryUnavailable when NVML cannot be used here, ProbeUnavailable if it fails mid-way.
+    """
+    recorder = RecordingBackend(backend_factory())
+    recorder.call("device_count")  # NVML unusable: say why before anything else
+    probe = NvmlProbe(lambda: recorder, interval=interval, slow_interval=0.0, static_interval=0.0)
+    probe.start()
+    try:
+        versions = {op: _answer_or_none(recorder, op) for op in ("nvml_version", "driver_version")}
+        for t in range(ticks):
+            began = time.monotonic()
+            probe.collect()
+            if progress is not None:
+                progress(t + 1, ticks)
+            if t < ticks - 1:
+                time.sleep(max(0.0, interval - (time.monotonic() - began)))
+    finally:
+        probe.shutdown()
+    host = socket.gethostname()
+    recording = recorder.recording(
+        recorded_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        host=host, **versions, interval=interval)
+    write_recording(out_path, recording)
+    return {"out": str(out_path), "host": host, **versions, "ticks": recording["ticks"],
+            "gpus": len(recording["gpus"]),
+            "calls": len(recording["system"]) + sum(len(calls) for calls in recording["gpus"])}
+
+
+def _answer_or_none(backend: Backend, op: str) -> Any:
+    try:
+        return backend.call(op)
+    except NvmlError:
+        return None
+
+
+# ---- replay ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fault:
+    """Make matching calls misbehave from tick `from_tick` until (not including) `until_tick`."""
+
+    op: str = "*"  # an op name, or "*" for every op
+    gpu: int | None = None  # a GPU index; None matches every call, system calls included
+    error: str | None = None  # NVML error name to answer with, e.g. "NVML_ERROR_GPU_IS_LOST"
+    delay: float = 0.0  # seconds to hang before answering
+    from_tick: int = 0
+    until_tick: int | None = None
+
+    def matches(self, op: str, gpu: int | None, tick: int) -> bool:
+        return ((self.op == "*" or self.op == op) and (self.gpu is None or self.gpu == gpu)
+                and tick >= self.from_tick and (self.until_tick is None or tick < self.until_tick))
+
+
+class ReplayBackend(Backend):
+    """Serves a recording as if it were NVML.
+
+    gpus=N presents N GPUs, cloning the recorded ones (distinct UUIDs, PCI bus ids, serials);
+    processes_per_gpu=K presents K processes per GPU cloned from the recorded ones, with distinct
+    pids. `inject` lists Faults; add_fault() and send_xid() act mid-run. Calls the recording never
+    saw answer NOT_SUPPORTED and are listed in `unrecorded`; `asked` counts calls by (op, gpu).
+    """
+
+    def __init__(self, path: str | Path, gpus: int | None = None, processes_per_gpu: int | None = None,
+                 inject: list[Fault] | tuple[Fault, ...] | None = None, event_wait_s: float = 0.05) -> None:
+        super().__init__()
+        data = json.loads(Path(path).read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a {FORMAT} file (format {data.get('format')!r})")
+        self.recording = data
+        self._n = data["ticks"]
+        self._system: dict[str, list] = data["system"]
+        self._recorded: list[dict[str, list]] = data["gpus"]
+        if not self._recorded:
+            raise ValueError(f"{path}: the recording has no GPUs")
+        self.gpu_count = gpus or len(self._recorded)
+        self._processes_per_gpu = processes_per_gpu
+        self._process_sources = [self._recorded_pids(calls) for calls in self._recorded]
+        if processes_per_gpu and not any(self._process_sources):
+            raise ValueError(f"{path}: no processes recorded to clone processes_per_gpu from")
+        self._faults = list(inject or ())
+        self._event_wait_s = event_wait_s  # short waits keep a replayed XID thread quick to stop
+        self._lock = threading.Lock()
+        self._ticks = _TickCounter()
+        self._steps: dict[tuple, Any] = {}
+        self._events: deque[dict] = deque()
+        self._event_arrived = threading.Condition(self._lock)
+        self.asked: Counter = Counter()
+        self.unrecorded: set[tuple] = set()
+
+    # ---- test controls -----------------------------------------------------------------------
+    @property
+    def tick(self) -> int:
+        return self._ticks.tick
+
+    def add_fault(self, fault: Fault) -> None:
+        with self._lock:
+            self._faults.append(fault)
+
+    def send_xid(self, gpu: int, xid: int) -> None:
+        """Deliver an XID critical-error event from GPU `gpu` to whoever waits on an event set."""
+        with self._lock:
+            self._events.append({"gpu": gpu, "type": XID_CRITICAL_ERROR, "data": xid})
+            self._event_arrived.notify_all()
+
+    # ---- Backend -------------------------------------------------------------------------------
+    def begin_tick(self) -> None:
+        with self._lock:
+            self._ticks.begin()
+
+    def _call(self, op: str, gpu: int | None, args: tuple) -> Any:
+        with self._lock:
+            tick = self._ticks.tick
+            self.asked[(op, gpu)] += 1
+            faults = [f for f in self._faults if f.matches(op, gpu, tick)]
+        for fault in faults:
+            if fault.delay:
+                time.sleep(fault.delay)
+            if fault.error:
+                raise NvmlError(fault.error, op, gpu)
+        if op == "device_count":
+            return self.gpu_count
+        if op == "events_wait":
+            return self._wait_event(args[1])
+        if gpu is not None and not 0 <= gpu < self.gpu_count:
+            raise NvmlError("NVML_ERROR_INVALID_ARGUMENT", op, gpu)
+        source = None if gpu is None else gpu % len(self._recorded)
+        if op == "process_name":
+            args = (self._source_pid(args[0]),)
+        calls = self._system if source is None else self._recorded[source]
+        key = call_key(op, args)
+        answers = calls.get(key)
+        if answers is None:
+            with self._lock:
+                self.unrecorded.add((op, gpu, args))
+            raise NvmlError("NVML_ERROR_NOT_SUPPORTED", op, gpu)
+        answer, passes = self._pick(answers, tick)
+        if "error" in answer:
+            raise NvmlError(answer["error"], op, gpu)
+        value = copy.deepcopy(answer["value"])
+        if op in MONOTONIC_OPS and passes:
+            value = _grow(value, self._step((source, key), answers), passes)
+        return self._present(op, gpu, source, value)
+
+    def _pick(self, answers: list, tick: int) -> tuple[dict, int]:
+        """The answer for `tick` and how many full loops lie before it."""
+        n = self._n
+        if tick < n or n == 1:
+            i, passes = min(tick, n - 1), 0
+        else:
+            i, passes = 1 + (tick - 1) % (n - 1), (tick - 1) // (n - 1)
+        # The latest answer at or before i in this pass (tick 0 belongs to the first pass only) ...
+        for k in range(i, 0 if passes else -1, -1):
+            if answers[k] is not None:
+                return answers[k], passes
+        # ... else the last one of the previous pass, else whatever there is.
+        if passes:
+            for k in range(n - 1, 0, -1):
+                if answers[k] is not None:
+                    return answers[k], passes - 1
+        return next(a for a in answers if a is not None), 0
+
+    def _step(self, cache_key: tuple, answers: list) -> Any:
+        """How much a monotonic answer grows over one loop (ticks 1..n-1), at its recorded rate."""
+        with self._lock:
+            if cache_key in self._steps:
+                return self._steps[cache_key]
+        n = self._n
+        points = [(k, answers[k]["value"]) for k in range(1, n)
+                  if answers[k] is not None and "value" in answers[k]]
+        step: Any = None
+        if len(points) >= 2:
+            (k0, v0), (k1, v1) = points[0], points[-1]
+            step = _scale_difference(v0, v1, (n - 1) / (k1 - k0))
+        with self._lock:
+            self._steps[cache_key] = step
+        return step
+
+    def _present(self, op: str, gpu: int | None, source: int | None, value: Any) -> Any:
+        """Make clones look like distinct GPUs and processes."""
+        if gpu is None or source is None:
+            return value
+        clone = gpu // len(self._recorded)
+        if clone and op == "uuid":
+            return "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"{value}/{gpu}"))
+        if clone and op == "pci_bus_id":
+            domain, rest = value.split(":", 1)
+            return f"{int(domain, 16) + clone:0{len(domain)}X}:{rest}"
+        if clone and op == "serial":
+            return f"{value}-{clone}"
+        if self._processes_per_gpu is not None and op in ("compute_processes", "graphics_processes"):
+            by_pid = {p["pid"]: p for p in value}
+            return [{**by_pid[src], "pid": pid} for pid, src in self._clones(gpu, source) if src in by_pid]
+        if self._processes_per_gpu is not None and op == "process_utilization":
+            clones = self._clones(gpu, source)
+            return [{**s, "pid": pid} for s in value for pid, src in clones if src == s["pid"]]
+        return value
+
+    def _clones(self, gpu: int, source: int) -> list[tuple[int, int]]:
+        """(presented pid, recorded pid) for the K processes on GPU `gpu`."""
+        sources = self._process_sources[source]
+        k = self._processes_per_gpu or 0
+        if not sources:
+            return []
+        return [(CLONED_PID_BASE + gpu * k + j, sources[j % len(sources)]) for j in range(k)]
+
+    def _source_pid(self, pid: int) -> int:
+        k = self._processes_per_gpu
+        if not k or pid < CLONED_PID_BASE or pid >= CLONED_PID_BASE + self.gpu_count * k:
+            return pid
+        gpu, j = divmod(pid - CLONED_PID_BASE, k)
+        sources = self._process_sources[gpu % len(self._recorded)]
+        return sources[j % len(sources)] if sources else pid
+
+    @staticmethod
+    def _recorded_pids(calls: dict[str, list]) -> list[int]:
+        pids = {p["pid"] for op in ("compute_processes", "graphics_processes")
+                for answer in calls.get(op, []) if answer and "value" in answer for p in answer["value"]}
+        return sorted(pids)
+
+    def _wait_event(self, timeout_ms: int) -> dict:
+        with self._event_arrived:
+            if not self._events:
+                self._event_arrived.wait(min(timeout_ms / 1000, self._event_wait_s))
+            if self._events:
+                return self._events.popleft()
+        raise NvmlError("NVML_ERROR_TIMEOUT", "events_wait")
+
+
+def _scale_difference(v0: Any, v1: Any, scale: float) -> Any:
+    if isinstance(v0, dict):
+        return {f: _scale_difference(v0[f], v1[f], scale) for f in v0 if _is_number(v0[f]) and f in v1}
+    diff = max(0, v1 - v0) * scale
+    return round(diff) if isinstance(v0, int) and isinstance(v1, int) else diff
+
+
+def _grow(value: Any, step: Any, passes: int) -> Any:
+    if step is None:
+        return value
+    if isinstance(value, dict):
+        return {f: v + passes * step[f] if f in step and _is_number(v) else v for f, v in value.items()}
+    return value + passes * step if _is_number(value) else value
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

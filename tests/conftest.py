@@ -1,0 +1,90 @@
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = ROOT / "tests" / "fixtures" / "nvml-h200.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> bytes:
+    end = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return r.read()
+        except Exception as e:  # not up yet
+            last = e
+            time.sleep(0.1)
+    raise AssertionError(f"{url} did not answer within {timeout} s: {last}")
+
+
+class Agent:
+    """`gpuwatch agent` as a real subprocess, with its own state and runtime dirs."""
+
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None):
+        self.port = free_port()
+        self.state = tmp / "state"
+        self.runtime = tmp / "run"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.log = tmp / "agent.log"
+        cmd = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "",
+               "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
+               "--runtime-dir", str(self.runtime), *args]
+        e = dict(os.environ, **(env or {}))
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=e)
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
+        self.socket = self.runtime / "control.sock"
+
+    def metrics(self, timeout: float = 20.0) -> str:
+        return wait_http(self.url, timeout, self.proc).decode()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def agent_factory(tmp_path):
+    agents: list[Agent] = []
+
+    def make(*args, env=None):
+        a = Agent(tmp_path / f"a{len(agents)}", *args, env=env)
+        agents.append(a)
+        return a
+
+    yield make
+    for a in agents:
+        a.stop()
+
+
+def need_binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        # CI installs Debian's prometheus package (scripts/setup --test); a missing binary is a setup bug.
+        pytest.fail(f"{name} not found on PATH: run `scripts/setup --test` (installs Debian's prometheus package)")
+    return path

@@ -1,0 +1,302 @@
+"""The control socket, over a real Unix socket: protocol, misbehaving clients, permissions, restarts."""
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gpuwatch.agent.control import ControlError, ControlServer, PeerCred, call, process_uids
+
+
+def status(params, peer):
+    return {"up": True, "echo": params, "peer": {"pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
+                                                  "root": peer.is_root}}
+
+
+def boom(params, peer):
+    raise RuntimeError("NVML exploded")
+
+
+def refuse(params, peer):
+    raise ControlError("pid 1 is not yours to trace")
+
+
+def not_json(params, peer):
+    return {"x": object()}
+
+
+@pytest.fixture
+def sock_path(tmp_path):
+    return str(tmp_path / "run" / "control.sock")
+
+
+@pytest.fixture
+def server(sock_path):
+    srv = ControlServer(sock_path, {"status": status, "boom": boom, "refuse": refuse, "bad": not_json},
+                        timeout=0.5, max_clients=4)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def raw(path, payload: bytes, shut=False, timeout=3.0) -> list[dict]:
+    """Send bytes, read reply lines until the server closes or stops talking."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(path)
+    try:
+        s.sendall(payload)
+    except BrokenPipeError:
+        pass
+    if shut:
+        s.shutdown(socket.SHUT_WR)
+    buf = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+            if shut is False and buf.endswith(b"\n"):
+                break
+    except (socket.timeout, ConnectionResetError):
+        pass
+    s.close()
+    return [json.loads(line) for line in buf.splitlines() if line.strip()]
+
+
+def test_status_round_trip_with_peer_credentials(server, sock_path):
+    r = call(sock_path, "status", {"verbose": True})
+    assert r["up"] is True and r["echo"] == {"verbose": True}
+    assert r["peer"] == {"pid": os.getpid(), "uid": os.getuid(), "gid": os.getgid(), "root": os.getuid() == 0}
+
+
+def test_several_requests_on_one_connection(server, sock_path):
+    replies = raw(sock_path, b'{"method":"status"}\n{"method":"status","params":{"a":1}}\n', shut=True)
+    assert [r["ok"] for r in replies] == [True, True]
+    assert replies[1]["result"]["echo"] == {"a": 1}
+
+
+def test_last_request_without_newline_before_half_close(server, sock_path):
+    assert raw(sock_path, b'{"method":"status"}', shut=True)[0]["ok"] is True
+
+
+@pytest.mark.parametrize("payload, error", [
+    (b"{not json\n", "malformed request: not JSON"),
+    (b"[1, 2]\n", "malformed request: expected a JSON object"),
+    (b'{"method": "status", "params": [1]}\n', "params must be a JSON object"),
+    (b'{"method": "nope"}\n', "unknown method 'nope'; known methods: bad, boom, refuse, status"),
+    (b'{"params": {}}\n', "unknown method None"),
+    (b'\xff\xfe\n', "malformed request: not JSON"),
+])
+def test_bad_requests_get_an_error_reply(server, sock_path, payload, error):
+    (reply,) = raw(sock_path, payload)
+    assert reply["ok"] is False and error in reply["error"]
+    assert call(sock_path, "status")["up"]  # and the server is fine
+
+
+def test_handler_exception_is_an_error_reply(server, sock_path):
+    with pytest.raises(ControlError, match="boom failed in the agent: RuntimeError: NVML exploded"):
+        call(sock_path, "boom")
+    with pytest.raises(ControlError, match="^pid 1 is not yours to trace$"):
+        call(sock_path, "refuse")
+    with pytest.raises(ControlError, match="result is not JSON"):
+        call(sock_path, "bad")
+    assert call(sock_path, "status")["up"]
+
+
+def test_huge_request(server, sock_path):
+    (reply,) = raw(sock_path, b'{"method": "status", "params": {"x": "' + b"a" * 200_000 + b'"}}\n')
+    assert reply == {"ok": False, "error": "request too large (over 65536 bytes)"}
+    with pytest.raises(ControlError, match="request too large"):
+        call(sock_path, "status", {"x": "a" * 70_000})
+    assert call(sock_path, "status")["up"]
+
+
+def test_client_disconnecting_mid_request(server, sock_path):
+    for _ in range(10):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        s.sendall(b'{"method": "sta')
+        s.close()
+    assert call(sock_path, "status")["up"]
+
+
+def test_slow_client_times_out(server, sock_path):
+    t0 = time.monotonic()
+    (reply,) = raw(sock_path, b'{"method": "sta')  # never finishes its request
+    assert time.monotonic() - t0 < 2.0
+    assert reply == {"ok": False, "error": "no complete request within 0.5 s"}
+    (reply,) = raw(sock_path, b"")  # never sends anything
+    assert reply["ok"] is False
+
+
+def test_concurrent_clients(sock_path):
+    srv = ControlServer(sock_path, {"status": status})
+    srv.start()
+    results, errors = [], []
+
+    def client():
+        for _ in range(10):
+            try:
+                results.append(call(sock_path, "status")["up"])
+            except Exception as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+    threads = [threading.Thread(target=client) for _ in range(12)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        srv.stop()
+    assert errors == [] and results == [True] * 120
+
+
+def test_clients_over_the_limit_are_told_the_agent_is_busy(sock_path):
+    server = ControlServer(sock_path, {"status": status}, timeout=3.0, max_clients=4)
+    server.start()
+    idle = []
+    try:
+        for _ in range(4):  # hold every slot with a client that sends nothing
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(sock_path)
+            idle.append(s)
+        with pytest.raises(ControlError, match="busy with 4 control clients"):
+            call(sock_path, "status")
+        for s in idle:
+            s.close()
+        assert call(sock_path, "status")["up"]
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def test_socket_and_directory_permissions(server, sock_path):
+    st = os.stat(sock_path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    assert stat.S_IMODE(os.stat(os.path.dirname(sock_path)).st_mode) == 0o750
+    assert [n for n in os.listdir(os.path.dirname(sock_path))] == ["control.sock"]  # no temp left
+
+
+def test_socket_group(tmp_path):
+    # Root may give the socket to any group; others only to a group they are in.
+    gid = 65534 if os.geteuid() == 0 else (os.getgroups() or [os.getgid()])[-1]
+    path = str(tmp_path / "g" / "c.sock")
+    srv = ControlServer(path, {"status": status}, group=str(gid), timeout=0.5)
+    srv.start()
+    try:
+        assert os.stat(path).st_gid == gid
+        assert os.stat(os.path.dirname(path)).st_gid == gid
+    finally:
+        srv.stop()
+    with pytest.raises(ControlError, match="no such group 'no-such-group-gw'"):
+        ControlServer(path, {}, group="no-such-group-gw").start()
+
+
+def test_stop_removes_the_socket_and_is_idempotent(server, sock_path):
+    server.stop()
+    assert not os.path.exists(sock_path)
+    server.stop()
+    with pytest.raises(ControlError, match="no gpuwatch agent is listening on"):
+        call(sock_path, "status")
+
+
+def test_stale_socket_is_replaced(sock_path):
+    os.makedirs(os.path.dirname(sock_path))
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(sock_path)  # what a killed agent leaves behind: a socket file nobody listens on
+    dead.close()
+    with pytest.raises(ControlError, match="no gpuwatch agent is listening on"):
+        call(sock_path, "status")
+    srv = ControlServer(sock_path, {"status": status})
+    srv.start()
+    try:
+        assert call(sock_path, "status")["up"]
+    finally:
+        srv.stop()
+
+
+def test_second_server_on_a_live_socket_is_refused(server, sock_path):
+    with pytest.raises(ControlError, match="another gpuwatch agent is already listening on"):
+        ControlServer(sock_path, {"status": status}).start()
+    assert call(sock_path, "status")["up"]  # the first one is untouched
+
+
+def test_a_regular_file_in_the_way_is_not_deleted(tmp_path):
+    path = tmp_path / "control.sock"
+    path.write_text("precious")
+    with pytest.raises(ControlError, match="exists and is not a socket"):
+        ControlServer(str(path), {}).start()
+    assert path.read_text() == "precious"
+
+
+def test_client_messages(tmp_path):
+    missing = str(tmp_path / "none.sock")
+    with pytest.raises(ControlError) as e:
+        call(missing, "status")
+    assert str(e.value) == (f"no gpuwatch agent is listening on {missing} "
+                            "(is `gpuwatch agent` / the gpuwatch service running?)")
+
+
+_NOBODY_CALL = """
+import sys
+from gpuwatch.agent.control import ControlError, call
+try:
+    print(call(sys.argv[1], "status")["peer"])
+except ControlError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a client as another user")
+@pytest.mark.parametrize("group", [None, "65534"])
+def test_access_for_other_users_is_the_socket_group(group):
+    import tempfile
+    base = tempfile.mkdtemp(prefix="gpuwatch-ctl-")
+    os.chmod(base, 0o755)
+    path = os.path.join(base, "c.sock")
+    srv = ControlServer(path, {"status": status}, group=group)
+    srv.start()
+    try:
+        out = subprocess.run([sys.executable, "-c", _NOBODY_CALL, path], capture_output=True, text=True,
+                             timeout=30, cwd="/", user=65534, group=65534, extra_groups=[])
+        if group is None:
+            assert out.stdout.strip() == (f"permission denied on {path}: run as root or as a member "
+                                          "of the socket's group"), out.stderr
+        else:  # a member of the socket's group gets in, and is seen as who it is
+            assert "'uid': 65534, 'gid': 65534, 'root': False" in out.stdout, out.stdout + out.stderr
+    finally:
+        srv.stop()
+        os.rmdir(base)
+
+
+def test_agent_that_never_answers(tmp_path):
+    path = str(tmp_path / "mute.sock")
+    mute = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    mute.bind(path)
+    mute.listen(1)
+    try:
+        with pytest.raises(ControlError, match="did not answer 'status' within 0.2 s"):
+            call(path, "status", timeout=0.2)
+    finally:
+        mute.close()
+
+
+def test_peer_owns_only_its_own_processes():
+    me = PeerCred(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+    assert process_uids(os.getpid()) == (os.getuid(), os.geteuid(), os.getuid())
+    assert me.owns(os.getpid())
+    other = PeerCred(pid=1, uid=65534, gid=65534)
+    assert not other.is_root
+    assert not other.owns(os.getpid()) or os.getuid() == 65534
+    assert not other.owns(2**22 + 12345)  # no such process
+    assert PeerCred(pid=1, uid=0, gid=0).owns(1)
+    assert process_uids(2**22 + 12345) is None
