@@ -100,10 +100,9 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
 
 
 def _print_gpus(rows: list[dict]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = _console()
     if not rows:
         console.print("No GPUs found.")
         return
@@ -127,6 +126,13 @@ def _print_gpus(rows: list[dict]) -> None:
         console.print(procs)
     else:
         console.print("\nNo processes on the GPUs.")
+
+
+def _console():
+    from rich.console import Console
+
+    # Piped output (scripts, logs) gets full UUIDs instead of rich's 80-column truncation.
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _fmt(v: Any, pattern: str) -> str:
@@ -182,10 +188,9 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
 
 
 def _print_status(st: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = _console()
     console.print(f"gpuwatch {st['version']}  pid {st['pid']}  up {st['uptime_seconds']:.0f} s  "
                   f"snapshot age {st.get('snapshot_age_seconds')} s")
     for name, info in st.get("exporters", {}).items():

@@ -32,7 +32,8 @@ def nvml_backend_factory(cfg: Config):
         from gpuwatch.probes.nvml.replay import ReplayBackend
 
         return functools.partial(ReplayBackend, cfg.nvml.replay, gpus=cfg.nvml.replay_gpus or None,
-                                 processes_per_gpu=cfg.nvml.replay_processes_per_gpu or None)
+                                 processes_per_gpu=cfg.nvml.replay_processes_per_gpu or None,
+                                 event_wait_s=1.0)  # wait for XIDs as long as the real library does
     from gpuwatch.probes.nvml.backend import RealBackend
 
     return RealBackend
@@ -84,6 +85,8 @@ class Daemon:
                 gpus.setdefault(s.resource, {})["up"] = bool(s.value)
             elif s.metric == "hw.temperature" and s.labels.get("sensor") == "gpu":
                 gpus.setdefault(s.resource, {})["temperature_celsius"] = s.value
+            elif s.metric == "hw.gpu.utilization" and s.labels.get("task") == "general":
+                gpus.setdefault(s.resource, {})["utilization"] = s.value
             elif s.metric == "hw.power":
                 gpus.setdefault(s.resource, {})["power_watts"] = s.value
             elif s.metric == "hw.gpu.memory.usage":
@@ -126,13 +129,17 @@ class Daemon:
         else:
             log.info("config reloaded: no changes")
 
+    def _stop(self) -> None:
+        self.stop_event.set()
+        self.runner.stop()  # wakes the runner loop now rather than at its next due probe
+
     def run(self) -> int:
         for exp in self.exporters:
             exp.start()
         self.control.start()
         self.store.record_run(__version__)
-        signal.signal(signal.SIGTERM, lambda *_: self.stop_event.set())
-        signal.signal(signal.SIGINT, lambda *_: self.stop_event.set())
+        signal.signal(signal.SIGTERM, lambda *_: self._stop())
+        signal.signal(signal.SIGINT, lambda *_: self._stop())
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, daemon=True).start())
         watchdog = sdnotify.Watchdog()
         self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY

@@ -19,10 +19,13 @@ class History:
         self._series: dict[tuple, deque[tuple[float, float]]] = {}
         self._lock = threading.Lock()
 
-    def append(self, samples: Iterable[Sample]) -> None:
+    def append(self, samples: Iterable[Sample], newer_than: float = float("-inf")) -> None:
+        """Add points; samples with ts <= newer_than are skipped (a probe's re-emitted slow values)."""
         with self._lock:
             series = self._series
             for s in samples:
+                if s.ts <= newer_than:
+                    continue
                 key = s.series_key()
                 buf = series.get(key)
                 if buf is None:

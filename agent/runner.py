@@ -31,8 +31,9 @@ BACKOFF_MAX = 300.0
 class _ProbeSlot:
     """Runner-side state of one probe and its worker thread."""
 
-    def __init__(self, probe: Probe, clock: Callable[[], float]) -> None:
+    def __init__(self, probe: Probe, clock: Callable[[], float], wake: threading.Event) -> None:
         self.probe = probe
+        self.wake = wake  # shared with the runner: set when any collection finishes
         self.clock = clock
         self.started = False
         self.next_due = 0.0  # monotonic
@@ -41,6 +42,7 @@ class _ProbeSlot:
         self.late_reported = False
         self.samples: tuple[Sample, ...] = ()
         self.samples_mono = 0.0
+        self.appended_until = float("-inf")  # newest sample time already in history
         self.status = ProbeStatus(name=probe.name, up=False, reason="not started yet",
                                   interval=probe.interval)
         self.go = threading.Event()
@@ -69,6 +71,7 @@ class _ProbeSlot:
                 log.exception("probe %s failed", self.probe.name)
                 self.result = ("error", f"{type(e).__name__}: {e}", [], time.perf_counter() - t0)
             self.done.set()
+            self.wake.set()
 
 
 class Runner:
@@ -88,7 +91,8 @@ class Runner:
             raise ValueError(f"probe names must be unique: {names}")
         self.clock = clock
         self.wallclock = wallclock
-        self.slots = [_ProbeSlot(p, clock) for p in probes]
+        self._wake = threading.Event()
+        self.slots = [_ProbeSlot(p, clock, self._wake) for p in probes]
         self.detectors = list(detectors)
         self.exporters = list(exporters)
         self.history = history or History()
@@ -108,18 +112,37 @@ class Runner:
             self._threads_started = True
 
     def run(self, stop: threading.Event | None = None, heartbeat: Callable[[], None] | None = None,
-            resolution: float = 0.05) -> None:
-        """Run until `stop` is set. `heartbeat` is called every loop (systemd watchdog)."""
+            max_sleep: float = 1.0) -> None:
+        """Run until `stop` is set. `heartbeat` is called every loop (systemd watchdog).
+
+        The loop sleeps until the next probe is due, a deadline passes or a collection
+        finishes, so an idle agent costs next to no CPU.
+        """
         stop = stop or self._stop
         self._start_threads()
+        wake = self._wake
         while not stop.is_set():
+            wake.clear()
             self.step()
             if heartbeat is not None:
                 heartbeat()
-            stop.wait(resolution)
+            wake.wait(self._sleep_time(max_sleep))
+            if stop.is_set():
+                break
+
+    def _sleep_time(self, max_sleep: float) -> float:
+        now = self.clock()
+        until = max_sleep
+        for slot in self.slots:
+            if slot.busy_since is None:
+                until = min(until, slot.next_due - now)
+            elif not slot.late_reported:
+                until = min(until, slot.busy_since + slot.probe.deadline - now)
+        return max(until, 0.001)
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
     def shutdown(self, timeout: float = 2.0) -> None:
         """Stop workers and shut probes down; a probe stuck in a call is left behind, not waited on."""
@@ -200,7 +223,10 @@ class Runner:
                 log.info("probe %s is up", slot.probe.name)
             slot.status = _replace(st, up=True, state="up", reason="", last_duration=duration,
                                    last_success=wall)
-            self.history.append(payload)
+            # Probes re-emit slow and static values between reads; history only needs each point once.
+            self.history.append(payload, newer_than=slot.appended_until)
+            if payload:
+                slot.appended_until = max(slot.appended_until, max(s.ts for s in payload))
             for ev in events:
                 self._add_event(ev)
         else:

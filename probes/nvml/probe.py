@@ -252,10 +252,6 @@ class NvmlProbe(Probe):
         if reasons is not None:
             for reason, bit in CLOCK_EVENT_REASONS:
                 out.add("gpuwatch.gpu.clock_event.active", 1 if reasons & bit else 0, reason=reason)
-        for reason in VIOLATION_POLICIES:
-            violation = self._ask(i, "violation_status", reason)
-            if violation is not None:
-                out.add("gpuwatch.gpu.clock_event.duration", violation["violation_time"], NANO, reason=reason)
         out.add("hw.power", self._ask(i, "power_usage"), MILLI)
         out.add("gpuwatch.gpu.power.limit", self._ask(i, "enforced_power_limit"), MILLI, limit="enforced")
         utilization = self._ask(i, "utilization")
@@ -267,23 +263,8 @@ class NvmlProbe(Probe):
             if codec is not None:
                 out.add("hw.gpu.utilization", codec["util"], PERCENT, task=task)
         self._read_memory(gpu, out)
-        bar1 = self._ask(i, "bar1_memory")
-        if bar1 is not None:
-            out.add("gpuwatch.gpu.bar1_memory.usage", bar1["used"])
         self._read_processes(gpu, out)
-        out.add("gpuwatch.gpu.pcie.link.generation", self._ask(i, "pcie_link_generation", "current"), state="current")
-        out.add("gpuwatch.gpu.pcie.link.width", self._ask(i, "pcie_link_width", "current"), state="current")
-        out.add("gpuwatch.gpu.pcie.replays", self._ask(i, "pcie_replay_counter"))
         self._read_nvlink(gpu, out)
-        for kind in ECC_TYPES:
-            for counter in ECC_COUNTERS:
-                out.add("hw.errors", self._ask(i, "ecc_errors", kind, counter), type=kind, counter=counter)
-        rows = self._ask(i, "remapped_rows")
-        if rows is not None:
-            out.add("gpuwatch.gpu.remapped_rows", rows["corrected"], cause="correctable")
-            out.add("gpuwatch.gpu.remapped_rows", rows["uncorrected"], cause="uncorrectable")
-            out.add("gpuwatch.gpu.remapped_rows.pending", rows["pending"])
-            out.add("gpuwatch.gpu.remapped_rows.failure", rows["failure"])
         pstate = self._ask(i, "performance_state")
         if pstate is not None and pstate != PSTATE_UNKNOWN:
             out.add("gpuwatch.gpu.performance_state", pstate)
@@ -347,6 +328,27 @@ class NvmlProbe(Probe):
         for direction, label in DIRECTIONS:
             out.add("gpuwatch.gpu.pcie.throughput", self._ask(i, "pcie_throughput", direction), KIB, direction=label)
         out.add("hw.energy", self._ask(i, "total_energy"), MILLI)
+        # Cumulative counters and slowly changing state: 10 s resolution is plenty, and it keeps
+        # the per-second tick to the calls whose values move every second.
+        for reason in VIOLATION_POLICIES:
+            violation = self._ask(i, "violation_status", reason)
+            if violation is not None:
+                out.add("gpuwatch.gpu.clock_event.duration", violation["violation_time"], NANO, reason=reason)
+        for kind in ECC_TYPES:
+            for counter in ECC_COUNTERS:
+                out.add("hw.errors", self._ask(i, "ecc_errors", kind, counter), type=kind, counter=counter)
+        rows = self._ask(i, "remapped_rows")
+        if rows is not None:
+            out.add("gpuwatch.gpu.remapped_rows", rows["corrected"], cause="correctable")
+            out.add("gpuwatch.gpu.remapped_rows", rows["uncorrected"], cause="uncorrectable")
+            out.add("gpuwatch.gpu.remapped_rows.pending", rows["pending"])
+            out.add("gpuwatch.gpu.remapped_rows.failure", rows["failure"])
+        out.add("gpuwatch.gpu.pcie.link.generation", self._ask(i, "pcie_link_generation", "current"), state="current")
+        out.add("gpuwatch.gpu.pcie.link.width", self._ask(i, "pcie_link_width", "current"), state="current")
+        out.add("gpuwatch.gpu.pcie.replays", self._ask(i, "pcie_replay_counter"))
+        bar1 = self._ask(i, "bar1_memory")
+        if bar1 is not None:
+            out.add("gpuwatch.gpu.bar1_memory.usage", bar1["used"])
         self._read_process_utilization(gpu, out)
         mig = self._ask(i, "mig_mode")
         if mig is not None:

@@ -70,16 +70,38 @@ class RecordingBackend(Backend):
         self._ticks = _TickCounter()
         self._system: dict[str, dict[int, dict]] = {}
         self._gpus: dict[int, dict[str, dict[int, dict]]] = {}
+        self._timings: dict[str, list[tuple[float, float]]] = {}
 
     def call(self, op: str, gpu: int | None = None, *args: Any) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
         try:
             value = self._inner.call(op, gpu, *args)
         except NvmlError as e:
+            self._time(op, wall, cpu)
             self._keep(op, gpu, args, {"error": e.name})
             raise
+        self._time(op, wall, cpu)
         # A JSON round trip checks the answer is recordable and freezes it against later mutation.
         self._keep(op, gpu, args, {"value": json.loads(json.dumps(value))})
         return value
+
+    def _time(self, op: str, wall0: float, cpu0: float) -> None:
+        # What each call costs on this GPU and driver: wall time, and the CPU time of this thread
+        # (a call that waits, such as PCIe throughput's 20 ms sample, costs wall but little CPU).
+        wall, cpu = time.perf_counter() - wall0, time.thread_time() - cpu0
+        with self._lock:
+            self._timings.setdefault(op, []).append((wall, cpu))
+
+    def latency(self) -> dict[str, dict]:
+        """Per op: calls, median and max wall time, median CPU time, in microseconds."""
+        with self._lock:
+            timings = {op: list(v) for op, v in self._timings.items()}
+        out = {}
+        for op, v in sorted(timings.items()):
+            walls, cpus = sorted(w for w, _ in v), sorted(c for _, c in v)
+            out[op] = {"calls": len(v), "wall_us_median": round(walls[len(v) // 2] * 1e6, 1),
+                       "wall_us_max": round(walls[-1] * 1e6, 1), "cpu_us_median": round(cpus[len(v) // 2] * 1e6, 1)}
+        return out
 
     def _keep(self, op: str, gpu: int | None, args: tuple, answer: dict) -> None:
         with self._lock:
@@ -147,11 +169,13 @@ def record(out_path: str | Path, ticks: int = 5, interval: float = 1.0,
     host = socket.gethostname()
     recording = recorder.recording(
         recorded_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        host=host, **versions, interval=interval)
+        host=host, **versions, interval=interval, latency_us=recorder.latency())
     write_recording(out_path, recording)
+    costly = sorted(recording["latency_us"].items(), key=lambda kv: -kv[1]["cpu_us_median"])[:8]
     return {"out": str(out_path), "host": host, **versions, "ticks": recording["ticks"],
             "gpus": len(recording["gpus"]),
-            "calls": len(recording["system"]) + sum(len(calls) for calls in recording["gpus"])}
+            "calls": len(recording["system"]) + sum(len(calls) for calls in recording["gpus"]),
+            "most_cpu_us": {op: t["cpu_us_median"] for op, t in costly}}
 
 
 def _answer_or_none(backend: Backend, op: str) -> Any:
@@ -264,7 +288,9 @@ class ReplayBackend(Backend):
         answer, passes = self._pick(answers, tick)
         if "error" in answer:
             raise NvmlError(answer["error"], op, gpu)
-        value = copy.deepcopy(answer["value"])
+        value = answer["value"]
+        if isinstance(value, (dict, list)):
+            value = copy.deepcopy(value)  # the caller may keep or change it; the recording must not change
         if op in MONOTONIC_OPS and passes:
             value = _grow(value, self._step((source, key), answers), passes)
         return self._present(op, gpu, source, value)

@@ -68,14 +68,15 @@ def test_unknown_on_a_healthy_gpu_is_counted_not_lost():
 
 def test_not_supported_gives_no_sample_and_is_not_asked_again():
     backend = ReplayBackend(FIXTURE, inject=[
-        Fault(op="pcie_replay_counter", gpu=0, error="NVML_ERROR_NOT_SUPPORTED", from_tick=1)])
+        Fault(op="memory_temperature", gpu=0, error="NVML_ERROR_NOT_SUPPORTED", from_tick=1)])
     probe = NvmlProbe(lambda: backend, xid_events=False)
     probe.start()
     ticks = [probe.collect() for _ in range(4)]
     probe.shutdown()
-    assert pick(ticks[0], "gpuwatch.gpu.pcie.replays")
-    assert not any(pick(samples, "gpuwatch.gpu.pcie.replays") for samples in ticks[1:])
-    assert backend.asked[("pcie_replay_counter", 0)] == 2
+    assert pick(ticks[0], "hw.temperature", sensor="memory")
+    assert not any(pick(samples, "hw.temperature", sensor="memory") for samples in ticks[1:])
+    assert pick(ticks[-1], "hw.temperature", sensor="gpu")
+    assert backend.asked[("memory_temperature", 0)] == 2
     assert not pick(ticks[-1], "gpuwatch.nvml.call.errors")
 
 
@@ -122,7 +123,7 @@ def test_a_hung_nvml_call_makes_the_probe_late_while_others_tick():
     ticker = Ticker()
     runner = Runner([nvml, ticker])
     stop = threading.Event()
-    loop = threading.Thread(target=runner.run, kwargs={"stop": stop, "resolution": 0.005}, daemon=True)
+    loop = threading.Thread(target=runner.run, kwargs={"stop": stop}, daemon=True)
     loop.start()
     try:
         assert wait_for(lambda: runner.snapshot.probes.get("nvml") and runner.snapshot.probes["nvml"].state == "late")

@@ -55,7 +55,7 @@ class FlakyStartProbe(Probe):
 
 def run_for(runner, seconds):
     stop = threading.Event()
-    t = threading.Thread(target=runner.run, kwargs={"stop": stop, "resolution": 0.01})
+    t = threading.Thread(target=runner.run, kwargs={"stop": stop})
     t.start()
     time.sleep(seconds)
     stop.set()
