@@ -330,10 +330,16 @@ class NvmlProbe(Probe):
         out.add("hw.energy", self._ask(i, "total_energy"), MILLI)
         # Cumulative counters and slowly changing state: 10 s resolution is plenty, and it keeps
         # the per-second tick to the calls whose values move every second.
-        for reason in VIOLATION_POLICIES:
-            violation = self._ask(i, "violation_status", reason)
-            if violation is not None:
-                out.add("gpuwatch.gpu.clock_event.duration", violation["violation_time"], NANO, reason=reason)
+        times = self._ask(i, "violation_times")
+        if times is None and ("violation_times", i, ()) in self._unsupported:
+            # Drivers without the field values: one (slower) call per policy.
+            for reason in VIOLATION_POLICIES:
+                violation = self._ask(i, "violation_status", reason)
+                if violation is not None:
+                    times = times or {}
+                    times[reason] = violation["violation_time"]
+        for reason, ns in (times or {}).items():
+            out.add("gpuwatch.gpu.clock_event.duration", ns, NANO, reason=reason)
         for kind in ECC_TYPES:
             for counter in ECC_COUNTERS:
                 out.add("hw.errors", self._ask(i, "ecc_errors", kind, counter), type=kind, counter=counter)

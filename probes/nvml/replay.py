@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gpuwatch.probes.nvml.backend import MONOTONIC_OPS, Backend, NvmlError, RealBackend, call_key
+from gpuwatch.probes.nvml.backend import (
+    MONOTONIC_OPS, VIOLATION_POLICIES, Backend, NvmlError, RealBackend, call_key,
+)
 from gpuwatch.probes.nvml.events import XID_CRITICAL_ERROR
 from gpuwatch.probes.nvml.probe import NvmlProbe
 
@@ -160,6 +162,7 @@ def record(out_path: str | Path, ticks: int = 5, interval: float = 1.0,
         for t in range(ticks):
             began = time.monotonic()
             probe.collect()
+            _record_fallbacks(recorder, len(probe._gpus))
             if progress is not None:
                 progress(t + 1, ticks)
             if t < ticks - 1:
@@ -176,6 +179,16 @@ def record(out_path: str | Path, ticks: int = 5, interval: float = 1.0,
             "gpus": len(recording["gpus"]),
             "calls": len(recording["system"]) + sum(len(calls) for calls in recording["gpus"]),
             "most_cpu_us": {op: t["cpu_us_median"] for op, t in costly}}
+
+
+def _record_fallbacks(recorder: RecordingBackend, gpus: int) -> None:
+    """Also record what the probe asks only on older drivers, so replays can test that path too."""
+    for gpu in range(gpus):
+        for policy in VIOLATION_POLICIES:
+            try:
+                recorder.call("violation_status", gpu, policy)
+            except NvmlError:
+                pass
 
 
 def _answer_or_none(backend: Backend, op: str) -> Any:

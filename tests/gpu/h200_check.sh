@@ -5,13 +5,14 @@
 #   3. run the real agent and keep what it serves
 #   4. benchmark the agent: replaying the new fixture as 8 GPUs x 8 processes, and on real NVML
 #   5. run the NVML unit tests against the new recording
+#   and, first, what single NVML calls cost (bench/nvml_call_cost.py)
 # Usage (repo root, GPU machine, gpuwatch's deps importable by python3): OUT=/tmp/out tests/gpu/h200_check.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpuwatch-h200}
 mkdir -p "$OUT"
 # Results are kept in a work folder; the end copies the main ones and a tarball of all to $OUT.
 RES=$(mktemp -d)
-trap 'cp "$RES"/nvml-h200.json "$RES"/compare.json "$RES"/bench-*.json "$OUT"/ 2>/dev/null; tar -C "$RES" -czf "$OUT/h200-logs.tgz" .' EXIT
+trap 'cp "$RES"/nvml-h200.json "$RES"/compare.json "$RES"/bench-*.json "$RES"/nvml_call_cost.txt "$OUT"/ 2>/dev/null; tar -C "$RES" -czf "$OUT/h200-logs.tgz" .' EXIT
 export PYTHONUNBUFFERED=1
 # Run from the source tree without installing: the gpuwatch namespace over the top-level folders.
 shim=$(mktemp -d)/site; mkdir -p "$shim/gpuwatch"
@@ -28,6 +29,7 @@ load=$!
 for _ in $(seq 60); do grep -q held_bytes "$RES/load.txt" && break; sleep 0.5; done
 cat "$RES/load.txt"; sleep 3
 
+echo "== NVML call cost"; python3 bench/nvml_call_cost.py --repeat 20 > "$RES/nvml_call_cost.txt" 2>&1; cat "$RES/nvml_call_cost.txt"
 echo "== record"; python3 -m gpuwatch.agent.cli debug record-nvml --out "$RES/nvml-h200.json" --ticks 6 --interval 1 2>&1 | tail -3
 echo "== gpus";   python3 -m gpuwatch.agent.cli gpus 2>&1 | tee "$RES/gpus.txt"
 echo "== doctor"; python3 -m gpuwatch.agent.cli doctor --config '' > "$RES/doctor.txt" 2>&1; tail -4 "$RES/doctor.txt"

@@ -181,3 +181,16 @@ def test_xid_thread_can_be_turned_off():
     probe.collect()
     probe.shutdown()
     assert backend.asked[("events_create", None)] == 0
+
+
+def test_violation_counters_fall_back_to_one_call_per_policy():
+    # Drivers without the PERF_POLICY field values answer NOT_SUPPORTED; the probe then asks
+    # nvmlDeviceGetViolationStatus per policy (recorded on the H200 for this path).
+    backend = ReplayBackend(FIXTURE, inject=[Fault(op="violation_times", error="NVML_ERROR_NOT_SUPPORTED")])
+    probe = NvmlProbe(lambda: backend, xid_events=False)
+    probe.start()
+    samples = probe.collect()
+    probe.shutdown()
+    reasons = {s.labels["reason"] for s in samples if s.metric == "gpuwatch.gpu.clock_event.duration"}
+    assert {"power", "thermal"} <= reasons
+    assert backend.asked[("violation_status", 0)] == len(reasons)
