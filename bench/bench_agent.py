@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import socket
 import statistics
@@ -34,8 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a Prometheus 2.x server sends: it prefers OpenMetrics.
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
 def get(url: str) -> bytes:
-    with urllib.request.urlopen(url, timeout=10) as r:
+    req = urllib.request.Request(url, headers={"Accept": PROMETHEUS_ACCEPT})
+    with urllib.request.urlopen(req, timeout=10) as r:
         return r.read()
 
 
@@ -51,7 +58,8 @@ def main() -> int:
     ap.add_argument("--procs-per-gpu", type=int, default=8)
     ap.add_argument("--interval", type=float, default=1.0, help="NVML probe interval, seconds")
     ap.add_argument("--idle-seconds", type=float, default=30.0, help="how long to measure ticks alone")
-    ap.add_argument("--scrapes", type=int, default=300)
+    ap.add_argument("--scrapes", type=int, default=300, help="back-to-back scrapes")
+    ap.add_argument("--cold-scrapes", type=int, default=30, help="scrapes one interval apart (new snapshot each)")
     ap.add_argument("--out", help="write the result as JSON here")
     a = ap.parse_args()
 
@@ -89,16 +97,28 @@ def main() -> int:
         idle_cpu = (c1.user + c1.system) - (c0.user + c0.system)
         ticks = (t1 - t0) / a.interval
         cpu_per_tick = idle_cpu / ticks
-        # Phase 2: scrapes back to back (ticks keep running underneath; their share is subtracted).
-        lat = []
+        # Phase 2: one scrape per new snapshot, as Prometheus does (every scrape renders afresh).
+        cold = []
         c2, t2 = ps.cpu_times(), time.monotonic()
+        rng = random.Random(0)
+        for _ in range(a.cold_scrapes):
+            # At a random phase to the ticks, as a Prometheus server's scrape timer is.
+            time.sleep(a.interval * (0.5 + rng.random()))
+            s = time.perf_counter()
+            get(url)
+            cold.append(time.perf_counter() - s)
+        c3, t3 = ps.cpu_times(), time.monotonic()
+        cold_cpu = (c3.user + c3.system) - (c2.user + c2.system) - cpu_per_tick * (t3 - t2) / a.interval
+        # Phase 3: scrapes back to back (several scrapers, retries); ticks' share is subtracted.
+        lat = []
+        c4, t4 = ps.cpu_times(), time.monotonic()
         size = 0
         for _ in range(a.scrapes):
             s = time.perf_counter()
             size = len(get(url))
             lat.append(time.perf_counter() - s)
-        c3, t3 = ps.cpu_times(), time.monotonic()
-        scrape_cpu = (c3.user + c3.system) - (c2.user + c2.system) - cpu_per_tick * (t3 - t2) / a.interval
+        c5, t5 = ps.cpu_times(), time.monotonic()
+        scrape_cpu = (c5.user + c5.system) - (c4.user + c4.system) - cpu_per_tick * (t5 - t4) / a.interval
         mem = ps.memory_full_info()
         series = sum(1 for line in body.decode().splitlines() if line and not line.startswith("#"))
         result = {
@@ -110,10 +130,15 @@ def main() -> int:
             "gpus_exported": gpus_seen, "series": series, "exposition_bytes": size,
             "interval_s": a.interval, "ticks_measured": round(ticks, 1),
             "cpu_per_tick_ms": round(cpu_per_tick * 1e3, 3),
-            "cpu_per_scrape_ms": round(max(scrape_cpu, 0.0) / a.scrapes * 1e3, 3),
-            "scrape_p50_ms": round(statistics.median(lat) * 1e3, 3),
-            "scrape_p99_ms": round(pct(lat, 99) * 1e3, 3),
-            "scrape_max_ms": round(max(lat) * 1e3, 3),
+            "new_snapshot_scrapes": len(cold),
+            "new_snapshot_cpu_per_scrape_ms": round(max(cold_cpu, 0.0) / len(cold) * 1e3, 3),
+            "new_snapshot_scrape_p50_ms": round(statistics.median(cold) * 1e3, 3),
+            "new_snapshot_scrape_p99_ms": round(pct(cold, 99) * 1e3, 3),
+            "new_snapshot_scrape_max_ms": round(max(cold) * 1e3, 3),
+            "back_to_back_scrapes": len(lat),
+            "back_to_back_cpu_per_scrape_ms": round(max(scrape_cpu, 0.0) / a.scrapes * 1e3, 3),
+            "back_to_back_scrape_p50_ms": round(statistics.median(lat) * 1e3, 3),
+            "back_to_back_scrape_p99_ms": round(pct(lat, 99) * 1e3, 3),
             "rss_mib": round(mem.rss / 2**20, 1), "uss_mib": round(mem.uss / 2**20, 1),
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
         }

@@ -83,7 +83,7 @@ def test_units_are_base_units():
         raw.call("pcie_throughput", 0, "rx") * 1024)
     assert one(samples, "hw.gpu.utilization", task="general") == pytest.approx(raw.call("utilization", 0)["gpu"] / 100)
     assert one(samples, "gpuwatch.gpu.clock_event.duration", reason="power") == pytest.approx(
-        raw.call("violation_status", 0, "power")["violation_time"] / 1e9)
+        raw.call("violation_times", 0)["power"] / 1e9)
     assert one(samples, "hw.temperature", sensor="gpu") == raw.call("temperature", 0)
 
 
