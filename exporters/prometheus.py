@@ -6,13 +6,13 @@ Names, types, units and label names all come from the metric registry.
 
 The exposition is rendered here, straight from the snapshot's samples, in the two
 formats Prometheus asks for (OpenMetrics 1.0, which Prometheus prefers, and text
-0.0.4). prometheus_client renders the same output from its metric families, but
-for 8 GPUs x 8 processes (~700 series) that took 6.6 ms (text) and 11.9 ms
-(OpenMetrics) of CPU per new snapshot on the CI machine, most of it per-sample
-label-name validation; this renderer does both in about 1 ms. Its output is checked
-against prometheus_client's parsers and rendering in tests/unit/test_prometheus_exporter.py.
-Each snapshot is rendered at most once per format: HA Prometheus pairs and retries
-get cached bytes.
+0.0.4). prometheus_client renders the same output from its metric families, but most
+of its time goes to per-sample label-name validation: for 742 samples (8 GPUs x 8
+processes) it took 4.8 ms (text) and 8.1 ms (OpenMetrics) of CPU per new snapshot on
+the H200 machine, this renderer 0.95 and 0.85 ms (bench/bench_render.py, 2026-11-30).
+Tests check its output against prometheus_client's rendering and parsers
+(tests/unit/test_prometheus_exporter.py). Each snapshot is rendered at most once per
+format: HA Prometheus pairs and retries get cached bytes.
 """
 from __future__ import annotations
 
@@ -123,6 +123,42 @@ def render(snapshot: Snapshot, openmetrics: bool) -> bytes:
     if skipped:
         log.debug("samples not exported (not in the registry or wrong labels): %s", sorted(skipped))
     return "".join(out).encode("utf-8")
+
+
+def reference_registry(snapshot: Snapshot):
+    """The snapshot as prometheus_client metric families, for the library to render.
+
+    Not used to serve: it is the reference that tests compare render() with, and that
+    bench/bench_render.py measures it against.
+    """
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+    fams: dict = {}
+    for s in snapshot.samples:
+        m = registry.REGISTRY[s.metric]
+        values = dict(s.labels, **({"gpu": s.resource} if m.per_gpu else {}))
+        values = {k: str(values[k]) for k in m.labels}
+        if m.name not in fams:
+            unit = registry._UNIT_SUFFIX[m.unit]
+            if m.kind is registry.Kind.INFO:
+                fams[m.name] = InfoMetricFamily(m.prom_name[: -len("_info")], m.help)
+            elif m.kind is registry.Kind.COUNTER:
+                fams[m.name] = CounterMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
+            else:
+                fams[m.name] = GaugeMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
+        if m.kind is registry.Kind.INFO:
+            fams[m.name].add_metric([], values)
+        else:
+            fams[m.name].add_metric([values[k] for k in m.labels], s.value)
+
+    class _Collector:
+        def collect(self):
+            return list(fams.values())
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Collector())
+    return reg
 
 
 class _MetricsApp:

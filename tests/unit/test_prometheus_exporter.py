@@ -13,17 +13,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
-from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.snapshot import Snapshot
-from gpuwatch.exporters.prometheus import PrometheusExporter, render
+from gpuwatch.exporters.prometheus import PrometheusExporter, reference_registry, render
 from gpuwatch.probes.nvml.probe import NvmlProbe
 from gpuwatch.probes.nvml.replay import ReplayBackend
 
@@ -55,37 +53,6 @@ def series(families):
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
 
 
-def reference_families(snapshot):
-    """The snapshot as prometheus_client metric families (the library's own model)."""
-    fams = {}
-    for s in snapshot.samples:
-        m = registry.REGISTRY[s.metric]
-        values = dict(s.labels)
-        if m.per_gpu:
-            values["gpu"] = s.resource
-        values = {k: str(values[k]) for k in m.labels}
-        if m.name not in fams:
-            unit = registry._UNIT_SUFFIX[m.unit]
-            if m.kind is registry.Kind.INFO:
-                fams[m.name] = InfoMetricFamily(m.prom_name[: -len("_info")], m.help)
-            elif m.kind is registry.Kind.COUNTER:
-                fams[m.name] = CounterMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
-            else:
-                fams[m.name] = GaugeMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
-        if m.kind is registry.Kind.INFO:
-            fams[m.name].add_metric([], values)
-        else:
-            fams[m.name].add_metric([values[k] for k in m.labels], s.value)
-
-    class Collector:
-        def collect(self):
-            return list(fams.values())
-
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(Collector())
-    return reg
-
-
 @functools.lru_cache(maxsize=1)
 def replay_snapshot():
     """8 GPUs x 8 processes replayed from the H200 recording, plus the agent's own series."""
@@ -100,7 +67,7 @@ def replay_snapshot():
 def test_text_format_matches_prometheus_client():
     snapshot = replay_snapshot()
     ours = render(snapshot, openmetrics=False).decode()
-    ref = generate_latest(reference_families(snapshot)).decode()
+    ref = generate_latest(reference_registry(snapshot)).decode()
     assert len(series(parse_text(ours))) > 600
     assert series(parse_text(ours)) == series(parse_text(ref))
     # Same metadata too: HELP and TYPE lines.
@@ -111,7 +78,7 @@ def test_text_format_matches_prometheus_client():
 def test_openmetrics_matches_prometheus_client():
     snapshot = replay_snapshot()
     ours = render(snapshot, openmetrics=True).decode()
-    ref = generate_openmetrics(reference_families(snapshot)).decode()
+    ref = generate_openmetrics(reference_registry(snapshot)).decode()
     assert ours.endswith("# EOF\n")
     ours_fams = {f.name: (f.type, f.unit, f.documentation) for f in parse_openmetrics(ours)}
     ref_fams = {f.name: (f.type, f.unit, f.documentation) for f in parse_openmetrics(ref)}
