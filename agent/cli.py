@@ -6,6 +6,7 @@ precedence is flag > environment > file > default.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -57,18 +58,16 @@ def main() -> None:
 @_setting_options
 def agent(config_path: str | None, **params: Any) -> None:
     """Run the daemon in the foreground (systemd: Type=notify)."""
-    from gpuwatch.agent.daemon import Daemon
+    from gpuwatch.agent.daemon import Daemon, DaemonError
     from gpuwatch.agent.logs import setup_logging
-    from gpuwatch.agent.store import StoreError
 
     overrides = config_mod.overrides_from_params(params)
     cfg = _load(config_path, overrides)
     setup_logging(cfg.agent.log_level, cfg.agent.log_format)
     try:
-        daemon = Daemon(cfg, config_path, overrides)
-    except (StoreError, OSError) as e:
+        sys.exit(Daemon(cfg, config_path, overrides).run())
+    except DaemonError as e:
         raise click.ClickException(str(e)) from None
-    sys.exit(daemon.run())
 
 
 @main.command(context_settings=CONTEXT)
@@ -160,7 +159,7 @@ def doctor(config_path: str | None, as_json: bool) -> None:
     cfg = _load(config_path, {})
     checks = doctor_mod.run_checks(cfg.agent.state_dir, nvml_checks, cfg.control.socket)
     if as_json:
-        _echo_json([c.as_dict() for c in checks])
+        _echo_json([dataclasses.asdict(c) for c in checks])
     else:
         click.echo(doctor_mod.render(checks))
     sys.exit(doctor_mod.exit_code(checks))
@@ -207,8 +206,11 @@ def _print_status(st: dict) -> None:
     if st.get("gpus"):
         console.print()
         _print_gpus(st["gpus"])
-    if st.get("store_write_errors"):
-        console.print(f"[red]store write errors: {st['store_write_errors']}[/red]")
+    store = st.get("store", {})
+    if store.get("error"):
+        console.print(f"[red]store unavailable, nothing is kept across restarts: {store['error']}[/red]")
+    elif store.get("write_errors"):
+        console.print(f"[red]store write errors: {store['write_errors']} (see the agent's log)[/red]")
 
 
 @main.group(context_settings=CONTEXT)

@@ -17,13 +17,17 @@ from typing import Any
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent.api import Event, Probe
 from gpuwatch.agent.config import Config, ConfigError, load
-from gpuwatch.agent.control import ControlServer, PeerCred
+from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner
-from gpuwatch.agent.store import Store
+from gpuwatch.agent.store import Store, StoreError
 
 log = logging.getLogger("gpuwatch.agent")
+
+
+class DaemonError(Exception):
+    """The agent cannot start; the message says what is in the way."""
 
 
 def nvml_backend_factory(cfg: Config):
@@ -60,7 +64,14 @@ class Daemon:
         self.overrides = overrides
         self.started = time.time()
         self.stop_event = threading.Event()
-        self.store = Store.open(cfg.agent.state_dir)
+        # Without its database the agent still serves metrics; status says why nothing is kept.
+        self.store: Store | None = None
+        self.store_error = ""
+        try:
+            self.store = Store.open(cfg.agent.state_dir)
+        except StoreError as e:
+            self.store_error = str(e)
+            log.error("running without the store: %s", e)
         self.exporters = []
         if cfg.prometheus.enabled:
             from gpuwatch.exporters.prometheus import PrometheusExporter
@@ -102,14 +113,16 @@ class Daemon:
             "gpus": sorted(gpus.values(), key=lambda g: g.get("index", -1)),
             "exporters": {e.name: _exporter_info(e) for e in self.exporters},
             "state_dir": self.cfg.agent.state_dir,
-            "store_write_errors": self.store.write_errors,
+            "store": {"path": self.store.path, "write_errors": self.store.write_errors} if self.store
+                     else {"error": self.store_error},
             "recent_events": [{"ts": e.ts, "kind": e.kind, "resource": e.resource, "attrs": dict(e.attrs)}
                               for e in snap.events[-20:]],
         }
 
     def _on_event(self, ev: Event) -> None:
         log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))
-        self.store.record_event(ev)
+        if self.store is not None:
+            self.store.record_event(ev)
 
     # -- lifecycle -----------------------------------------------------------------------
     def reload(self) -> None:
@@ -133,11 +146,26 @@ class Daemon:
         self.stop_event.set()
         self.runner.stop()  # wakes the runner loop now rather than at its next due probe
 
-    def run(self) -> int:
+    def start_listeners(self) -> None:
+        """Open the metrics port and the control socket; raise DaemonError saying what is in the way."""
         for exp in self.exporters:
-            exp.start()
-        self.control.start()
-        self.store.record_run(__version__)
+            try:
+                exp.start()
+            except OSError as e:
+                raise DaemonError(f"cannot serve metrics on {self.cfg.prometheus.listen}: {e.strerror or e} "
+                                  f"(another gpuwatch agent or exporter on that port? set prometheus.listen "
+                                  f"or --listen)") from None
+        try:
+            self.control.start()
+        except ControlError as e:
+            for exp in self.exporters:
+                exp.shutdown()
+            raise DaemonError(str(e)) from None
+
+    def run(self) -> int:
+        self.start_listeners()
+        if self.store is not None:
+            self.store.record_run(__version__)
         signal.signal(signal.SIGTERM, lambda *_: self._stop())
         signal.signal(signal.SIGINT, lambda *_: self._stop())
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, daemon=True).start())
@@ -155,7 +183,8 @@ class Daemon:
             log.info("shutting down")
             self.control.stop()
             self.runner.shutdown()
-            self.store.close()
+            if self.store is not None:
+                self.store.close()
         return 0
 
 

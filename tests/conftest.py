@@ -37,13 +37,13 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = N
 class Agent:
     """`gpuwatch agent` as a real subprocess, with its own state and runtime dirs."""
 
-    def __init__(self, tmp: Path, *args: str, env: dict | None = None):
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None, config: str = ""):
         self.port = free_port()
         self.state = tmp / "state"
         self.runtime = tmp / "run"
         tmp.mkdir(parents=True, exist_ok=True)
         self.log = tmp / "agent.log"
-        cmd = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "",
+        cmd = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", config,
                "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
                "--runtime-dir", str(self.runtime), *args]
         e = dict(os.environ, **(env or {}))
@@ -72,8 +72,8 @@ class Agent:
 def agent_factory(tmp_path):
     agents: list[Agent] = []
 
-    def make(*args, env=None):
-        a = Agent(tmp_path / f"a{len(agents)}", *args, env=env)
+    def make(*args, env=None, config=""):
+        a = Agent(tmp_path / f"a{len(agents)}", *args, env=env, config=config)
         agents.append(a)
         return a
 
