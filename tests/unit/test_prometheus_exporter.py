@@ -13,6 +13,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
@@ -151,3 +153,15 @@ def test_http_methods_and_paths(exporter):
         with pytest.raises(urllib.error.HTTPError) as e:
             fetch(exporter, method=method, path=path)
         assert e.value.code == code
+
+
+@settings(max_examples=300, deadline=None)
+@given(process=st.text(), pid=st.text(min_size=1), value=st.floats(allow_nan=False))
+def test_any_label_value_round_trips_through_both_parsers(process, pid, value):
+    # Process names come from /proc and can be anything printable or not (undecodable bytes,
+    # as surrogates, are covered above); the exposition must stay parseable and lossless.
+    s = Sample("gpuwatch.process.gpu.memory.usage", value, GPU, {"pid": pid, "process": process})
+    for parse, om in ((parse_text, False), (parse_openmetrics, True)):
+        (got,) = [x for f in parse(render(snap(s), om).decode()) for x in f.samples]
+        assert got.labels == {"gpu": GPU, "pid": pid, "process": process}
+        assert got.value == value
