@@ -157,6 +157,26 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.gpu.performance_state", "", Kind.GAUGE, "Performance state P0 (fastest) .. P15.", _G),
     Metric("gpuwatch.gpu.fan.speed", "1", Kind.GAUGE, "Fan speed as a fraction of its maximum.", ("gpu", "fan")),
     Metric("gpuwatch.gpu.mig.mode", "", Kind.GAUGE, "MIG mode: 1 enabled, 0 disabled.", ("gpu", "state")),
+    # --- CUDA API, from eBPF uprobes on libcuda ---------------------------------------------
+    # Per process and driver API function; the busiest processes are kept, the rest folded
+    # into pid="other" (see probes/ebpf).
+    Metric("gpuwatch.cuda.calls", "", Kind.COUNTER,
+           "CUDA driver API calls seen by the eBPF probe on libcuda (runtime, cuBLAS and Triton work "
+           "all arrive here).", ("pid", "process", "api")),
+    Metric("gpuwatch.cuda.errors", "", Kind.COUNTER,
+           "CUDA driver API calls that returned an error (a CUresult other than CUDA_SUCCESS).",
+           ("pid", "process", "api")),
+    Metric("gpuwatch.cuda.call.duration", "s", Kind.COUNTER,
+           "Total time spent inside the API function (entry to return); divide by calls for the mean.",
+           ("pid", "process", "api")),
+    Metric("gpuwatch.cuda.bytes", "By", Kind.COUNTER,
+           "Bytes asked for by allocations, copies and sets, by API function.", ("pid", "process", "api")),
+    Metric("gpuwatch.process.cuda.memory.live", "By", Kind.GAUGE,
+           "Device memory the process holds through driver allocations seen since the probe attached "
+           "(cuMemAlloc*, cuMemCreate; minus frees): the grey color when no in-process agent reports.",
+           ("pid", "process")),
+    Metric("gpuwatch.ebpf.attached", "", Kind.GAUGE,
+           "CUDA driver libraries the eBPF probe has attached to, and the uprobes on them.", ("what",)),
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),

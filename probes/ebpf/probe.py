@@ -1,0 +1,257 @@
+"""The eBPF CUDA API probe: uprobes on libcuda's exported driver API, aggregated in the kernel.
+
+Each collection reads the BPF maps (never one Python callback per call) and emits cumulative
+per-process, per-API counters: calls, errors, time inside the call, bytes; live device bytes per
+process; and how many libraries and uprobes are attached. The busiest `max_processes` processes
+(by calls) keep their own series, the rest are folded into pid="other".
+
+Exited processes: at each collection, map entries of processes that are gone (no /proc/PID, or a
+PID reused by a new process, told by its start time) are removed so the maps stay bounded. Their
+final counts are FOLDED INTO pid="other" (kept in Python), so the sum over all series of a
+counter never goes down when a process exits; their live bytes are dropped (the driver frees a
+process's memory when it exits).
+
+Without an explicit library, the probe rescans /proc every `rescan_interval` seconds for libcuda
+files (through /proc/PID/root, so containers count) and attaches each new file once: a uprobe
+on a file fires in every process that maps it, including processes started later. Finding no
+libcuda is not an error: the probe is up, attached to nothing, and keeps looking.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+from typing import Callable, Iterable
+
+from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
+from gpuwatch.probes.ebpf import loader as _loader
+from gpuwatch.probes.ebpf.symbols import HOOKS
+from gpuwatch.probes.nvml.probe import sanitise_process_name
+
+log = logging.getLogger("gpuwatch.ebpf")
+
+NANO = 1e-9
+ALLOC_APIS = frozenset(h.name for h in HOOKS if h.group == "alloc" or h.name == "cuMemCreate")
+FREE_APIS = frozenset(h.name for h in HOOKS if h.group == "free" or h.name == "cuMemRelease")
+
+
+def _start_time(pid: int) -> int | None:
+    """Process start time in clock ticks since boot (field 22 of /proc/PID/stat), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return sanitise_process_name(f.read().decode(errors="replace").strip())
+    except OSError:
+        return "unknown"
+
+
+class EbpfCudaProbe(Probe):
+    name = "ebpf"
+
+    def __init__(self, libraries: Iterable[str] = (), pid: int | None = None, interval: float = 1.0,
+                 rescan_interval: float = 10.0, max_processes: int = 32, apis: Iterable[str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
+        apis: hook only these symbols (default: every symbol in symbols.HOOKS)."""
+        self.apis = None if apis is None else tuple(apis)
+        self.libraries = tuple(str(p) for p in libraries)
+        self.pid = pid
+        self.interval = interval
+        self.rescan_interval = rescan_interval
+        self.max_processes = max_processes
+        self._clock = clock
+        self._loader: _loader.Loader | None = None
+        self._next_rescan = 0.0
+        self._starts: dict[int, int] = {}  # pid -> start time when first seen
+        self._names: dict[int, str] = {}
+        # api -> [calls, errors, ns, bytes] of processes that exited, reported under pid="other"
+        self._retired: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+
+    # ---- Probe API ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.shutdown()
+        if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
+            raise ProbeUnavailable(f"process {self.pid} does not exist")
+        for path in self.libraries:
+            if not os.path.exists(path):
+                raise ProbeUnavailable(f"the configured CUDA driver library {path} does not exist: "
+                                       f"fix the path, or leave it unset to find libcuda in running processes")
+        self._loader = _loader.Loader(pid=self.pid, apis=self.apis)  # raises ProbeUnavailable with the remedy
+        try:
+            for path in self.libraries:
+                self._loader.attach(path)
+            self._rescan()
+        except BaseException:
+            self.shutdown()
+            raise
+        log.info("eBPF probe compiled in %.2f s, %d uprobes on %d libraries",
+                 self._loader.compile_seconds, self._loader.uprobe_count, len(self._loader.libraries))
+
+    def collect(self) -> list[Sample]:
+        ld = self._loader
+        if ld is None:
+            raise ProbeUnavailable("the eBPF probe is not started")
+        now, wall = self._clock(), time.time()
+        if now >= self._next_rescan:
+            self._rescan()
+        stats = ld.stats()
+        live = ld.live_bytes()
+        dead = self._prune(stats, ld.pids() | set(live))
+        for (pid, api), values in list(stats.items()):
+            if pid in dead:
+                acc = self._retired[api]
+                for i, v in enumerate(values):
+                    acc[i] += v
+                del stats[(pid, api)]
+        for pid in dead:
+            live.pop(pid, None)
+
+        per_pid_calls: dict[int, int] = defaultdict(int)
+        for (pid, _api), values in stats.items():
+            per_pid_calls[pid] += values[0]
+        for pid in live:
+            per_pid_calls.setdefault(pid, 0)
+        ranked = sorted(per_pid_calls, key=lambda p: (-per_pid_calls[p], p))
+        kept = set(ranked[:self.max_processes])
+
+        samples: list[Sample] = []
+        other: dict[str, list[int]] = {api: list(v) for api, v in self._retired.items()}
+        for (pid, api), values in sorted(stats.items()):
+            if pid in kept:
+                samples += self._api_samples(str(pid), self._name(pid), api, values, wall)
+            else:
+                acc = other.setdefault(api, [0, 0, 0, 0])
+                for i, v in enumerate(values):
+                    acc[i] += v
+        for api, values in sorted(other.items()):
+            samples += self._api_samples("other", "other", api, values, wall)
+        other_live = None
+        for pid, value in sorted(live.items()):
+            if pid in kept:
+                samples.append(Sample("gpuwatch.process.cuda.memory.live", float(value), "",
+                                      {"pid": str(pid), "process": self._name(pid)}, wall))
+            else:
+                other_live = (other_live or 0) + value
+        if other_live is not None:
+            samples.append(Sample("gpuwatch.process.cuda.memory.live", float(other_live), "",
+                                  {"pid": "other", "process": "other"}, wall))
+        samples.append(Sample("gpuwatch.ebpf.attached", float(sum(1 for lib in ld.libraries.values() if lib.attached)),
+                              "", {"what": "libraries"}, wall))
+        samples.append(Sample("gpuwatch.ebpf.attached", float(ld.uprobe_count), "", {"what": "uprobes"}, wall))
+        return samples
+
+    def shutdown(self) -> None:
+        ld, self._loader = self._loader, None
+        if ld is not None:
+            ld.close()
+        self._next_rescan = 0.0
+
+    # ---- for `gpuwatch trace` and tests ------------------------------------------------------
+    @property
+    def loader(self) -> _loader.Loader | None:
+        return self._loader
+
+    def attached(self) -> list[dict]:
+        """Per library: path, hooked symbols, symbols it lacks (skipped), uprobes."""
+        ld = self._loader
+        if ld is None:
+            return []
+        return [{"path": lib.path, "attached": list(lib.attached), "skipped": list(lib.skipped),
+                 "uprobes": lib.uprobes} for lib in ld.libraries.values()]
+
+    def snapshot(self, pid: int | None = None) -> dict:
+        """What the maps hold now, for one process or (pid=None) all processes still running.
+
+        {"pid", "apis": {api: {"calls", "errors", "bytes", "seconds", "mean_latency_s",
+        "histogram": {slot: count}}}, "memory": {"live_bytes", "live_allocations", "allocations",
+        "frees"}, "dropped_events", "libraries"}. Histogram slot s counts calls that took
+        [2**(s-1), 2**s) ns (bcc's bpf_log2l; slot 0: 0 ns).
+        """
+        ld = self._loader
+        if ld is None:
+            raise ProbeUnavailable("the eBPF probe is not started")
+        apis: dict[str, dict] = {}
+        for (p, api), (calls, errors, ns, nbytes) in ld.stats().items():
+            if pid is not None and p != pid:
+                continue
+            a = apis.setdefault(api, {"calls": 0, "errors": 0, "bytes": 0, "seconds": 0.0})
+            a["calls"] += calls
+            a["errors"] += errors
+            a["bytes"] += nbytes
+            a["seconds"] += ns * NANO
+        hist = ld.histogram(pid)
+        for api, a in apis.items():
+            a["mean_latency_s"] = a["seconds"] / a["calls"] if a["calls"] else 0.0
+            a["histogram"] = dict(sorted(hist.get(api, {}).items()))
+        live = ld.live_bytes()
+        live_bytes = live.get(pid, 0) if pid is not None else sum(live.values())
+        ok = lambda api: apis[api]["calls"] - apis[api]["errors"]  # noqa: E731
+        return {
+            "pid": pid,
+            "apis": dict(sorted(apis.items())),
+            "memory": {"live_bytes": live_bytes, "live_allocations": ld.live_allocations(pid),
+                       "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
+                       "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
+            "dropped_events": ld.dropped(),
+            "libraries": self.attached(),
+        }
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _rescan(self) -> None:
+        self._next_rescan = self._clock() + self.rescan_interval
+        ld = self._loader
+        if ld is None or self.libraries:
+            return  # explicit libraries: attached at start, no scan
+        pids = [self.pid] if self.pid is not None else None
+        for fid, path in _loader.scan_libcuda(pids).items():
+            if fid in ld.libraries:
+                continue
+            try:
+                lib = ld.attach(path)
+            except Exception as e:  # the process may have exited since the scan
+                log.warning("cannot attach to %s: %s", path, e)
+                continue
+            if lib is not None:
+                log.info("attached to %s: %d symbols (%d not present)", path, len(lib.attached), len(lib.skipped))
+
+    def _prune(self, stats: dict, pids: set[int]) -> set[int]:
+        """Processes gone (or whose PID was reused) since first seen; their map entries removed."""
+        dead = set()
+        for pid in pids:
+            start = _start_time(pid)
+            first = self._starts.setdefault(pid, start) if start is not None else None
+            if start is None or first != start:
+                dead.add(pid)
+        for pid in set(self._starts) - (pids - dead):
+            self._starts.pop(pid, None)
+            self._names.pop(pid, None)
+        if dead:
+            self._loader.forget(dead)  # type: ignore[union-attr]
+        return dead
+
+    def _name(self, pid: int) -> str:
+        name = self._names.get(pid)
+        if name is None:
+            name = self._names[pid] = _comm(pid)
+        return name
+
+    @staticmethod
+    def _api_samples(pid: str, process: str, api: str, values, wall: float) -> list[Sample]:
+        calls, errors, ns, nbytes = values
+        labels = {"pid": pid, "process": process, "api": api}
+        return [Sample("gpuwatch.cuda.calls", float(calls), "", labels, wall),
+                Sample("gpuwatch.cuda.errors", float(errors), "", labels, wall),
+                Sample("gpuwatch.cuda.call.duration", ns * NANO, "", labels, wall),
+                Sample("gpuwatch.cuda.bytes", float(nbytes), "", labels, wall)]

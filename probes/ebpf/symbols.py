@@ -1,0 +1,185 @@
+"""The hooked libcuda symbols and the structs shared by cuda.bpf.c and Python: one place for both.
+
+Every hooked symbol gets an entry uprobe and a return uprobe. The entry program stashes, per
+thread and API, the entry time and what the arguments say (a byte count, the pointer argument
+through which the driver returns a device pointer or handle); the return program counts the call,
+the error when the CUresult is not CUDA_SUCCESS (0), the time spent inside, the bytes, a log2
+latency bucket and, for allocations and frees that succeeded, the live-allocation table.
+
+Arguments are read from registers by the x86-64 System V calling convention (PT_REGS_PARMn,
+n = 1..6); none of the values we need here is passed on the stack.
+
+`render_c()` (struct layouts, op and kind constants) and `render_programs()` (one entry and one
+return function per symbol) produce the C text that the loader puts in place of the markers
+`GW_DEFINITIONS` and `GW_PROGRAMS` in cuda.bpf.c; the Python
+side reads the maps through the ctypes types bcc derives from those same struct definitions,
+so a field exists once, here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What the return program does beyond counting. Keep in step with gw_return() in cuda.bpf.c.
+OP_COUNT = 0        # calls, errors, time, bytes given at entry
+OP_ALLOC = 1        # *ARG(ptr) is the new device pointer; size from entry; live[(pid, dptr)] = size
+OP_ALLOC_PITCH = 2  # as OP_ALLOC, but size = *ARG(aux) (the pitch) * bytes-at-entry (the height)
+OP_FREE = 3         # ARG(ptr) is the device pointer being freed; live entry removed, size subtracted
+OP_CREATE = 4       # *ARG(ptr) is a CUmemGenericAllocationHandle; tracked like OP_ALLOC, other kind
+OP_RELEASE = 5      # ARG(ptr) is a CUmemGenericAllocationHandle being released
+
+# Live-allocation key kinds: device pointers and physical allocation handles are different spaces.
+KIND_DPTR = 0
+KIND_HANDLE = 1
+
+OPS = {"OP_COUNT": OP_COUNT, "OP_ALLOC": OP_ALLOC, "OP_ALLOC_PITCH": OP_ALLOC_PITCH, "OP_FREE": OP_FREE,
+       "OP_CREATE": OP_CREATE, "OP_RELEASE": OP_RELEASE, "KIND_DPTR": KIND_DPTR, "KIND_HANDLE": KIND_HANDLE}
+
+HIST_SLOTS = 64  # log2 buckets of nanoseconds
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One exported libcuda function.
+
+    bytes: C expression over ARG(n) (1-based argument n as u64) for the byte count known at entry
+           ("" for none). For OP_ALLOC_PITCH it is the height, multiplied by the pitch at return.
+    ptr:   argument number of the pointer argument (OP_ALLOC/OP_CREATE: where the result is
+           written; OP_FREE/OP_RELEASE: the pointer or handle itself), 0 for none.
+    aux:   argument number of a second pointer argument read at return (OP_ALLOC_PITCH: pPitch).
+    """
+
+    name: str
+    group: str  # launch | alloc | free | copy | set | sync | vmm | module
+    op: int = OP_COUNT
+    bytes: str = ""
+    ptr: int = 0
+    aux: int = 0
+
+
+def _variants(base: Hook, *suffixes: str) -> list[Hook]:
+    """The hook and its per-thread-default-stream forms (`_ptsz`, `_ptds`), same signature."""
+    return [base] + [Hook(base.name + s, base.group, base.op, base.bytes, base.ptr, base.aux) for s in suffixes]
+
+
+HOOKS: tuple[Hook, ...] = tuple([
+    # --- launches. cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra);
+    # cuLaunchKernelEx(const CUlaunchConfig *config, f, params, extra); cuGraphLaunch(exec, stream).
+    *_variants(Hook("cuLaunchKernel", "launch"), "_ptsz"),
+    *_variants(Hook("cuLaunchKernelEx", "launch"), "_ptsz"),
+    *_variants(Hook("cuLaunchCooperativeKernel", "launch"), "_ptsz"),
+    *_variants(Hook("cuGraphLaunch", "launch"), "_ptsz"),
+    # --- allocations: (CUdeviceptr *dptr, size_t bytesize, ...)
+    Hook("cuMemAlloc_v2", "alloc", OP_ALLOC, "ARG(2)", ptr=1),
+    Hook("cuMemAllocManaged", "alloc", OP_ALLOC, "ARG(2)", ptr=1),
+    # cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes, size_t Height, unsigned elt)
+    Hook("cuMemAllocPitch_v2", "alloc", OP_ALLOC_PITCH, "ARG(4)", ptr=1, aux=2),
+    *_variants(Hook("cuMemAllocAsync", "alloc", OP_ALLOC, "ARG(2)", ptr=1), "_ptsz"),
+    *_variants(Hook("cuMemAllocFromPoolAsync", "alloc", OP_ALLOC, "ARG(2)", ptr=1), "_ptsz"),
+    # frees: (CUdeviceptr dptr, ...); their bytes are the sizes of the allocations they released
+    Hook("cuMemFree_v2", "free", OP_FREE, ptr=1),
+    *_variants(Hook("cuMemFreeAsync", "free", OP_FREE, ptr=1), "_ptsz"),
+    # --- virtual memory management (PyTorch expandable segments).
+    # cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop, flags)
+    Hook("cuMemCreate", "vmm", OP_CREATE, "ARG(2)", ptr=1),
+    Hook("cuMemRelease", "vmm", OP_RELEASE, ptr=1),
+    Hook("cuMemMap", "vmm", bytes="ARG(2)"),             # (CUdeviceptr ptr, size_t size, offset, handle, flags)
+    Hook("cuMemUnmap", "vmm", bytes="ARG(2)"),           # (CUdeviceptr ptr, size_t size)
+    Hook("cuMemAddressReserve", "vmm", bytes="ARG(2)"),  # (CUdeviceptr *ptr, size_t size, align, addr, flags)
+    Hook("cuMemAddressFree", "vmm", bytes="ARG(2)"),     # (CUdeviceptr ptr, size_t size)
+    # --- copies: (dst, src, size_t ByteCount[, stream])
+    *_variants(Hook("cuMemcpy", "copy", bytes="ARG(3)"), "_ptds"),
+    *_variants(Hook("cuMemcpyAsync", "copy", bytes="ARG(3)"), "_ptsz"),
+    *_variants(Hook("cuMemcpyHtoD_v2", "copy", bytes="ARG(3)"), "_ptds"),
+    *_variants(Hook("cuMemcpyDtoH_v2", "copy", bytes="ARG(3)"), "_ptds"),
+    *_variants(Hook("cuMemcpyDtoD_v2", "copy", bytes="ARG(3)"), "_ptds"),
+    *_variants(Hook("cuMemcpyHtoDAsync_v2", "copy", bytes="ARG(3)"), "_ptsz"),
+    *_variants(Hook("cuMemcpyDtoHAsync_v2", "copy", bytes="ARG(3)"), "_ptsz"),
+    *_variants(Hook("cuMemcpyDtoDAsync_v2", "copy", bytes="ARG(3)"), "_ptsz"),
+    # cuMemcpyPeer(dst, dstCtx, src, srcCtx, size_t ByteCount[, stream])
+    *_variants(Hook("cuMemcpyPeer", "copy", bytes="ARG(5)"), "_ptds"),
+    *_variants(Hook("cuMemcpyPeerAsync", "copy", bytes="ARG(5)"), "_ptsz"),
+    # 2D/3D copies take a descriptor struct: counted, bytes not decoded yet.
+    *_variants(Hook("cuMemcpy2D_v2", "copy"), "_ptds"),
+    *_variants(Hook("cuMemcpy2DAsync_v2", "copy"), "_ptsz"),
+    *_variants(Hook("cuMemcpy3D_v2", "copy"), "_ptds"),
+    *_variants(Hook("cuMemcpy3DAsync_v2", "copy"), "_ptsz"),
+    # --- sets: (CUdeviceptr dst, value, size_t N[, stream]); N elements of 1, 2 or 4 bytes
+    *_variants(Hook("cuMemsetD8_v2", "set", bytes="ARG(3)"), "_ptds"),
+    *_variants(Hook("cuMemsetD16_v2", "set", bytes="ARG(3) * 2"), "_ptds"),
+    *_variants(Hook("cuMemsetD32_v2", "set", bytes="ARG(3) * 4"), "_ptds"),
+    *_variants(Hook("cuMemsetD8Async", "set", bytes="ARG(3)"), "_ptsz"),
+    *_variants(Hook("cuMemsetD16Async", "set", bytes="ARG(3) * 2"), "_ptsz"),
+    *_variants(Hook("cuMemsetD32Async", "set", bytes="ARG(3) * 4"), "_ptsz"),
+    # cuMemsetD2D8_v2(CUdeviceptr dst, size_t pitch, value, size_t Width, size_t Height[, stream])
+    *_variants(Hook("cuMemsetD2D8_v2", "set", bytes="ARG(4) * ARG(5)"), "_ptds"),
+    *_variants(Hook("cuMemsetD2D32_v2", "set", bytes="ARG(4) * ARG(5) * 4"), "_ptds"),
+    # --- synchronisation
+    *_variants(Hook("cuStreamSynchronize", "sync"), "_ptsz"),
+    Hook("cuCtxSynchronize", "sync"),
+    Hook("cuEventSynchronize", "sync"),
+    # --- what names kernels (names are resolved in a later step; for now they are counted)
+    Hook("cuModuleGetFunction", "module"),
+    Hook("cuLibraryGetKernel", "module"),
+    Hook("cuKernelGetFunction", "module"),
+])
+
+API_IDS: dict[str, int] = {h.name: i for i, h in enumerate(HOOKS)}
+API_NAMES: tuple[str, ...] = tuple(h.name for h in HOOKS)
+assert len(API_IDS) == len(HOOKS), "duplicate hook names"
+
+# Struct layouts shared with cuda.bpf.c: (C type, field) in declaration order.
+STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
+    # per (process, API) counters
+    "gw_api_key": (("u32", "pid"), ("u32", "api")),
+    "gw_api_stats": (("u64", "calls"), ("u64", "errors"), ("u64", "ns"), ("u64", "bytes")),
+    # entry -> return scratch, per thread and API (a hooked function may call another)
+    "gw_call_key": (("u64", "pid_tgid"), ("u32", "api"), ("u32", "pad")),
+    "gw_call": (("u64", "ts"), ("u64", "bytes"), ("u64", "ptr"), ("u64", "aux")),
+    # live allocations: (process, kind, device pointer or handle) -> size
+    "gw_live_key": (("u32", "pid"), ("u32", "kind"), ("u64", "ptr")),
+    "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("u32", "pad")),
+    # log2 latency histogram key
+    "gw_hist_key": (("u32", "pid"), ("u32", "api"), ("u64", "slot")),
+}
+
+# Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
+# not memory taken up front.
+MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
+             "HIST_MAX": 65536}
+
+
+def _arg_expr(expr: str) -> str:
+    return expr or "0"
+
+
+def render_c() -> str:
+    """The generated part of cuda.bpf.c: constants, structs, and the per-symbol programs."""
+    lines = ["/* generated by gpuwatch.probes.ebpf.symbols.render_c(): do not edit here */"]
+    lines += [f"#define GW_{k} {v}" for k, v in OPS.items()]
+    lines += [f"#define GW_{k} {v}" for k, v in MAP_SIZES.items()]
+    lines.append(f"#define GW_HIST_SLOTS {HIST_SLOTS}")
+    for name, fields in STRUCTS.items():
+        lines.append(f"struct {name} {{")
+        lines += [f"    {ctype} {field};" for ctype, field in fields]
+        lines.append("};")
+    return "\n".join(lines) + "\n"
+
+
+def render_programs() -> str:
+    """One entry and one return function per hook; they inline gw_enter()/gw_return()."""
+    out = []
+    for api, h in enumerate(HOOKS):
+        ptr = f"ARG({h.ptr})" if h.ptr else "0"
+        aux = f"ARG({h.aux})" if h.aux else "0"
+        out.append(f"int {entry_fn(h.name)}(struct pt_regs *ctx) "
+                   f"{{ return gw_enter(ctx, {api}, {_arg_expr(h.bytes)}, {ptr}, {aux}); }}")
+        out.append(f"int {return_fn(h.name)}(struct pt_regs *ctx) {{ return gw_return(ctx, {api}, {h.op}); }}")
+    return "\n".join(out) + "\n"
+
+
+def entry_fn(symbol: str) -> str:
+    return f"gw_e_{symbol}"
+
+
+def return_fn(symbol: str) -> str:
+    return f"gw_r_{symbol}"

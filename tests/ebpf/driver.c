@@ -1,0 +1,159 @@
+/* Drives the fake libcuda.so.1 with a known workload for the eBPF tests.
+ *
+ * Protocol on stdin/stdout: prints "ready <pid>", waits for a line, runs the workload once, prints
+ * "done", then waits for another line or EOF and exits 0. The counts below are mirrored in
+ * test_ebpf_cuda.py (EXPECTED); keep the two in step. Counts are primes where it matters, so an
+ * off-by-something cannot pass by accident.
+ */
+#include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef void *CUfunction, *CUstream, *CUevent, *CUgraphExec, *CUmodule;
+typedef struct {
+    unsigned int gridDimX, gridDimY, gridDimZ;
+    unsigned int blockDimX, blockDimY, blockDimZ;
+    unsigned int sharedMemBytes;
+    CUstream hStream;
+    void *attrs;
+    unsigned int numAttrs;
+} CUlaunchConfig;
+
+void fakecuda_set_result(CUresult r);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        CUstream, void **, void **);
+CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             CUstream, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuLaunchCooperativeKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                   unsigned, CUstream, void **);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned);
+CUresult cuMemAllocPitch_v2(CUdeviceptr *, size_t *, size_t, size_t, unsigned);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *, size_t, const void *, unsigned long long);
+CUresult cuMemRelease(CUmemGenericAllocationHandle);
+CUresult cuMemcpyHtoD_v2(CUdeviceptr, const void *, size_t);
+CUresult cuMemcpyDtoH_v2(void *, CUdeviceptr, size_t);
+CUresult cuMemcpyDtoD_v2(CUdeviceptr, CUdeviceptr, size_t);
+CUresult cuMemcpyAsync(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr, const void *, size_t, CUstream);
+CUresult cuMemsetD8_v2(CUdeviceptr, unsigned char, size_t);
+CUresult cuMemsetD32_v2(CUdeviceptr, unsigned int, size_t);
+CUresult cuMemsetD32Async(CUdeviceptr, unsigned int, size_t, CUstream);
+CUresult cuMemsetD2D8_v2(CUdeviceptr, size_t, unsigned char, size_t, size_t);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuCtxSynchronize(void);
+CUresult cuEventSynchronize(CUevent);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+
+#define N_ALLOC 307
+#define N_FREE 211
+
+static CUdeviceptr ptrs[N_ALLOC];
+static char host[65536];
+
+static void *launcher(void *arg) {
+    for (int i = 0; i < 101; i++)
+        cuLaunchKernel_ptsz(0, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0);
+    return NULL;
+}
+
+static void work(void) {
+    CUfunction fn = 0;
+    cuModuleGetFunction(&fn, 0, "k");                       /* 1 */
+    for (int i = 0; i < 1009; i++)
+        cuLaunchKernel(fn, 1056, 1, 1, 256, 1, 1, 0, 0, 0, 0);
+    CUlaunchConfig cfg = {132, 1, 1, 384, 1, 1, 213188, 0, 0, 0};
+    for (int i = 0; i < 53; i++)
+        cuLaunchKernelEx(&cfg, fn, 0, 0);
+    for (int i = 0; i < 11; i++)
+        cuLaunchCooperativeKernel(fn, 1, 1, 1, 64, 1, 1, 0, 0, 0);
+    for (int i = 0; i < 13; i++)
+        cuGraphLaunch(0, 0);
+    pthread_t t[4];                                          /* 4 x 101 cuLaunchKernel_ptsz */
+    for (int i = 0; i < 4; i++)
+        pthread_create(&t[i], NULL, launcher, NULL);
+    for (int i = 0; i < 4; i++)
+        pthread_join(t[i], NULL);
+
+    /* 307 allocations of (i+1)*4096 bytes; the first 211 freed */
+    for (int i = 0; i < N_ALLOC; i++)
+        cuMemAlloc_v2(&ptrs[i], (size_t)(i + 1) * 4096);
+    for (int i = 0; i < N_FREE; i++)
+        cuMemFree_v2(ptrs[i]);
+    fakecuda_set_result(CUDA_ERROR_OUT_OF_MEMORY);           /* 5 failing allocations of 1 GiB */
+    for (int i = 0; i < 5; i++) {
+        CUdeviceptr p;
+        cuMemAlloc_v2(&p, 1ULL << 30);
+    }
+    fakecuda_set_result(CUDA_ERROR_INVALID_VALUE);           /* 3 failing frees of live pointers */
+    for (int i = 0; i < 3; i++)
+        cuMemFree_v2(ptrs[N_ALLOC - 1 - i]);
+    fakecuda_set_result(0);
+    CUdeviceptr p2;
+    size_t pitch;
+    for (int i = 0; i < 3; i++)                               /* 3 x pitch 1024 x height 17 */
+        cuMemAllocPitch_v2(&p2, &pitch, 1000, 17, 4);
+    for (int i = 0; i < 2; i++)
+        cuMemAllocManaged(&p2, 1 << 20, 1);
+    CUdeviceptr ap[4];
+    for (int i = 0; i < 4; i++)
+        cuMemAllocAsync(&ap[i], 8192, 0);
+    for (int i = 0; i < 4; i++)
+        cuMemFreeAsync(ap[i], 0);
+    CUmemGenericAllocationHandle h[2];
+    for (int i = 0; i < 2; i++)
+        cuMemCreate(&h[i], 2 << 20, 0, 0);
+    cuMemRelease(h[0]);
+
+    for (int i = 0; i < 101; i++)
+        cuMemcpyHtoD_v2(ptrs[N_ALLOC - 1], host, 65536);
+    for (int i = 0; i < 103; i++)
+        cuMemcpyDtoH_v2(host, ptrs[N_ALLOC - 1], 4096);
+    for (int i = 0; i < 17; i++)
+        cuMemcpyDtoD_v2(ptrs[N_ALLOC - 1], ptrs[N_ALLOC - 2], 1000);
+    for (int i = 0; i < 19; i++)
+        cuMemcpyAsync(ptrs[N_ALLOC - 1], ptrs[N_ALLOC - 2], 333, 0);
+    for (int i = 0; i < 23; i++)
+        cuMemcpyHtoDAsync_v2(ptrs[N_ALLOC - 1], host, 128, 0);
+    for (int i = 0; i < 29; i++)
+        cuMemsetD8_v2(ptrs[N_ALLOC - 1], 0, 100);
+    for (int i = 0; i < 31; i++)
+        cuMemsetD32_v2(ptrs[N_ALLOC - 1], 0, 100);
+    for (int i = 0; i < 37; i++)
+        cuMemsetD32Async(ptrs[N_ALLOC - 1], 0, 10, 0);
+    for (int i = 0; i < 7; i++)
+        cuMemsetD2D8_v2(ptrs[N_ALLOC - 1], 1024, 0, 100, 9);
+    for (int i = 0; i < 41; i++)
+        cuStreamSynchronize(0);
+    for (int i = 0; i < 43; i++)
+        cuCtxSynchronize();
+    for (int i = 0; i < 47; i++)
+        cuEventSynchronize(0);
+}
+
+int main(void) {
+    char line[64];
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("ready %d\n", (int)getpid());
+    if (!fgets(line, sizeof line, stdin))
+        return 1;
+    work();
+    printf("done\n");
+    if (!fgets(line, sizeof line, stdin))
+        return 0;
+    return 0;
+}

@@ -1,0 +1,251 @@
+"""The eBPF CUDA probe against real uprobes on a fake libcuda.so.1 (see conftest.py, driver.c).
+
+Every count here is what driver.c does, exactly; the probe must report it exactly.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from gpuwatch.agent.api import ProbeUnavailable
+from gpuwatch.agent.metrics import REGISTRY
+from gpuwatch.probes.ebpf import EbpfCudaProbe
+
+pytestmark = pytest.mark.root
+
+KIB4 = 4096
+# api -> (calls, errors, bytes): mirrors driver.c
+EXPECTED = {
+    "cuModuleGetFunction": (1, 0, 0),
+    "cuLaunchKernel": (1009, 0, 0),
+    "cuLaunchKernel_ptsz": (4 * 101, 0, 0),  # from 4 threads
+    "cuLaunchKernelEx": (53, 0, 0),
+    "cuLaunchCooperativeKernel": (11, 0, 0),
+    "cuGraphLaunch": (13, 0, 0),
+    # 307 allocations of (i+1)*4 KiB, then 5 failing 1 GiB ones (bytes asked for still count)
+    "cuMemAlloc_v2": (307 + 5, 5, sum((i + 1) * KIB4 for i in range(307)) + 5 * (1 << 30)),
+    # 211 frees (bytes: the sizes released), then 3 failing frees (release nothing)
+    "cuMemFree_v2": (211 + 3, 3, sum((i + 1) * KIB4 for i in range(211))),
+    "cuMemAllocPitch_v2": (3, 0, 3 * 1024 * 17),  # pitch 1024 (width 1000 rounded) x height 17
+    "cuMemAllocManaged": (2, 0, 2 << 20),
+    "cuMemAllocAsync": (4, 0, 4 * 8192),
+    "cuMemFreeAsync": (4, 0, 4 * 8192),
+    "cuMemCreate": (2, 0, 2 * (2 << 20)),
+    "cuMemRelease": (1, 0, 2 << 20),
+    "cuMemcpyHtoD_v2": (101, 0, 101 * 65536),
+    "cuMemcpyDtoH_v2": (103, 0, 103 * 4096),
+    "cuMemcpyDtoD_v2": (17, 0, 17 * 1000),
+    "cuMemcpyAsync": (19, 0, 19 * 333),
+    "cuMemcpyHtoDAsync_v2": (23, 0, 23 * 128),
+    "cuMemsetD8_v2": (29, 0, 29 * 100),
+    "cuMemsetD32_v2": (31, 0, 31 * 100 * 4),
+    "cuMemsetD32Async": (37, 0, 37 * 10 * 4),
+    "cuMemsetD2D8_v2": (7, 0, 7 * 100 * 9),
+    "cuStreamSynchronize": (41, 0, 0),
+    "cuCtxSynchronize": (43, 0, 0),
+    "cuEventSynchronize": (47, 0, 0),
+}
+# live after the run: allocations 212..307, 3 pitched, 2 managed, 1 of 2 cuMemCreate handles
+LIVE_BYTES = sum((i + 1) * KIB4 for i in range(211, 307)) + 3 * 1024 * 17 + 2 * (1 << 20) + (2 << 20)
+LIVE_ALLOCATIONS = 96 + 3 + 2 + 1
+NOT_IN_FAKE = ("cuGraphLaunch_ptsz", "cuLibraryGetKernel", "cuMemcpy3DAsync_v2_ptsz", "cuKernelGetFunction")
+
+
+@pytest.fixture(scope="module")
+def probe(fake_cuda):
+    """One system-wide probe on the fake library, shared by the module: one compile."""
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], rescan_interval=3600)
+    t0 = time.perf_counter()
+    p.start()
+    p.start_seconds = time.perf_counter() - t0  # type: ignore[attr-defined]
+    yield p
+    p.shutdown()
+
+
+def _calls(samples, pid: str, api: str, metric: str = "gpuwatch.cuda.calls") -> float | None:
+    for s in samples:
+        if s.metric == metric and s.labels.get("pid") == pid and s.labels.get("api") == api:
+            return s.value
+    return None
+
+
+def _perf_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[perf_event]":
+                n += 1
+        except OSError:
+            pass
+    return n
+
+
+def test_exact_counts_errors_and_bytes_per_api(probe, drivers):
+    d = drivers()
+    d.go()
+    snap = probe.snapshot(d.pid)
+    got = {api: (a["calls"], a["errors"], a["bytes"]) for api, a in snap["apis"].items()}
+    assert got == EXPECTED
+    assert snap["dropped_events"] == 0
+    launch = snap["apis"]["cuLaunchKernel"]
+    assert launch["mean_latency_s"] > 0
+    assert sum(launch["histogram"].values()) == 1009
+
+
+def test_live_bytes_after_allocs_and_frees(probe, drivers):
+    d = drivers()
+    d.go()
+    mem = probe.snapshot(d.pid)["memory"]
+    assert mem["live_bytes"] == LIVE_BYTES
+    assert mem["live_allocations"] == LIVE_ALLOCATIONS
+    assert mem["allocations"] == 307 + 3 + 2 + 4 + 2
+    assert mem["frees"] == 211 + 4 + 1
+    live = {s.labels["pid"]: s.value for s in probe.collect() if s.metric == "gpuwatch.process.cuda.memory.live"}
+    assert live[str(d.pid)] == LIVE_BYTES
+
+
+def test_missing_symbols_are_skipped_not_fatal(probe):
+    (lib,) = probe.attached()
+    for name in NOT_IN_FAKE:
+        assert name in lib["skipped"] and name not in lib["attached"]
+    assert {"cuLaunchKernel", "cuLaunchKernelEx", "cuMemAlloc_v2", "cuMemFree_v2"} <= set(lib["attached"])
+    assert lib["uprobes"] == 2 * len(lib["attached"])
+
+
+def test_samples_use_registered_metrics_with_exact_labels(probe, drivers):
+    d = drivers()
+    d.go()
+    samples = probe.collect()
+    assert samples
+    for s in samples:
+        m = REGISTRY[s.metric]
+        assert s.metric in {"gpuwatch.cuda.calls", "gpuwatch.cuda.errors", "gpuwatch.cuda.call.duration",
+                            "gpuwatch.cuda.bytes", "gpuwatch.process.cuda.memory.live", "gpuwatch.ebpf.attached"}
+        assert s.resource == ""
+        assert tuple(sorted(s.labels)) == tuple(sorted(m.labels)), s
+    pid = str(d.pid)
+    assert _calls(samples, pid, "cuLaunchKernel") == 1009
+    assert _calls(samples, pid, "cuMemAlloc_v2", "gpuwatch.cuda.errors") == 5
+    assert _calls(samples, pid, "cuMemcpyHtoD_v2", "gpuwatch.cuda.bytes") == 101 * 65536
+    assert _calls(samples, pid, "cuLaunchKernel", "gpuwatch.cuda.call.duration") > 0
+    assert {s.labels["process"] for s in samples if s.labels.get("pid") == pid} == {"driver"}
+    attached = {s.labels["what"]: s.value for s in samples if s.metric == "gpuwatch.ebpf.attached"}
+    assert attached == {"libraries": 1, "uprobes": probe.attached()[0]["uprobes"]}
+
+
+def test_top_processes_kept_rest_folded_into_other(probe, drivers):
+    a, b = drivers(), drivers()
+    a.go()
+    b.go()
+    probe.max_processes = 1
+    try:
+        samples = probe.collect()
+    finally:
+        probe.max_processes = 32
+    pids = {s.labels["pid"] for s in samples if s.metric == "gpuwatch.cuda.calls"}
+    assert "other" in pids and len(pids - {"other"}) == 1
+    kept = (pids - {"other"}).pop()
+    assert kept in (str(a.pid), str(b.pid))
+    # both drivers ran the same workload; "other" holds the other one (and any exited earlier)
+    assert _calls(samples, "other", "cuLaunchKernel") >= 1009
+
+
+def test_exited_process_entries_removed_and_folded(probe, drivers):
+    d = drivers()
+    before = _calls(probe.collect(), "other", "cuLaunchKernel") or 0  # also prunes earlier drivers
+    d.go()
+    assert d.pid in probe.loader.pids()
+    assert d.finish() == 0
+    samples = probe.collect()
+    assert d.pid not in probe.loader.pids()
+    assert probe.loader.live_allocations(d.pid) == 0
+    assert d.pid not in probe.loader.live_bytes()
+    assert all(s.labels.get("pid") != str(d.pid) for s in samples)
+    # its final counts are folded into pid="other", exactly
+    assert _calls(samples, "other", "cuLaunchKernel") == before + 1009
+    assert probe.snapshot(d.pid)["apis"] == {}
+
+
+def test_pid_filter_and_shutdown_detaches_everything(fake_cuda, drivers):
+    fds_before = _perf_fds()
+    a, b = drivers(), drivers()
+    # few hooks: each uprobe takes ~0.1 s to detach (the kernel waits for an RCU grace period)
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=a.pid, apis=("cuLaunchKernel", "cuMemAlloc_v2"))
+    p.start()
+    try:
+        assert _perf_fds() - fds_before == p.attached()[0]["uprobes"]
+        a.go()
+        b.go()
+        assert p.attached()[0]["attached"] == ["cuLaunchKernel", "cuMemAlloc_v2"]
+        snap = p.snapshot(a.pid)
+        assert {api: a["calls"] for api, a in snap["apis"].items()} == {"cuLaunchKernel": 1009, "cuMemAlloc_v2": 312}
+        assert p.snapshot(b.pid)["apis"] == {}
+    finally:
+        p.shutdown()
+    assert _perf_fds() == fds_before
+    assert p.loader is None and p.attached() == []
+    with open("/sys/kernel/tracing/uprobe_events") as f:
+        assert fake_cuda["lib"] not in f.read()
+    p.shutdown()  # idempotent
+    with pytest.raises(ProbeUnavailable, match="not started"):
+        p.collect()
+
+
+def test_system_wide_finds_libcuda_in_running_processes(drivers):
+    d = drivers()  # maps .../libcuda.so.1 before the probe starts
+    p = EbpfCudaProbe(rescan_interval=3600, apis=("cuLaunchKernelEx",))
+    p.start()
+    try:
+        paths = [lib["path"] for lib in p.attached()]
+        assert any(path.endswith("/libcuda.so.1") and f"/proc/{d.pid}/root/" in path for path in paths)
+        d.go()
+        assert p.snapshot(d.pid)["apis"]["cuLaunchKernelEx"]["calls"] == 53
+    finally:
+        p.shutdown()
+
+
+def test_gone_pid_is_unavailable_before_compiling():
+    pid = 1 << 22  # above pid_max's default ceiling
+    while os.path.exists(f"/proc/{pid}"):
+        pid += 1
+    with pytest.raises(ProbeUnavailable, match=f"process {pid} does not exist"):
+        EbpfCudaProbe(pid=pid).start()
+
+
+def test_start_and_attach_time(probe):
+    # ~0.6 s on the H200; generous here for slow CI machines
+    assert probe.start_seconds < 15
+    print(f"compile {probe.loader.compile_seconds:.2f} s, attach {probe.loader.attach_seconds:.3f} s, "
+          f"start {probe.start_seconds:.2f} s")
+
+
+def _start_in_child(env_extra: dict | None = None, as_nobody: bool = False) -> str:
+    """Start a default probe in a child interpreter; return what it raised."""
+    import subprocess
+    import sys
+    code = ("from gpuwatch.probes.ebpf import EbpfCudaProbe\n"
+            "try:\n    EbpfCudaProbe().start()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+
+    def drop() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/",
+                       env=dict(os.environ, **(env_extra or {})), preexec_fn=drop if as_nobody else None,
+                       timeout=60)
+    return r.stdout + r.stderr
+
+
+def test_unprivileged_start_says_what_to_do():
+    out = _start_in_child(as_nobody=True)
+    assert "ProbeUnavailable" in out and "needs root or the capabilities CAP_BPF and CAP_PERFMON" in out
+
+
+def test_missing_bcc_says_how_to_install_it(tmp_path):
+    fake = tmp_path / "bcc"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no bcc here')\n")
+    out = _start_in_child({"PYTHONPATH": str(tmp_path)})
+    assert "ProbeUnavailable" in out and "apt-get install python3-bpfcc" in out and "--system-site-packages" in out

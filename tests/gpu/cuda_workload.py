@@ -1,0 +1,74 @@
+"""A PyTorch process whose CUDA driver calls are known, for checking the eBPF probe on a GPU.
+
+It prints "ready <pid>" once CUDA is initialised and its kernels are loaded, then waits for a
+line on stdin before each phase, printing "done <phase>" after it:
+  add      N x.add_(1) on a small tensor      -> N cuLaunchKernel (via cudaLaunchKernel)
+  malloc   M raw cudaMalloc(S) + cudaFree     -> M cuMemAlloc_v2 (S bytes each) + M cuMemFree_v2
+  matmul   K bf16 matmuls 1024^3 (cuBLAS)     -> K cuLaunchKernelEx
+Usage: python3 tests/gpu/cuda_workload.py --adds 20000 --mallocs 500 --malloc-bytes 1048576 --matmuls 50
+"""
+import argparse
+import ctypes
+import os
+import sys
+import time
+
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--adds", type=int, default=20000)
+ap.add_argument("--mallocs", type=int, default=500)
+ap.add_argument("--malloc-bytes", type=int, default=1 << 20)
+ap.add_argument("--matmuls", type=int, default=50)
+a = ap.parse_args()
+
+x = torch.zeros(16, device="cuda")
+m1 = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+m2 = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+x.add_(1); m1 @ m2  # load the kernels and cuBLAS before the tracer counts
+torch.cuda.synchronize()
+cudart = None
+for lib in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+    try:
+        cudart = ctypes.CDLL(lib)
+        break
+    except OSError:
+        pass
+if cudart is None:  # torch's own copy
+    import glob
+    cands = glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "*", "lib", "libcudart.so*"))
+    cudart = ctypes.CDLL(sorted(cands)[-1])
+print(f"ready {os.getpid()}", flush=True)
+
+
+def phase(name, fn):
+    if not sys.stdin.readline():
+        sys.exit(0)
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    print(f"done {name} {time.perf_counter() - t:.4f}", flush=True)
+
+
+def adds():
+    for _ in range(a.adds):
+        x.add_(1)
+
+
+def mallocs():
+    ptr = ctypes.c_void_p()
+    for _ in range(a.mallocs):
+        assert cudart.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(a.malloc_bytes)) == 0
+        assert cudart.cudaFree(ptr) == 0
+
+
+def matmuls():
+    for _ in range(a.matmuls):
+        m1 @ m2
+
+
+phase("add", adds)
+phase("malloc", mallocs)
+phase("matmul", matmuls)
+phase("add", adds)  # the same loop again, for overhead: measured with the probe detached or attached
+sys.stdin.readline()
