@@ -1,0 +1,119 @@
+"""Check the eBPF CUDA probe on a GPU against a PyTorch process whose calls are known.
+
+Attaches to an already running process (tests/gpu/cuda_workload.py), as `gpuwatch trace --pid`
+will, and compares per-API call and byte deltas with what the workload did. Also times the
+workload's tiny-op launch loop with the probe detached and attached (its overhead), and the
+probe's compile, attach and detach.
+
+  python3 tests/gpu/ebpf_check.py --out ebpf.json     (bcc importable; see tests/gpu/ebpf_check.sh)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--adds", type=int, default=20000)
+    ap.add_argument("--mallocs", type=int, default=500)
+    ap.add_argument("--malloc-bytes", type=int, default=1 << 20)
+    ap.add_argument("--matmuls", type=int, default=50)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    # The workload must not see the bcc bundle's libraries (GPU.md): give it the original environment.
+    env = dict(os.environ)
+    for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
+        orig = os.environ.get(f"WORKLOAD_{var}")
+        if orig is None:
+            env.pop(var, None)
+        else:
+            env[var] = orig
+    work = subprocess.Popen([sys.executable, os.path.join(HERE, "cuda_workload.py"), "--adds", str(a.adds),
+                             "--mallocs", str(a.mallocs), "--malloc-bytes", str(a.malloc_bytes),
+                             "--matmuls", str(a.matmuls)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+    def step(name):
+        work.stdin.write("go\n")
+        work.stdin.flush()
+        line = work.stdout.readline().split()
+        assert line[:2] == ["done", name], line
+        return float(line[2])
+
+    ready = work.stdout.readline().split()
+    assert ready[0] == "ready", ready
+    pid = int(ready[1])
+    result: dict = {"pid": pid}
+    result["add_seconds_detached"] = step("add")
+
+    probe = EbpfCudaProbe(pid=pid)
+    t = time.perf_counter()
+    probe.start()
+    result["start_seconds"] = round(time.perf_counter() - t, 3)
+    result["compile_seconds"] = round(probe._loader.compile_seconds, 3)
+    result["libraries"] = [{k: (v if k != "attached" else len(v)) for k, v in lib.items()} for lib in probe.attached()]
+
+    def calls():
+        return {api: (s["calls"], s["errors"], s["bytes"]) for api, s in probe.snapshot(pid)["apis"].items()}
+
+    def delta(before, after):
+        return {api: tuple(x - y for x, y in zip(v, before.get(api, (0, 0, 0))))
+                for api, v in after.items() if v != before.get(api, (0, 0, 0))}
+
+    s0 = calls()
+    result["add_seconds_attached"] = step("add")
+    s1 = calls()
+    step("malloc")
+    s2 = calls()
+    step("matmul")
+    s3 = calls()
+    snap = probe.snapshot(pid)
+    samples = probe.collect()
+    t = time.perf_counter()
+    probe.shutdown()
+    result["shutdown_seconds"] = round(time.perf_counter() - t, 3)
+    work.stdin.write("bye\n")
+    work.stdin.flush()
+    work.wait(30)
+
+    phases = {"add": delta(s0, s1), "malloc": delta(s1, s2), "matmul": delta(s2, s3)}
+    result["phases"] = {k: {api: list(v) for api, v in d.items()} for k, d in phases.items()}
+    checks = [
+        ("add: cuLaunchKernel calls", phases["add"].get("cuLaunchKernel", (0,))[0], a.adds),
+        ("malloc: cuMemAlloc_v2 calls", phases["malloc"].get("cuMemAlloc_v2", (0,))[0], a.mallocs),
+        ("malloc: cuMemAlloc_v2 bytes", phases["malloc"].get("cuMemAlloc_v2", (0, 0, 0))[2], a.mallocs * a.malloc_bytes),
+        ("malloc: cuMemFree_v2 calls", phases["malloc"].get("cuMemFree_v2", (0,))[0], a.mallocs),
+        ("matmul: cuLaunchKernelEx calls", phases["matmul"].get("cuLaunchKernelEx", (0,))[0], a.matmuls),
+    ]
+    result["checks"] = [{"what": w, "seen": seen, "expected": exp, "ok": seen == exp} for w, seen, exp in checks]
+    launch = snap["apis"].get("cuLaunchKernel", {})
+    result["cuLaunchKernel_mean_latency_us"] = round(launch.get("mean_latency_s", 0) * 1e6, 2)
+    result["cuLaunchKernel_histogram"] = launch.get("histogram")
+    result["per_add_us_detached"] = round(result["add_seconds_detached"] / a.adds * 1e6, 2)
+    result["per_add_us_attached"] = round(result["add_seconds_attached"] / a.adds * 1e6, 2)
+    result["attached_over_detached"] = round(result["add_seconds_attached"] / result["add_seconds_detached"], 3)
+    result["samples"] = len(samples)
+    result["live_bytes_at_end"] = snap["memory"]["live_bytes"]
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=2)
+    for c in result["checks"]:
+        print(f"{'OK ' if c['ok'] else 'BAD'} {c['what']:34s} seen {c['seen']:>12} expected {c['expected']:>12}")
+    for k in ("compile_seconds", "start_seconds", "shutdown_seconds", "per_add_us_detached", "per_add_us_attached",
+              "attached_over_detached", "cuLaunchKernel_mean_latency_us"):
+        print(f"{k:34s} {result[k]}")
+    print("other APIs seen per phase:", {k: sorted(v) for k, v in phases.items()})
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
