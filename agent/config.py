@@ -216,6 +216,17 @@ SETTINGS: tuple[Setting, ...] = (
             "With nvml.replay: present this many processes per GPU cloned from the recorded ones "
             "(benchmarks). 0: as recorded.",
             "--nvml-replay-processes-per-gpu", "an integer >= 0", _at_least(0)),
+    Setting("ebpf", "enabled", bool, True,
+            "Count CUDA driver API calls of every process on the node with eBPF uprobes on libcuda "
+            "(needs root, bcc and kernel headers; `gpuwatch doctor` checks).",
+            "--ebpf", "true or false"),
+    Setting("ebpf", "library", str, "",
+            "Path of the CUDA driver library to attach to. Empty: every libcuda.so mapped by a running "
+            "process, found in /proc and rescanned every 10 s (containers included).",
+            "--ebpf-library", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("ebpf", "max_processes", int, 32,
+            "Processes that get CUDA API series of their own; the rest are folded into pid=\"other\".",
+            "--ebpf-max-processes", "an integer >= 1", _at_least(1)),
     Setting("history", "points", int, 720, "Points kept in memory per series for detectors.",
             "--history-points", "an integer >= 1", _at_least(1)),
 )
@@ -260,6 +271,13 @@ class NvmlConfig:
 
 
 @dataclass(frozen=True)
+class EbpfConfig:
+    enabled: bool
+    library: str
+    max_processes: int
+
+
+@dataclass(frozen=True)
 class HistoryConfig:
     points: int
 
@@ -270,12 +288,13 @@ class Config:
     control: ControlConfig
     prometheus: PrometheusConfig
     nvml: NvmlConfig
+    ebpf: EbpfConfig
     history: HistoryConfig
     path: str | None = field(default=None)  # the file that was read, None when none was
 
 
 _SECTION_TYPES = {"agent": AgentConfig, "control": ControlConfig, "prometheus": PrometheusConfig,
-                  "nvml": NvmlConfig, "history": HistoryConfig}
+                  "nvml": NvmlConfig, "ebpf": EbpfConfig, "history": HistoryConfig}
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -54,6 +54,13 @@ def build_probes(cfg: Config) -> list[Probe]:
                       xid_events=cfg.nvml.xid_events)
         p.deadline = cfg.nvml.deadline
         probes.append(p)
+    if cfg.ebpf.enabled:
+        from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
+
+        e = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (),
+                          max_processes=cfg.ebpf.max_processes)
+        e.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
+        probes.append(e)
     return probes
 
 
@@ -133,7 +140,7 @@ class Daemon:
             log.error("config reload rejected, keeping the running config: %s", e)
             return
         setup_logging(new.agent.log_level, new.agent.log_format)
-        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "history")
+        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "ebpf", "history")
                    if getattr(new, sec) != getattr(self.cfg, sec)]
         self.cfg = new
         if changed:
@@ -163,12 +170,13 @@ class Daemon:
             raise DaemonError(str(e)) from None
 
     def run(self) -> int:
-        self.start_listeners()
-        if self.store is not None:
-            self.store.record_run(__version__)
+        # Handlers first: a SIGTERM as soon as the port answers must still stop us cleanly.
         signal.signal(signal.SIGTERM, lambda *_: self._stop())
         signal.signal(signal.SIGINT, lambda *_: self._stop())
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, daemon=True).start())
+        self.start_listeners()
+        if self.store is not None:
+            self.store.record_run(__version__)
         watchdog = sdnotify.Watchdog()
         self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY
         sdnotify.ready()

@@ -1,7 +1,8 @@
-// gpuwatch eBPF probe on libcuda: per (process, API) counters, latency histograms and live
-// allocations, aggregated in the kernel. Compiled by bcc; the loader replaces the two markers
-// below with the text from symbols.py (struct layouts and constants, then one entry and one
-// return program per hooked symbol), so layouts and the symbol table are defined in one place.
+// gpuwatch eBPF probe on libcuda: per (process, API) counters, latency histograms, live
+// allocations and per-kernel launch configurations, aggregated in the kernel. Compiled by bcc;
+// the loader replaces the two markers below with the text from symbols.py (struct layouts and
+// constants, then one entry program per hooked symbol and one return program per timed one), so
+// layouts and the symbol table are defined in one place.
 #include <uapi/linux/ptrace.h>
 
 GW_DEFINITIONS
@@ -15,12 +16,88 @@ BPF_F_TABLE("hash", struct gw_call_key, struct gw_call, inflight, GW_CALLS_MAX, 
 BPF_F_TABLE("hash", struct gw_live_key, struct gw_live, live, GW_LIVE_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", u32, s64, live_bytes, GW_LIVE_PIDS_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_hist_key, u64, hist, GW_HIST_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct gw_kernel_key, struct gw_kernel, kernels, GW_KERNELS_MAX, BPF_F_NO_PREALLOC);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
-// allocations. (A full histogram map loses buckets silently.)
-BPF_ARRAY(dropped, u64, 3);
+// allocations, 3 kernels. (A full histogram map loses buckets silently.)
+BPF_ARRAY(dropped, u64, 4);
 
 static __always_inline void gw_drop(int what) {
     dropped.atomic_increment(what);
+}
+
+// Per-kernel aggregation at launch entry. DECODE_REGS: cuLaunchKernel / cuLaunchCooperativeKernel
+// (f, gx, gy, gz, bx, by in registers; bz, sharedMem, hStream in the stack slots at sp+8, +16, +24:
+// sp points at the return address at the first instruction). DECODE_CONFIG: cuLaunchKernelEx
+// (config, f): grid, block, sharedMemBytes and hStream from the CUlaunchConfig in user memory.
+// A configuration that cannot be read counts the launch with zeros (never "degenerate").
+static __always_inline void gw_launch(struct pt_regs *ctx, int decode) {
+    struct gw_launch_config lc = {};
+    u64 f;
+    if (decode == GW_DECODE_REGS) {
+        f = ARG(1);
+        lc.grid_x = (u32)ARG(2);
+        lc.grid_y = (u32)ARG(3);
+        lc.grid_z = (u32)ARG(4);
+        lc.block_x = (u32)ARG(5);
+        lc.block_y = (u32)ARG(6);
+        u64 slots[3] = {};  // bz, sharedMemBytes, hStream
+        if (bpf_probe_read_user(slots, sizeof(slots), (void *)(PT_REGS_SP(ctx) + 8)) == 0) {
+            lc.block_z = (u32)slots[0];
+            lc.shared_mem = (u32)slots[1];
+            lc.stream = slots[2];
+        } else {
+            lc.grid_x = lc.grid_y = lc.grid_z = lc.block_x = lc.block_y = 0;
+        }
+    } else {
+        f = ARG(2);
+        if (bpf_probe_read_user(&lc, sizeof(lc), (void *)ARG(1)) != 0)
+            __builtin_memset(&lc, 0, sizeof(lc));
+    }
+    struct gw_kernel_key kk = {};
+    kk.pid = bpf_get_current_pid_tgid() >> 32;
+    kk.handle = f;
+    struct gw_kernel zero = {};
+    struct gw_kernel *kv = kernels.lookup_or_try_init(&kk, &zero);
+    if (!kv) {
+        gw_drop(3);
+        return;
+    }
+    __sync_fetch_and_add(&kv->launches, 1);
+    if (lc.grid_x == 1 && lc.grid_y == 1 && lc.grid_z == 1)
+        __sync_fetch_and_add(&kv->degenerate, 1);
+    // The last launch's configuration: plain stores (two threads launching the same kernel at the
+    // same instant may leave a mix of both; each field is still one of theirs).
+    kv->grid_x = lc.grid_x;
+    kv->grid_y = lc.grid_y;
+    kv->grid_z = lc.grid_z;
+    kv->block_x = lc.block_x;
+    kv->block_y = lc.block_y;
+    kv->block_z = lc.block_z;
+    kv->shared_mem = lc.shared_mem;
+    kv->stream = lc.stream;
+}
+
+static __always_inline struct gw_api_stats *gw_stats(u32 pid, u32 api) {
+    struct gw_api_key sk = {};
+    sk.pid = pid;
+    sk.api = api;
+    struct gw_api_stats zero = {};
+    struct gw_api_stats *s = stats.lookup_or_try_init(&sk, &zero);
+    if (!s)
+        gw_drop(0);
+    return s;
+}
+
+// Entry-only hooks (launches without launch_latency): the call is counted at entry; no time,
+// no return code, no return probe.
+static __always_inline int gw_count(struct pt_regs *ctx, u32 api, u64 bytes) {
+    struct gw_api_stats *s = gw_stats(bpf_get_current_pid_tgid() >> 32, api);
+    if (s) {
+        __sync_fetch_and_add(&s->calls, 1);
+        if (bytes)
+            __sync_fetch_and_add(&s->bytes, bytes);
+    }
+    return 0;
 }
 
 static __always_inline int gw_enter(struct pt_regs *ctx, u32 api, u64 bytes, u64 ptr, u64 aux) {
@@ -105,19 +182,13 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
         }
     }
 
-    struct gw_api_key sk = {};
-    sk.pid = pid;
-    sk.api = api;
-    struct gw_api_stats zero = {};
-    struct gw_api_stats *s = stats.lookup_or_try_init(&sk, &zero);
+    struct gw_api_stats *s = gw_stats(pid, api);
     if (s) {
         __sync_fetch_and_add(&s->calls, 1);
         if (rc != 0)
             __sync_fetch_and_add(&s->errors, 1);
         __sync_fetch_and_add(&s->ns, ns);
         __sync_fetch_and_add(&s->bytes, bytes);
-    } else {
-        gw_drop(0);
     }
 
     struct gw_hist_key hk = {};

@@ -1,13 +1,22 @@
 """The hooked libcuda symbols and the structs shared by cuda.bpf.c and Python: one place for both.
 
-Every hooked symbol gets an entry uprobe and a return uprobe. The entry program stashes, per
-thread and API, the entry time and what the arguments say (a byte count, the pointer argument
+Every hooked symbol gets an entry uprobe and a return uprobe, except the launch APIs (group
+"launch"), which by default get an entry uprobe only (see `timed()`). The entry program stashes,
+per thread and API, the entry time and what the arguments say (a byte count, the pointer argument
 through which the driver returns a device pointer or handle); the return program counts the call,
 the error when the CUresult is not CUDA_SUCCESS (0), the time spent inside, the bytes, a log2
-latency bucket and, for allocations and frees that succeeded, the live-allocation table.
+latency bucket and, for allocations and frees that succeeded, the live-allocation table. An
+entry-only launch program counts the call at entry.
 
-Arguments are read from registers by the x86-64 System V calling convention (PT_REGS_PARMn,
-n = 1..6); none of the values we need here is passed on the stack.
+Every launch program (entry-only or not) also decodes the launch configuration at entry and
+updates the per-kernel map (key: process, CUfunction handle): launches, grid, block, shared memory
+and stream of the last launch, launches with a grid of one block ("degenerate").
+
+Arguments are read by the x86-64 System V calling convention: the first six integer arguments in
+rdi, rsi, rdx, rcx, r8, r9 (PT_REGS_PARMn, n = 1..6), the rest on the user stack; at a uprobe on
+the first instruction of a function, sp points at the return address, so argument 7 is at sp+8,
+argument 8 at sp+16, ... (each in its own 8-byte slot; 32-bit values in the low half). 32-bit
+arguments are truncated to 32 bits: the upper halves of their registers and slots are undefined.
 
 `render_c()` (struct layouts, op and kind constants) and `render_programs()` (one entry and one
 return function per symbol) produce the C text that the loader puts in place of the markers
@@ -31,8 +40,14 @@ OP_RELEASE = 5      # ARG(ptr) is a CUmemGenericAllocationHandle being released
 KIND_DPTR = 0
 KIND_HANDLE = 1
 
+# How a launch program finds the launch configuration (Hook.decode).
+DECODE_NONE = 0    # no kernel (cuGraphLaunch): counted, no per-kernel entry
+DECODE_REGS = 1    # (CUfunction f, gx, gy, gz, bx, by | stack: bz, sharedMem, hStream, ...)
+DECODE_CONFIG = 2  # (const CUlaunchConfig *config, CUfunction f, ...): the struct read from user memory
+
 OPS = {"OP_COUNT": OP_COUNT, "OP_ALLOC": OP_ALLOC, "OP_ALLOC_PITCH": OP_ALLOC_PITCH, "OP_FREE": OP_FREE,
-       "OP_CREATE": OP_CREATE, "OP_RELEASE": OP_RELEASE, "KIND_DPTR": KIND_DPTR, "KIND_HANDLE": KIND_HANDLE}
+       "OP_CREATE": OP_CREATE, "OP_RELEASE": OP_RELEASE, "KIND_DPTR": KIND_DPTR, "KIND_HANDLE": KIND_HANDLE,
+       "DECODE_NONE": DECODE_NONE, "DECODE_REGS": DECODE_REGS, "DECODE_CONFIG": DECODE_CONFIG}
 
 HIST_SLOTS = 64  # log2 buckets of nanoseconds
 
@@ -46,6 +61,7 @@ class Hook:
     ptr:   argument number of the pointer argument (OP_ALLOC/OP_CREATE: where the result is
            written; OP_FREE/OP_RELEASE: the pointer or handle itself), 0 for none.
     aux:   argument number of a second pointer argument read at return (OP_ALLOC_PITCH: pPitch).
+    decode: launches only: where the kernel handle and launch configuration are (DECODE_*).
     """
 
     name: str
@@ -54,19 +70,22 @@ class Hook:
     bytes: str = ""
     ptr: int = 0
     aux: int = 0
+    decode: int = DECODE_NONE
 
 
 def _variants(base: Hook, *suffixes: str) -> list[Hook]:
     """The hook and its per-thread-default-stream forms (`_ptsz`, `_ptds`), same signature."""
-    return [base] + [Hook(base.name + s, base.group, base.op, base.bytes, base.ptr, base.aux) for s in suffixes]
+    return [base] + [Hook(base.name + s, base.group, base.op, base.bytes, base.ptr, base.aux, base.decode)
+                     for s in suffixes]
 
 
 HOOKS: tuple[Hook, ...] = tuple([
     # --- launches. cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra);
-    # cuLaunchKernelEx(const CUlaunchConfig *config, f, params, extra); cuGraphLaunch(exec, stream).
-    *_variants(Hook("cuLaunchKernel", "launch"), "_ptsz"),
-    *_variants(Hook("cuLaunchKernelEx", "launch"), "_ptsz"),
-    *_variants(Hook("cuLaunchCooperativeKernel", "launch"), "_ptsz"),
+    # cuLaunchCooperativeKernel: the same first nine; cuLaunchKernelEx(const CUlaunchConfig *config,
+    # f, params, extra); cuGraphLaunch(exec, stream).
+    *_variants(Hook("cuLaunchKernel", "launch", decode=DECODE_REGS), "_ptsz"),
+    *_variants(Hook("cuLaunchKernelEx", "launch", decode=DECODE_CONFIG), "_ptsz"),
+    *_variants(Hook("cuLaunchCooperativeKernel", "launch", decode=DECODE_REGS), "_ptsz"),
     *_variants(Hook("cuGraphLaunch", "launch"), "_ptsz"),
     # --- allocations: (CUdeviceptr *dptr, size_t bytesize, ...)
     Hook("cuMemAlloc_v2", "alloc", OP_ALLOC, "ARG(2)", ptr=1),
@@ -123,6 +142,15 @@ HOOKS: tuple[Hook, ...] = tuple([
     Hook("cuKernelGetFunction", "module"),
 ])
 
+LAUNCH_APIS = frozenset(h.name for h in HOOKS if h.group == "launch")
+
+
+def timed(hook: Hook, launch_latency: bool) -> bool:
+    """Whether the hook gets a return probe (latency, errors, results): every API but launches,
+    and launches too with launch_latency."""
+    return launch_latency or hook.group != "launch"
+
+
 API_IDS: dict[str, int] = {h.name: i for i, h in enumerate(HOOKS)}
 API_NAMES: tuple[str, ...] = tuple(h.name for h in HOOKS)
 assert len(API_IDS) == len(HOOKS), "duplicate hook names"
@@ -140,12 +168,22 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("u32", "pad")),
     # log2 latency histogram key
     "gw_hist_key": (("u32", "pid"), ("u32", "api"), ("u64", "slot")),
+    # per kernel: (process, CUfunction handle) -> launches and the configuration of the last launch
+    "gw_kernel_key": (("u32", "pid"), ("u32", "pad"), ("u64", "handle")),
+    "gw_kernel": (("u64", "launches"), ("u64", "degenerate"), ("u64", "stream"),
+                  ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
+                  ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
+                  ("u32", "shared_mem"), ("u32", "pad")),
+    # the head of CUlaunchConfig (cuda.h), read from user memory at cuLaunchKernelEx entry
+    "gw_launch_config": (("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
+                         ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
+                         ("u32", "shared_mem"), ("u32", "pad"), ("u64", "stream")),
 }
 
 # Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
 # not memory taken up front.
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
-             "HIST_MAX": 65536}
+             "HIST_MAX": 65536, "KERNELS_MAX": 65536}
 
 
 def _arg_expr(expr: str) -> str:
@@ -165,15 +203,26 @@ def render_c() -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_programs() -> str:
-    """One entry and one return function per hook; they inline gw_enter()/gw_return()."""
+def render_programs(launch_latency: bool = False) -> str:
+    """One entry function per hook, and one return function per timed hook (see `timed()`).
+
+    Timed hooks inline gw_enter()/gw_return(); entry-only launches inline gw_count(); every launch
+    with a kernel first inlines gw_launch() (the per-kernel map).
+    """
     out = []
     for api, h in enumerate(HOOKS):
         ptr = f"ARG({h.ptr})" if h.ptr else "0"
         aux = f"ARG({h.aux})" if h.aux else "0"
-        out.append(f"int {entry_fn(h.name)}(struct pt_regs *ctx) "
-                   f"{{ return gw_enter(ctx, {api}, {_arg_expr(h.bytes)}, {ptr}, {aux}); }}")
-        out.append(f"int {return_fn(h.name)}(struct pt_regs *ctx) {{ return gw_return(ctx, {api}, {h.op}); }}")
+        body = ""
+        if h.decode != DECODE_NONE:
+            body += f"gw_launch(ctx, GW_DECODE_{'REGS' if h.decode == DECODE_REGS else 'CONFIG'}); "
+        if timed(h, launch_latency):
+            body += f"return gw_enter(ctx, {api}, {_arg_expr(h.bytes)}, {ptr}, {aux});"
+            out.append(f"int {entry_fn(h.name)}(struct pt_regs *ctx) {{ {body} }}")
+            out.append(f"int {return_fn(h.name)}(struct pt_regs *ctx) {{ return gw_return(ctx, {api}, {h.op}); }}")
+        else:
+            body += f"return gw_count(ctx, {api}, {_arg_expr(h.bytes)});"
+            out.append(f"int {entry_fn(h.name)}(struct pt_regs *ctx) {{ {body} }}")
     return "\n".join(out) + "\n"
 
 

@@ -174,7 +174,7 @@ def test_unknown_section_suggests_the_closest(tmp_path):
     p = write(tmp_path, "[promethus]\nlisten = '127.0.0.1:1'\n")
     assert err(p) == f"{p}: unknown section [promethus] (did you mean [prometheus]?)"
     p = write(tmp_path, "[zzz]\n")
-    assert "known sections: agent, control, prometheus, nvml, history" in err(p)
+    assert "known sections: agent, control, prometheus, nvml, ebpf, history" in err(p)
 
 
 def test_key_outside_any_section(tmp_path):
