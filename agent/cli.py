@@ -213,6 +213,41 @@ def _print_status(st: dict) -> None:
         console.print(f"[red]store write errors: {store['write_errors']} (see the agent's log)[/red]")
 
 
+@main.command(context_settings=CONTEXT)
+@click.option("--pid", "pid", required=True, type=int, metavar="PID", help="The running process to trace.")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Stop after this long (default: until Ctrl-C or the process exits).")
+@click.option("--summary-json", "summary_json", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Write the summary as JSON to FILE when the trace ends.")
+@click.option("--library", metavar="PATH", type=click.Path(dir_okay=False),
+              help="Attach to this libcuda file (default: every libcuda.so the process maps).")
+@click.option("--wait", is_flag=True, help="If the process has not loaded libcuda yet, wait until it does.")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), metavar="SECONDS",
+              help="Seconds between refreshes of the live view.")
+def trace(pid: int, duration: float | None, summary_json: str | None, library: str | None, wait: bool,
+          interval: float) -> None:
+    """Attach to a running CUDA process and watch its CUDA driver calls live.
+
+    Live view, refreshed every second: calls/s, calls, errors, bytes and latency (mean, and p50/p99
+    as the upper edge of a power-of-two bucket) per CUDA driver API; top kernels by launches with
+    grid and block; live device bytes, allocations and frees; dropped events. Plain lines instead
+    when stdout is not a terminal. Ctrl-C, --duration or the process exiting ends it with a summary.
+
+    Needs root (eBPF uprobes); tracing your own process through the gpuwatch daemon as an ordinary
+    user is not available yet. Not yet either: a Perfetto trace file (--output), kernel names
+    (kernels are shown by handle), per-call streaming.
+
+    Exit status: 0 when the trace ran (whatever ended it), 1 when it could not start, 2 for usage.
+    """
+    from gpuwatch.agent.trace import TraceError, run_trace
+
+    try:
+        run_trace(pid, duration=duration, summary_json=summary_json, library=library, wait=wait,
+                  interval=interval)
+    except TraceError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.group(context_settings=CONTEXT)
 def debug() -> None:
     """Tools for developers of gpuwatch."""

@@ -6,11 +6,13 @@ what a person should do about it.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import platform
 import re
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,9 +159,10 @@ def function_symbols(path: str) -> dict[str, int]:
 
 
 # ---- the loaded program ------------------------------------------------------------------------
-def bpf_text() -> str:
+def bpf_text(launch_latency: bool = False) -> str:
     src = BPF_SOURCE.read_text()
-    return src.replace("GW_DEFINITIONS", symbols.render_c()).replace("GW_PROGRAMS", symbols.render_programs())
+    return src.replace("GW_DEFINITIONS", symbols.render_c()).replace(
+        "GW_PROGRAMS", symbols.render_programs(launch_latency))
 
 
 @dataclass
@@ -174,9 +177,16 @@ class Library:
 class Loader:
     """One compiled BPF program and the uprobes attached from it."""
 
-    def __init__(self, pid: int | None = None, apis: Iterable[str] | None = None) -> None:
+    def __init__(self, pid: int | None = None, apis: Iterable[str] | None = None,
+                 launch_latency: bool = False) -> None:
+        """launch_latency: give the launch APIs a return probe too (latency, errors); by default
+        they are counted at entry only (see symbols.timed)."""
         self.pid = pid  # attach only for this process (perf filters by its mm), or None: everyone
         self.hooks = HOOKS if apis is None else tuple(h for h in HOOKS if h.name in set(apis))
+        self.launch_latency = launch_latency
+        self.untimed = frozenset(h.name for h in self.hooks if not symbols.timed(h, launch_latency))
+        self._detacher: threading.Thread | None = None
+        self._stop = threading.Event()  # set at interpreter exit: a background detach stops
         self.libraries: dict[tuple[int, int], Library] = {}
         self.compile_seconds = 0.0
         self.attach_seconds = 0.0
@@ -184,13 +194,18 @@ class Loader:
         from bcc import BPF
         t0 = time.perf_counter()
         try:
-            self.bpf = BPF(text=bpf_text().encode(), cflags=["-Wno-macro-redefined", "-Wno-unused-function"])
+            self.bpf = BPF(text=bpf_text(launch_latency).encode(),
+                           cflags=["-Wno-macro-redefined", "-Wno-unused-function"])
         except Exception as e:
             raise ProbeUnavailable(f"bcc could not compile the probe ({e}); see the compiler messages in the "
                                    f"agent's log; the kernel headers used are {kernel_headers()}: install "
                                    f"linux-headers for the running kernel or set BCC_KERNEL_SOURCE") from None
         self.compile_seconds = time.perf_counter() - t0
         self._closed = False
+        # bcc registers BPF.cleanup to run at interpreter exit; it would race a background detach
+        # (close(wait=False)) over the same file descriptors. Ours runs instead (see _at_exit).
+        atexit.unregister(self.bpf.cleanup)
+        atexit.register(self._at_exit)
 
     # -- attach / detach ---------------------------------------------------------------------
     def attach(self, path: str) -> Library | None:
@@ -217,9 +232,10 @@ class Loader:
             try:
                 # Return probe first: a call entered between the two attaches then has no entry
                 # record and is not counted, rather than leaving a stale in-flight record.
-                self.bpf.attach_uretprobe(name=path.encode(), sym=hook.name.encode(),
-                                          fn_name=symbols.return_fn(hook.name).encode(), pid=pid)
-                lib.uprobes += 1
+                if hook.name not in self.untimed:
+                    self.bpf.attach_uretprobe(name=path.encode(), sym=hook.name.encode(),
+                                              fn_name=symbols.return_fn(hook.name).encode(), pid=pid)
+                    lib.uprobes += 1
                 self.bpf.attach_uprobe(name=path.encode(), sym=hook.name.encode(),
                                        fn_name=symbols.entry_fn(hook.name).encode(), pid=pid)
                 lib.uprobes += 1
@@ -236,19 +252,69 @@ class Loader:
     def uprobe_count(self) -> int:
         return len(self.bpf.uprobe_fds) if not self._closed else 0
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Detach everything and free the maps. Idempotent.
 
         Slow by the kernel's doing: closing each uprobe's perf event waits for an RCU grace period
         under a global mutex (~0.08-0.1 s each measured on kernel 6.18; closing from threads does
         not overlap them). Entry probes go first, so no call starts being timed that no return
         probe will finish.
+
+        wait=False: return at once and detach in a daemon thread (`wait_closed()` waits for it).
+        The maps must not be read after close() either way. Should the interpreter exit first, the
+        thread stops between two uprobes (see _at_exit) and the kernel releases the rest when it
+        closes the process's perf-event file descriptors at exit (bcc attaches through the uprobe
+        PMU: nothing is left in uprobe_events).
         """
         if self._closed:
             return
         self._closed = True
+        if wait:
+            self._detach()
+        else:
+            self._detacher = threading.Thread(target=self._detach, name="gpuwatch-ebpf-detach", daemon=True)
+            self._detacher.start()
+
+    def wait_closed(self, timeout: float | None = None) -> bool:
+        """After close(): wait for a background detach; True when everything is detached."""
+        t = self._detacher
+        if t is not None:
+            t.join(timeout)
+            return not t.is_alive()
+        return self._closed
+
+    @property
+    def detaching(self) -> bool:
+        t = self._detacher
+        return t is not None and t.is_alive()
+
+    def _at_exit(self) -> None:
+        # Detaching in the background: stop after the uprobe being detached now and leave the rest
+        # to the kernel, which closes them when the process exits. The thread must NOT be inside
+        # close() when the process exits: a task being killed (exit_group kills the other threads)
+        # that unregisters a uprobe fails to restore the original instruction in the traced
+        # processes (measured on 6.18: the int3 stayed in the driver's text), while the kernel's
+        # own closing at exit restores everything.
+        t = self._detacher
+        if t is not None and t.is_alive():
+            self._stop.set()
+            t.join(5.0)
+            return
+        # Not closed: detach as bcc's own exit handler did.
+        if not self._closed:
+            try:
+                self.close()
+            except Exception as e:  # at interpreter exit: say it, do not raise
+                log.warning("detaching at exit: %s", e)
+
+    def _detach(self) -> None:
+        t0 = time.perf_counter()
         bpf = self.bpf
+        n = len(bpf.uprobe_fds)
         for ev in sorted(bpf.uprobe_fds, key=lambda ev: not ev.startswith(b"p_")):
+            if self._stop.is_set():
+                log.info("exiting: %d uprobes left to the kernel to release", len(bpf.uprobe_fds))
+                return
             try:
                 bpf.detach_uprobe_event(ev)
             except Exception as e:
@@ -258,6 +324,8 @@ class Loader:
         except Exception as e:
             log.warning("bcc cleanup: %s", e)
         self.libraries.clear()
+        atexit.unregister(self._at_exit)  # lets the Loader be garbage-collected
+        log.info("detached %d uprobes in %.2f s", n, time.perf_counter() - t0)
 
     # -- maps ----------------------------------------------------------------------------------
     def stats(self) -> dict[tuple[int, str], tuple[int, int, int, int]]:
@@ -282,6 +350,18 @@ class Loader:
                 slots[k.slot] = slots.get(k.slot, 0) + v.value
         return out
 
+    def kernels(self, pid: int | None = None) -> dict[tuple[int, int], dict]:
+        """(pid, CUfunction handle) -> {"launches", "degenerate_launches", "grid", "block",
+        "shared_mem_bytes", "stream"} (grid, block, shared memory and stream of the last launch)."""
+        out = {}
+        for k, v in self.bpf[b"kernels"].items():
+            if pid is None or k.pid == pid:
+                out[(k.pid, k.handle)] = {
+                    "launches": v.launches, "degenerate_launches": v.degenerate,
+                    "grid": [v.grid_x, v.grid_y, v.grid_z], "block": [v.block_x, v.block_y, v.block_z],
+                    "shared_mem_bytes": v.shared_mem, "stream": v.stream}
+        return out
+
     def dropped(self) -> int:
         return sum(v.value for v in self.bpf[b"dropped"].values())
 
@@ -290,7 +370,8 @@ class Loader:
         if not pids:
             return
         for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("live", lambda k: k.pid),
-                             ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32)):
+                             ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
+                             ("kernels", lambda k: k.pid)):
             table = self.bpf[name.encode()]
             doomed = [k for k in table.keys() if pid_of(k) in pids]
             for k in doomed:
@@ -304,4 +385,5 @@ class Loader:
         pids = {k.pid for k in self.bpf[b"stats"].keys()}
         pids.update(k.value for k in self.bpf[b"live_bytes"].keys())
         pids.update(k.pid_tgid >> 32 for k in self.bpf[b"inflight"].keys())
+        pids.update(k.pid for k in self.bpf[b"kernels"].keys())
         return pids

@@ -11,6 +11,31 @@ final counts are FOLDED INTO pid="other" (kept in Python), so the sum over all s
 counter never goes down when a process exits; their live bytes are dropped (the driver frees a
 process's memory when it exits).
 
+Launch APIs (cuLaunchKernel, cuLaunchKernelEx, cuLaunchCooperativeKernel, cuGraphLaunch and their
+_ptsz forms) are counted at ENTRY ONLY by default: one uprobe each, no return probe. A launch is
+the hottest call a CUDA process makes (10-140k/s), and a return probe (a second trap, the
+in-flight map and the histogram) is most of what the probe costs it: on the H200 the entry+return
+pair raised a tiny-op launch from 10.4 to 12.7 us. What entry-only gives up, for launches only:
+  - no latency: no time inside the call (gpuwatch.cuda.call.duration is not emitted for them,
+    snapshot() reports "timed": False, seconds 0 and an empty histogram);
+  - no return code: a launch that fails is counted as a call, and no error is counted
+    (gpuwatch.cuda.errors is not emitted for them); failing launches are rare and the process
+    usually reports them itself;
+  - a launch is counted when it starts, not when it returns (a call in flight at a read is
+    already counted).
+Everything else (calls, grid/block/shared memory/stream per kernel, degenerate launches) is
+decoded at entry and is exact either way. `launch_latency=True` brings the return probes back
+(latency, errors by return code) at the old cost. Every other API is entry+return always.
+
+Per kernel (process, CUfunction handle), the launch programs keep launches, the grid, block,
+shared memory and stream of the last launch, and the launches with a grid of one block
+("degenerate"): snapshot()["kernels"]. Names are not resolved yet ("name": None). No metric series
+per kernel are emitted.
+
+Shutdown: detaching costs the kernel ~0.1 s per uprobe (an RCU grace period each, serialised), so
+a full set on the real libcuda takes seconds. `shutdown(wait=False)` returns at once and detaches in
+a daemon thread; should the process exit first, its exit releases what is left.
+
 Without an explicit library, the probe rescans /proc every `rescan_interval` seconds for libcuda
 files (through /proc/PID/root, so containers count) and attaches each new file once: a uprobe
 on a file fires in every process that maps it, including processes started later. Finding no
@@ -26,7 +51,7 @@ from typing import Callable, Iterable
 
 from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
 from gpuwatch.probes.ebpf import loader as _loader
-from gpuwatch.probes.ebpf.symbols import HOOKS
+from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS
 from gpuwatch.probes.nvml.probe import sanitise_process_name
 
 log = logging.getLogger("gpuwatch.ebpf")
@@ -62,10 +87,13 @@ class EbpfCudaProbe(Probe):
 
     def __init__(self, libraries: Iterable[str] = (), pid: int | None = None, interval: float = 1.0,
                  rescan_interval: float = 10.0, max_processes: int = 32, apis: Iterable[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, launch_latency: bool = False) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
-        apis: hook only these symbols (default: every symbol in symbols.HOOKS)."""
+        apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
+        entry and return probes on the launch APIs too (latency and errors; see the module doc)."""
         self.apis = None if apis is None else tuple(apis)
+        self.launch_latency = launch_latency
+        self.untimed = frozenset() if launch_latency else LAUNCH_APIS
         self.libraries = tuple(str(p) for p in libraries)
         self.pid = pid
         self.interval = interval
@@ -78,6 +106,7 @@ class EbpfCudaProbe(Probe):
         self._names: dict[int, str] = {}
         # api -> [calls, errors, ns, bytes] of processes that exited, reported under pid="other"
         self._retired: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+        self._closing: list[_loader.Loader] = []  # detaching in the background
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -88,7 +117,8 @@ class EbpfCudaProbe(Probe):
             if not os.path.exists(path):
                 raise ProbeUnavailable(f"the configured CUDA driver library {path} does not exist: "
                                        f"fix the path, or leave it unset to find libcuda in running processes")
-        self._loader = _loader.Loader(pid=self.pid, apis=self.apis)  # raises ProbeUnavailable with the remedy
+        # raises ProbeUnavailable with the remedy
+        self._loader = _loader.Loader(pid=self.pid, apis=self.apis, launch_latency=self.launch_latency)
         try:
             for path in self.libraries:
                 self._loader.attach(path)
@@ -137,6 +167,9 @@ class EbpfCudaProbe(Probe):
                     acc[i] += v
         for api, values in sorted(other.items()):
             samples += self._api_samples("other", "other", api, values, wall)
+        if self.untimed:  # entry-only APIs: errors and time are not measured, so not reported as 0
+            samples = [s for s in samples if not (s.labels.get("api") in self.untimed and s.metric in
+                                                  ("gpuwatch.cuda.errors", "gpuwatch.cuda.call.duration"))]
         other_live = None
         for pid, value in sorted(live.items()):
             if pid in kept:
@@ -152,11 +185,25 @@ class EbpfCudaProbe(Probe):
         samples.append(Sample("gpuwatch.ebpf.attached", float(ld.uprobe_count), "", {"what": "uprobes"}, wall))
         return samples
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
+        """Detach and free the maps. wait=False: return at once, detach in a daemon thread
+        (`wait_detached()` waits for it; a process exiting first releases the rest)."""
         ld, self._loader = self._loader, None
         if ld is not None:
-            ld.close()
+            ld.close(wait=wait)
+            if not wait:
+                self._closing.append(ld)
+        self._closing = [c for c in self._closing if c.detaching]
         self._next_rescan = 0.0
+
+    def wait_detached(self, timeout: float | None = None) -> bool:
+        """Wait for background detaches started by shutdown(wait=False); True when none is left."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ld in list(self._closing):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ld.wait_closed(left)
+        self._closing = [c for c in self._closing if c.detaching]
+        return not self._closing
 
     # ---- for `gpuwatch trace` and tests ------------------------------------------------------
     @property
@@ -175,9 +222,16 @@ class EbpfCudaProbe(Probe):
         """What the maps hold now, for one process or (pid=None) all processes still running.
 
         {"pid", "apis": {api: {"calls", "errors", "bytes", "seconds", "mean_latency_s",
-        "histogram": {slot: count}}}, "memory": {"live_bytes", "live_allocations", "allocations",
-        "frees"}, "dropped_events", "libraries"}. Histogram slot s counts calls that took
-        [2**(s-1), 2**s) ns (bcc's bpf_log2l; slot 0: 0 ns).
+        "histogram": {slot: count}, "timed"}}, "memory": {"live_bytes", "live_allocations",
+        "allocations", "frees"}, "kernels": [{"handle", "name", "launches", "grid", "block",
+        "shared_mem_bytes", "degenerate_launches", "stream"}], "dropped_events", "libraries"}.
+        Histogram slot s counts calls that took [2**(s-1), 2**s) ns (bcc's bpf_log2l; slot 0: 0 ns).
+        "timed": False for entry-only APIs (launches without launch_latency): their errors,
+        seconds and histogram are not measured (0, 0.0, {}).
+        kernels: one entry per (process, CUfunction handle), busiest first; "handle" and "stream"
+        are hex strings; grid, block, shared_mem_bytes and stream are those of the last launch;
+        degenerate_launches counts launches with a grid of one block; "name" is None for now.
+        With pid=None the kernels of every process are listed, each with its "pid".
         """
         ld = self._loader
         if ld is None:
@@ -195,6 +249,7 @@ class EbpfCudaProbe(Probe):
         for api, a in apis.items():
             a["mean_latency_s"] = a["seconds"] / a["calls"] if a["calls"] else 0.0
             a["histogram"] = dict(sorted(hist.get(api, {}).items()))
+            a["timed"] = api not in self.untimed
         live = ld.live_bytes()
         live_bytes = live.get(pid, 0) if pid is not None else sum(live.values())
         ok = lambda api: apis[api]["calls"] - apis[api]["errors"]  # noqa: E731
@@ -204,11 +259,25 @@ class EbpfCudaProbe(Probe):
             "memory": {"live_bytes": live_bytes, "live_allocations": ld.live_allocations(pid),
                        "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
+            "kernels": self._kernels(ld, pid),
             "dropped_events": ld.dropped(),
             "libraries": self.attached(),
         }
 
     # ---- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _kernels(ld: _loader.Loader, pid: int | None) -> list[dict]:
+        out = []
+        for (p, handle), k in ld.kernels(pid).items():
+            entry = {"handle": hex(handle), "name": None, "launches": k["launches"], "grid": k["grid"],
+                     "block": k["block"], "shared_mem_bytes": k["shared_mem_bytes"],
+                     "degenerate_launches": k["degenerate_launches"], "stream": hex(k["stream"])}
+            if pid is None:
+                entry["pid"] = p
+            out.append(entry)
+        out.sort(key=lambda e: (-e["launches"], e.get("pid", 0), int(e["handle"], 16)))
+        return out
+
     def _rescan(self) -> None:
         self._next_rescan = self._clock() + self.rescan_interval
         ld = self._loader

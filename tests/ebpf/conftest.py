@@ -27,13 +27,10 @@ def _root_and_environment():
         pytest.fail(f"eBPF test environment incomplete: {e}")
 
 
-@pytest.fixture(scope="session")
-def fake_cuda(tmp_path_factory) -> dict:
-    """{"lib": path of the fake libcuda.so.1, "driver": path of the driver linked against it}."""
+def _build(d: Path) -> dict:
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.fail("no C compiler: install gcc (apt-get install gcc)")
-    d = tmp_path_factory.mktemp("fakecuda")
     lib = d / "libcuda.so.1"
     drv = d / "driver"
     subprocess.run([cc, "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
@@ -41,6 +38,19 @@ def fake_cuda(tmp_path_factory) -> dict:
     subprocess.run([cc, "-O1", "-pthread", "-o", str(drv), str(HERE / "driver.c"), f"-L{d}", "-l:libcuda.so.1",
                     f"-Wl,-rpath,{d}"], check=True)
     return {"lib": str(lib), "driver": str(drv)}
+
+
+@pytest.fixture(scope="session")
+def fake_cuda(tmp_path_factory) -> dict:
+    """{"lib": path of the fake libcuda.so.1, "driver": path of the driver linked against it}."""
+    return _build(tmp_path_factory.mktemp("fakecuda"))
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_private(tmp_path_factory) -> dict:
+    """A second, separate build (another file, so another inode): for tests that must see whether
+    uprobes are installed without the module-wide probe on `fake_cuda` also being there."""
+    return _build(tmp_path_factory.mktemp("fakecuda_private"))
 
 
 class Driver:
@@ -75,8 +85,8 @@ class Driver:
 def drivers(fake_cuda):
     started: list[Driver] = []
 
-    def start() -> Driver:
-        d = Driver(fake_cuda["driver"])
+    def start(path: str | None = None) -> Driver:
+        d = Driver(path or fake_cuda["driver"])
         started.append(d)
         return d
 

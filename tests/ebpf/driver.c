@@ -25,6 +25,9 @@ typedef struct {
     unsigned int numAttrs;
 } CUlaunchConfig;
 
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+
 void fakecuda_set_result(CUresult r);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                         CUstream, void **, void **);
@@ -56,8 +59,6 @@ CUresult cuCtxSynchronize(void);
 CUresult cuEventSynchronize(CUevent);
 CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 
-#define CUDA_ERROR_INVALID_VALUE 1
-#define CUDA_ERROR_OUT_OF_MEMORY 2
 
 #define N_ALLOC 307
 #define N_FREE 211
@@ -65,24 +66,42 @@ CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 static CUdeviceptr ptrs[N_ALLOC];
 static char host[65536];
 
+/* Kernel handles and streams, distinct per kernel (mirrored in test_ebpf_cuda.py KERNELS) */
+#define KERNEL_A ((CUfunction)0xa000)
+#define KERNEL_B ((CUfunction)0xb000)
+#define KERNEL_C ((CUfunction)0xc000)
+#define KERNEL_D ((CUfunction)0xd000)
+#define STREAM(n) ((CUstream)(0x5000 + (n)))
+
 static void *launcher(void *arg) {
+    /* D: grid (3,5,7) block (32,4,2) shm 1024: bz and shm in stack slots */
     for (int i = 0; i < 101; i++)
-        cuLaunchKernel_ptsz(0, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0);
+        cuLaunchKernel_ptsz(KERNEL_D, 3, 5, 7, 32, 4, 2, 1024, STREAM(4), 0, 0);
     return NULL;
 }
 
 static void work(void) {
     CUfunction fn = 0;
     cuModuleGetFunction(&fn, 0, "k");                       /* 1 */
+    /* A: 1009 launches; the first with a grid of one block (degenerate), then grid (1056,1,1);
+     * block (256,1,1), shm 0 */
     for (int i = 0; i < 1009; i++)
-        cuLaunchKernel(fn, 1056, 1, 1, 256, 1, 1, 0, 0, 0, 0);
-    CUlaunchConfig cfg = {132, 1, 1, 384, 1, 1, 213188, 0, 0, 0};
-    for (int i = 0; i < 53; i++)
-        cuLaunchKernelEx(&cfg, fn, 0, 0);
+        cuLaunchKernel(KERNEL_A, i == 0 ? 1 : 1056, 1, 1, 256, 1, 1, 0, STREAM(1), 0, 0);
+    /* B: 53 launches through cuLaunchKernelEx; the last one grid (7,3,2) block (128,2,1) shm 4096 */
+    CUlaunchConfig cfg = {132, 1, 1, 384, 1, 1, 213188, STREAM(2), 0, 0};
+    for (int i = 0; i < 52; i++)
+        cuLaunchKernelEx(&cfg, KERNEL_B, 0, 0);
+    CUlaunchConfig last = {7, 3, 2, 128, 2, 1, 4096, STREAM(2), 0, 0};
+    cuLaunchKernelEx(&last, KERNEL_B, 0, 0);
+    /* C: 11 degenerate launches, grid (1,1,1) block (64,1,1) shm 48 */
     for (int i = 0; i < 11; i++)
-        cuLaunchCooperativeKernel(fn, 1, 1, 1, 64, 1, 1, 0, 0, 0);
+        cuLaunchCooperativeKernel(KERNEL_C, 1, 1, 1, 64, 1, 1, 48, STREAM(3), 0);
     for (int i = 0; i < 13; i++)
         cuGraphLaunch(0, 0);
+    fakecuda_set_result(CUDA_ERROR_INVALID_VALUE);           /* 4 failing graph launches */
+    for (int i = 0; i < 4; i++)
+        cuGraphLaunch(0, 0);
+    fakecuda_set_result(0);
     pthread_t t[4];                                          /* 4 x 101 cuLaunchKernel_ptsz */
     for (int i = 0; i < 4; i++)
         pthread_create(&t[i], NULL, launcher, NULL);

@@ -5,6 +5,9 @@ Every count here is what driver.c does, exactly; the probe must report it exactl
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -23,7 +26,7 @@ EXPECTED = {
     "cuLaunchKernel_ptsz": (4 * 101, 0, 0),  # from 4 threads
     "cuLaunchKernelEx": (53, 0, 0),
     "cuLaunchCooperativeKernel": (11, 0, 0),
-    "cuGraphLaunch": (13, 0, 0),
+    "cuGraphLaunch": (13 + 4, 0, 0),  # 4 of them fail: launches are entry-only, errors unseen
     # 307 allocations of (i+1)*4 KiB, then 5 failing 1 GiB ones (bytes asked for still count)
     "cuMemAlloc_v2": (307 + 5, 5, sum((i + 1) * KIB4 for i in range(307)) + 5 * (1 << 30)),
     # 211 frees (bytes: the sizes released), then 3 failing frees (release nothing)
@@ -50,6 +53,20 @@ EXPECTED = {
 # live after the run: allocations 212..307, 3 pitched, 2 managed, 1 of 2 cuMemCreate handles
 LIVE_BYTES = sum((i + 1) * KIB4 for i in range(211, 307)) + 3 * 1024 * 17 + 2 * (1 << 20) + (2 << 20)
 LIVE_ALLOCATIONS = 96 + 3 + 2 + 1
+# Per kernel handle (driver.c): launches, last grid, last block, last shared memory, last stream,
+# degenerate launches (grid of one block)
+KERNELS = [
+    {"handle": "0xa000", "name": None, "launches": 1009, "grid": [1056, 1, 1], "block": [256, 1, 1],
+     "shared_mem_bytes": 0, "degenerate_launches": 1, "stream": "0x5001"},
+    {"handle": "0xd000", "name": None, "launches": 4 * 101, "grid": [3, 5, 7], "block": [32, 4, 2],
+     "shared_mem_bytes": 1024, "degenerate_launches": 0, "stream": "0x5004"},
+    {"handle": "0xb000", "name": None, "launches": 53, "grid": [7, 3, 2], "block": [128, 2, 1],
+     "shared_mem_bytes": 4096, "degenerate_launches": 0, "stream": "0x5002"},
+    {"handle": "0xc000", "name": None, "launches": 11, "grid": [1, 1, 1], "block": [64, 1, 1],
+     "shared_mem_bytes": 48, "degenerate_launches": 11, "stream": "0x5003"},
+]
+LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
+               "cuGraphLaunch")
 NOT_IN_FAKE = ("cuGraphLaunch_ptsz", "cuLibraryGetKernel", "cuMemcpy3DAsync_v2_ptsz", "cuKernelGetFunction")
 
 
@@ -89,9 +106,23 @@ def test_exact_counts_errors_and_bytes_per_api(probe, drivers):
     got = {api: (a["calls"], a["errors"], a["bytes"]) for api, a in snap["apis"].items()}
     assert got == EXPECTED
     assert snap["dropped_events"] == 0
-    launch = snap["apis"]["cuLaunchKernel"]
-    assert launch["mean_latency_s"] > 0
-    assert sum(launch["histogram"].values()) == 1009
+    # launches are counted at entry only: no latency, no errors
+    for api in LAUNCH_APIS:
+        a = snap["apis"][api]
+        assert (a["timed"], a["seconds"], a["mean_latency_s"], a["histogram"]) == (False, 0.0, 0.0, {}), api
+    alloc = snap["apis"]["cuMemAlloc_v2"]
+    assert alloc["timed"] and alloc["mean_latency_s"] > 0
+    assert sum(alloc["histogram"].values()) == 312
+
+
+def test_per_kernel_launch_configuration(probe, drivers):
+    d = drivers()
+    d.go()
+    snap = probe.snapshot(d.pid)
+    assert snap["kernels"] == KERNELS
+    assert snap["dropped_events"] == 0
+    everyone = probe.snapshot()["kernels"]
+    assert [dict(k, pid=d.pid) for k in KERNELS] == [k for k in everyone if k["pid"] == d.pid]
 
 
 def test_live_bytes_after_allocs_and_frees(probe, drivers):
@@ -111,7 +142,9 @@ def test_missing_symbols_are_skipped_not_fatal(probe):
     for name in NOT_IN_FAKE:
         assert name in lib["skipped"] and name not in lib["attached"]
     assert {"cuLaunchKernel", "cuLaunchKernelEx", "cuMemAlloc_v2", "cuMemFree_v2"} <= set(lib["attached"])
-    assert lib["uprobes"] == 2 * len(lib["attached"])
+    launches = [name for name in lib["attached"] if name.startswith(("cuLaunch", "cuGraphLaunch"))]
+    assert sorted(launches) == sorted(LAUNCH_APIS + ("cuLaunchKernelEx_ptsz",))
+    assert lib["uprobes"] == 2 * len(lib["attached"]) - len(launches)  # launches: entry only
 
 
 def test_samples_use_registered_metrics_with_exact_labels(probe, drivers):
@@ -129,7 +162,12 @@ def test_samples_use_registered_metrics_with_exact_labels(probe, drivers):
     assert _calls(samples, pid, "cuLaunchKernel") == 1009
     assert _calls(samples, pid, "cuMemAlloc_v2", "gpuwatch.cuda.errors") == 5
     assert _calls(samples, pid, "cuMemcpyHtoD_v2", "gpuwatch.cuda.bytes") == 101 * 65536
-    assert _calls(samples, pid, "cuLaunchKernel", "gpuwatch.cuda.call.duration") > 0
+    assert _calls(samples, pid, "cuMemAlloc_v2", "gpuwatch.cuda.call.duration") > 0
+    # entry-only launches: no time or errors measured, so none reported
+    for api in LAUNCH_APIS:
+        assert _calls(samples, pid, api) is not None
+        assert _calls(samples, pid, api, "gpuwatch.cuda.call.duration") is None
+        assert _calls(samples, pid, api, "gpuwatch.cuda.errors") is None
     assert {s.labels["process"] for s in samples if s.labels.get("pid") == pid} == {"driver"}
     attached = {s.labels["what"]: s.value for s in samples if s.metric == "gpuwatch.ebpf.attached"}
     assert attached == {"libraries": 1, "uprobes": probe.attached()[0]["uprobes"]}
@@ -166,6 +204,8 @@ def test_exited_process_entries_removed_and_folded(probe, drivers):
     # its final counts are folded into pid="other", exactly
     assert _calls(samples, "other", "cuLaunchKernel") == before + 1009
     assert probe.snapshot(d.pid)["apis"] == {}
+    assert probe.snapshot(d.pid)["kernels"] == []
+    assert all(k["pid"] != d.pid for k in probe.snapshot()["kernels"])
 
 
 def test_pid_filter_and_shutdown_detaches_everything(fake_cuda, drivers):
@@ -191,6 +231,137 @@ def test_pid_filter_and_shutdown_detaches_everything(fake_cuda, drivers):
     p.shutdown()  # idempotent
     with pytest.raises(ProbeUnavailable, match="not started"):
         p.collect()
+
+
+def test_launch_latency_option_times_launches_and_counts_errors(fake_cuda, drivers):
+    d = drivers()
+    apis = ("cuLaunchKernel", "cuLaunchKernelEx", "cuGraphLaunch", "cuMemFree_v2")
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, apis=apis, launch_latency=True)
+    p.start()
+    try:
+        assert p.attached()[0]["uprobes"] == 2 * len(apis)
+        d.go()
+        snap = p.snapshot(d.pid)
+        got = {api: (a["calls"], a["errors"], a["bytes"]) for api, a in snap["apis"].items()}
+        assert got == {"cuLaunchKernel": (1009, 0, 0), "cuLaunchKernelEx": (53, 0, 0),
+                       "cuGraphLaunch": (17, 4, 0), "cuMemFree_v2": EXPECTED["cuMemFree_v2"][:2] + (0,)}
+        for api in apis:
+            a = snap["apis"][api]
+            assert a["timed"] and a["mean_latency_s"] > 0
+            assert sum(a["histogram"].values()) == a["calls"]
+        # per-kernel aggregation is the same with or without the return probes
+        assert snap["kernels"] == [k for k in KERNELS if k["handle"] in ("0xa000", "0xb000")]
+        samples = p.collect()
+        assert _calls(samples, str(d.pid), "cuGraphLaunch", "gpuwatch.cuda.errors") == 4
+        assert _calls(samples, str(d.pid), "cuLaunchKernel", "gpuwatch.cuda.call.duration") > 0
+    finally:
+        p.shutdown(wait=False)
+    assert p.wait_detached(60)
+
+
+def _first_byte(pid: int, lib: str, symbol: str) -> int:
+    """The first byte of a function of `lib` as the process sees it: 0xCC (int3) where a uprobe is
+    installed in that process."""
+    from gpuwatch.probes.ebpf import loader
+    real = os.path.realpath(lib)
+    base = None
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == real and int(parts[2], 16) == 0:
+                base = int(parts[0].split("-")[0], 16)
+                break
+    assert base is not None, f"{real} not mapped by {pid}"
+    addr = base + loader.function_symbols(lib)[symbol]
+    with open(f"/proc/{pid}/mem", "rb") as m:
+        m.seek(addr)
+        return m.read(1)[0]
+
+
+INT3 = 0xCC
+SHUTDOWN_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemAlloc_v2", "cuMemFree_v2")
+
+
+def _uprobes_installed(pid: int, lib: str) -> list[bool]:
+    return [_first_byte(pid, lib, api) == INT3 for api in SHUTDOWN_APIS]
+
+
+def _uprobe_events_mention(lib: str) -> bool:
+    with open("/sys/kernel/tracing/uprobe_events") as f:
+        return lib in f.read()
+
+
+def test_shutdown_without_waiting_detaches_in_the_background(fake_cuda_private, drivers):
+    # A library of its own: the module's probe on fake_cuda would keep its functions patched.
+    lib = fake_cuda_private["lib"]
+    d = drivers(fake_cuda_private["driver"])
+    assert _uprobes_installed(d.pid, lib) == [False] * 4
+    fds_before = _perf_fds()
+    p = EbpfCudaProbe(libraries=[lib], apis=SHUTDOWN_APIS)  # system-wide
+    p.start()
+    try:
+        assert p.attached()[0]["uprobes"] == 2 + 2 * 2  # two launches entry-only, two entry+return
+        assert _uprobes_installed(d.pid, lib) == [True] * 4
+        d.go()
+        assert [k["launches"] for k in p.snapshot(d.pid)["kernels"]] == [1009, 53]
+    finally:
+        t0 = time.perf_counter()
+        p.shutdown(wait=False)
+        returned = time.perf_counter() - t0
+    assert returned < 0.5, returned
+    assert p.loader is None and p.attached() == []
+    t0 = time.perf_counter()
+    assert p.wait_detached(60)
+    print(f"shutdown(wait=False) returned in {returned * 1e3:.1f} ms; background detach of 6 uprobes "
+          f"finished {time.perf_counter() - t0:.2f} s later")
+    assert _perf_fds() == fds_before
+    assert _uprobes_installed(d.pid, lib) == [False] * 4
+    assert not _uprobe_events_mention(lib)
+    assert p.wait_detached(0)  # nothing left: idempotent
+
+
+_CHILD = """
+import os, signal, sys, time
+from gpuwatch.probes.ebpf import EbpfCudaProbe
+p = EbpfCudaProbe(libraries=[sys.argv[1]], apis=sys.argv[3].split(","))
+p.start()
+print("attached", p.loader.uprobe_count, flush=True)
+sys.stdin.readline()
+if sys.argv[2] == "background":
+    t0 = time.perf_counter()
+    p.shutdown(wait=False)
+    print("returned %.4f" % (time.perf_counter() - t0), flush=True)
+    sys.exit(0)  # the daemon thread is still detaching: the exit must not wait for it
+os.kill(os.getpid(), signal.SIGKILL)  # "killed": no detach at all
+"""
+
+
+@pytest.mark.parametrize("how", ["background", "killed"])
+def test_exiting_process_releases_its_uprobes(fake_cuda_private, drivers, how):
+    lib = fake_cuda_private["lib"]
+    d = drivers(fake_cuda_private["driver"])
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, lib, how, ",".join(SHUTDOWN_APIS)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
+    try:
+        line = child.stdout.readline().split()
+        assert line == ["attached", "6"], line
+        assert _uprobes_installed(d.pid, lib) == [True] * 4
+        t0 = time.perf_counter()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        if how == "background":
+            returned = float(child.stdout.readline().split()[1])
+            assert returned < 0.5
+        rc = child.wait(60)
+        exited = time.perf_counter() - t0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert rc == (0 if how == "background" else -signal.SIGKILL)
+    print(f"{how}: the attached process was gone {exited:.2f} s after being told to exit")
+    assert _uprobes_installed(d.pid, lib) == [False] * 4
+    assert not _uprobe_events_mention(lib)
 
 
 def test_system_wide_finds_libcuda_in_running_processes(drivers):

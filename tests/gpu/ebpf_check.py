@@ -2,8 +2,8 @@
 
 Attaches to an already running process (tests/gpu/cuda_workload.py), as `gpuwatch trace --pid`
 will, and compares per-API call and byte deltas with what the workload did. Also times the
-workload's tiny-op launch loop with the probe detached and attached (its overhead), and the
-probe's compile, attach and detach.
+workload's tiny-op launch loop with the probe detached and attached (its overhead: launches are
+hooked at entry only, the default), and the probe's compile, attach and detach.
 
   python3 tests/gpu/ebpf_check.py --out ebpf.json     (bcc importable; see tests/gpu/ebpf_check.sh)
 """
@@ -95,9 +95,10 @@ def main() -> int:
         ("matmul: cuLaunchKernelEx calls", phases["matmul"].get("cuLaunchKernelEx", (0,))[0], a.matmuls),
     ]
     result["checks"] = [{"what": w, "seen": seen, "expected": exp, "ok": seen == exp} for w, seen, exp in checks]
-    launch = snap["apis"].get("cuLaunchKernel", {})
-    result["cuLaunchKernel_mean_latency_us"] = round(launch.get("mean_latency_s", 0) * 1e6, 2)
-    result["cuLaunchKernel_histogram"] = launch.get("histogram")
+    alloc = snap["apis"].get("cuMemAlloc_v2", {})
+    result["cuMemAlloc_v2_mean_latency_us"] = round(alloc.get("mean_latency_s", 0) * 1e6, 2)
+    result["cuMemAlloc_v2_histogram"] = alloc.get("histogram")
+    result["kernels"] = snap.get("kernels", [])[:10]
     result["per_add_us_detached"] = round(result["add_seconds_detached"] / a.adds * 1e6, 2)
     result["per_add_us_attached"] = round(result["add_seconds_attached"] / a.adds * 1e6, 2)
     result["attached_over_detached"] = round(result["add_seconds_attached"] / result["add_seconds_detached"], 3)
@@ -109,9 +110,12 @@ def main() -> int:
     for c in result["checks"]:
         print(f"{'OK ' if c['ok'] else 'BAD'} {c['what']:34s} seen {c['seen']:>12} expected {c['expected']:>12}")
     for k in ("compile_seconds", "start_seconds", "shutdown_seconds", "per_add_us_detached", "per_add_us_attached",
-              "attached_over_detached", "cuLaunchKernel_mean_latency_us"):
+              "attached_over_detached", "cuMemAlloc_v2_mean_latency_us"):
         print(f"{k:34s} {result[k]}")
     print("other APIs seen per phase:", {k: sorted(v) for k, v in phases.items()})
+    for k in result["kernels"][:5]:
+        print(f"kernel {k['handle']}: {k['launches']} launches, grid {k['grid']} block {k['block']}, "
+              f"shared {k['shared_mem_bytes']} B, degenerate {k['degenerate_launches']}")
     return 0 if all(c["ok"] for c in result["checks"]) else 1
 
 

@@ -1,0 +1,626 @@
+"""`gpuwatch trace --pid PID`: attach the eBPF CUDA probe to one running process and watch it live.
+
+Standalone mode only: the caller must be root (or hold CAP_BPF and CAP_PERFMON); tracing your own
+process through the gpuwatch daemon's socket as an ordinary user is not available yet.
+
+The pieces, so that tests can use them without a terminal:
+  * validate_pid() / validate_library(): every check made before anything is compiled, each
+    failure a TraceError whose message says what is wrong and what to do;
+  * percentile(), summarize(), render_live(), render_line(), render_summary(): pure functions
+    from probe snapshots (EbpfCudaProbe.snapshot(pid)) to the JSON summary and what is printed;
+  * run_trace(): compile, attach, refresh every `interval` seconds until the duration is up,
+    Ctrl-C/SIGTERM, or the process exits (or its PID is reused), then print the summary.
+
+Latency percentiles come from the probe's log2 histogram: slot s counts calls that took
+[2**(s-1), 2**s) ns, so p50/p99 are reported as the upper edge of a power-of-two bucket; the true
+value lies between half of it and it.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+PF_KTHREAD = 0x00200000  # task flag of kernel threads (include/linux/sched.h)
+NOT_ROOT = "run as root (tracing through the gpuwatch daemon for your own processes is not available yet)"
+LATENCY_NOTE = ("p50/p99: upper edge of the power-of-two (log2 ns) latency bucket holding that rank; "
+                "the true value is between half of it and it")
+TOP_APIS = 25
+TOP_KERNELS = 10
+WAIT_POLL_S = 0.25
+
+
+class TraceError(Exception):
+    """A reason the trace cannot start, meant for the person at the terminal (exit 1)."""
+
+
+# ---- /proc -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ProcStat:
+    state: str       # R, S, D, Z (zombie), X (dead), ...
+    flags: int
+    start_time: int  # clock ticks since boot: with the PID, identifies the process
+
+
+def read_stat(pid: int, proc: str = "/proc") -> ProcStat | None:
+    """State, flags and start time from /proc/PID/stat; None when there is no such process."""
+    try:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    try:
+        fields = raw[raw.rindex(b")") + 2:].split()
+        # after "(comm) ": state(3) ppid(4) ... flags(9) ... starttime(22), 1-based as in proc(5)
+        return ProcStat(fields[0].decode(), int(fields[6]), int(fields[19]))
+    except (ValueError, IndexError):
+        return None
+
+
+def comm(pid: int, proc: str = "/proc") -> str:
+    try:
+        with open(f"{proc}/{pid}/comm", "rb") as f:
+            return f.read().decode(errors="replace").strip() or "?"
+    except OSError:
+        return "?"
+
+
+def _tgid(pid: int, proc: str = "/proc") -> int | None:
+    try:
+        with open(f"{proc}/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def pid_max(proc: str = "/proc") -> int:
+    try:
+        with open(f"{proc}/sys/kernel/pid_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 1 << 22  # the kernel's ceiling (PID_MAX_LIMIT on 64-bit)
+
+
+def alive(pid: int, start_time: int, proc: str = "/proc") -> bool:
+    """The same process is still running: present, not a zombie, and its start time unchanged
+    (a different start time means the PID was reused by a new process)."""
+    st = read_stat(pid, proc)
+    return st is not None and st.state not in ("Z", "X", "x") and st.start_time == start_time
+
+
+def _privileged() -> bool:
+    from gpuwatch.probes.ebpf.loader import has_privileges
+    return has_privileges()
+
+
+def _not_privileged_message(pid: int) -> str:
+    from gpuwatch.agent.control import PeerCred, process_uids
+    me = PeerCred(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
+    if me.owns(pid):
+        return f"attaching eBPF uprobes to process {pid} needs root: {NOT_ROOT}"
+    uids = process_uids(pid)
+    owner = f"uid {uids[0]}" if uids else "another user"
+    return f"process {pid} belongs to {owner} and attaching eBPF uprobes needs root: {NOT_ROOT}"
+
+
+# ---- validation (before compiling anything) ------------------------------------------------------
+@dataclass
+class Target:
+    pid: int
+    process: str
+    start_time: int
+    libraries: list[str] = field(default_factory=list)  # what the probe attaches to
+
+
+def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | None = None) -> Target:
+    """Everything about the PID except whether it uses CUDA. Raises TraceError."""
+    if pid <= 0:
+        raise TraceError(f"PID must be a positive integer (got {pid})")
+    limit = pid_max(proc)
+    if pid > limit:
+        raise TraceError(f"PID {pid} is above this system's largest PID ({limit}, /proc/sys/kernel/pid_max): "
+                         f"no such process")
+    st = read_stat(pid, proc)
+    if st is None or st.state in ("X", "x"):
+        raise TraceError(f"no such process: PID {pid}")
+    if st.flags & PF_KTHREAD:
+        raise TraceError(f"PID {pid} is a kernel thread: it runs no CUDA")
+    if st.state == "Z":
+        raise TraceError(f"process {pid} ({comm(pid, proc)}) has exited (a zombie waiting for its parent)")
+    tgid = _tgid(pid, proc)
+    if tgid is not None and tgid != pid:
+        raise TraceError(f"PID {pid} is a thread of process {tgid} ({comm(tgid, proc)}): use --pid {tgid}")
+    if not (privileged or _privileged)():
+        raise TraceError(_not_privileged_message(pid))
+    return Target(pid, comm(pid, proc), st.start_time)
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def maps_file(pid: int, path: str, proc: str = "/proc") -> bool:
+    """Does the process map this file (compared by device and inode, through /proc/PID/root)?"""
+    want = _file_id(path)
+    if want is None:
+        return False
+    seen: set[str] = set()
+    try:
+        with open(f"{proc}/{pid}/maps", "rb") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) < 6:
+                    continue
+                mapped = parts[5].strip().decode(errors="replace")
+                if not mapped.startswith("/") or mapped.endswith(" (deleted)") or mapped in seen:
+                    continue
+                seen.add(mapped)
+                if _file_id(f"{proc}/{pid}/root{mapped}") == want:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def cuda_libraries(target: Target, library: str | None = None, proc: str = "/proc") -> list[str]:
+    """The libcuda files to attach to; [] when the process maps none (yet)."""
+    if library is not None:
+        return [library] if maps_file(target.pid, library, proc) else []
+    from gpuwatch.probes.ebpf.loader import libcuda_in
+    return libcuda_in(target.pid)
+
+
+def no_cuda_message(target: Target, library: str | None) -> str:
+    if library is not None:
+        return (f"process {target.pid} ({target.process}) does not map {library} (--library): "
+                f"check the path, or use --wait if it has not loaded it yet")
+    return (f"process {target.pid} ({target.process}) does not use CUDA: no libcuda.so is mapped "
+            f"(use --wait to wait until it loads CUDA)")
+
+
+def validate_library(library: str | None) -> None:
+    if library is not None and not os.path.isfile(library):
+        raise TraceError(f"--library {library}: no such file")
+
+
+def validate_summary_path(path: str | None) -> None:
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise TraceError(f"--summary-json {path} is a directory")
+    if not os.path.isdir(parent):
+        raise TraceError(f"--summary-json {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise TraceError(f"--summary-json {path}: not writable")
+
+
+def validate(pid: int, library: str | None = None, wait: bool = False, proc: str = "/proc",
+             privileged: Callable[[], bool] | None = None) -> Target:
+    """All checks; with wait=False also that the process maps libcuda. Raises TraceError."""
+    validate_library(library)
+    target = check_pid(pid, proc, privileged)
+    if not wait:
+        target.libraries = cuda_libraries(target, library, proc)
+        if not target.libraries:
+            raise TraceError(no_cuda_message(target, library))
+    return target
+
+
+def wait_for_cuda(target: Target, library: str | None, proc: str = "/proc", poll: float = WAIT_POLL_S,
+                  sleep: Callable[[float], None] = time.sleep) -> Target:
+    """Poll until the process maps libcuda; TraceError when it exits first."""
+    while True:
+        if not alive(target.pid, target.start_time, proc):
+            raise TraceError(f"process {target.pid} ({target.process}) exited before it loaded CUDA")
+        target.libraries = cuda_libraries(target, library, proc)
+        if target.libraries:
+            return target
+        sleep(poll)
+
+
+# ---- numbers -----------------------------------------------------------------------------------
+def percentile(histogram: dict, q: float) -> float | None:
+    """Upper edge, in seconds, of the log2 bucket holding rank q (0..1) of the calls; None if empty.
+
+    Slot s holds [2**(s-1), 2**s) ns (slot 0: 0 ns), so the answer is 2**s ns."""
+    counts = sorted((int(s), int(c)) for s, c in histogram.items() if int(c) > 0)
+    total = sum(c for _, c in counts)
+    if not total:
+        return None
+    rank = max(1, math.ceil(q * total))
+    seen = 0
+    for slot, c in counts:
+        seen += c
+        if seen >= rank:
+            return 0.0 if slot == 0 else 2.0 ** slot * 1e-9
+    return 2.0 ** counts[-1][0] * 1e-9
+
+
+def has_latency(api: dict) -> bool:
+    return bool(api.get("histogram")) or bool(api.get("seconds"))
+
+
+def _kernels(snapshot: dict) -> list[dict]:
+    ks = snapshot.get("kernels") or []
+    return sorted(ks, key=lambda k: (-int(k.get("launches", 0)), str(k.get("handle", ""))))
+
+
+def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended: str) -> dict:
+    """The --summary-json document from the final snapshot."""
+    apis = {}
+    for name, a in sorted(snapshot.get("apis", {}).items()):
+        hist = a.get("histogram") or {}
+        apis[name] = {"calls": a.get("calls", 0), "errors": a.get("errors", 0), "bytes": a.get("bytes", 0),
+                      "mean_latency_s": a.get("mean_latency_s", 0.0) if has_latency(a) else None,
+                      "p50_latency_s": percentile(hist, 0.50), "p99_latency_s": percentile(hist, 0.99)}
+    mem = snapshot.get("memory", {})
+    return {
+        "pid": pid,
+        "process": process,
+        "duration_seconds": round(duration, 3),
+        "ended": ended,
+        "apis": apis,
+        "kernels": _kernels(snapshot),
+        "memory": {"live_bytes": mem.get("live_bytes", 0), "live_allocations": mem.get("live_allocations", 0),
+                   "allocations": mem.get("allocations", 0), "frees": mem.get("frees", 0)},
+        "dropped_events": snapshot.get("dropped_events", 0),
+        "latency_resolution": "log2 buckets: p50/p99 are the bucket's upper edge (true value within a factor 2 below)",
+    }
+
+
+def rates(snapshot: dict, previous: dict | None, dt: float) -> dict[str, float]:
+    """Calls per second per API since the previous snapshot."""
+    if previous is None or dt <= 0:
+        return {}
+    prev = previous.get("apis", {})
+    return {name: (a.get("calls", 0) - prev.get(name, {}).get("calls", 0)) / dt
+            for name, a in snapshot.get("apis", {}).items()}
+
+
+def kernel_rates(snapshot: dict, previous: dict | None, dt: float) -> dict[Any, float]:
+    if previous is None or dt <= 0:
+        return {}
+    prev = {k.get("handle"): k.get("launches", 0) for k in previous.get("kernels") or []}
+    return {k.get("handle"): (k.get("launches", 0) - prev.get(k.get("handle"), 0)) / dt
+            for k in snapshot.get("kernels") or []}
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_seconds(s: float | None, upper: bool = False) -> str:
+    if s is None:
+        return "—"
+    prefix = "≤" if upper else ""
+    if s == 0:
+        return f"{prefix}0 ns" if upper else "0 ns"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{prefix}{s / scale:.3g} {unit}"
+    return f"{prefix}{s * 1e9:.3g} ns"
+
+
+def fmt_dims(d: Any) -> str:
+    if not d:
+        return "—"
+    try:
+        return "×".join(str(int(x)) for x in d)
+    except (TypeError, ValueError):
+        return str(d)
+
+
+def kernel_label(k: dict) -> str:
+    if k.get("name"):
+        return str(k["name"])
+    h = k.get("handle")
+    return f"0x{h:x}" if isinstance(h, int) else str(h)
+
+
+def totals(snapshot: dict) -> tuple[int, int]:
+    apis = snapshot.get("apis", {}).values()
+    return sum(a.get("calls", 0) for a in apis), sum(a.get("errors", 0) for a in apis)
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+def render_line(snapshot: dict, previous: dict | None, dt: float, elapsed: float) -> str:
+    """One plain line per refresh, for output that is not a terminal."""
+    calls, errors = totals(snapshot)
+    prev_calls = totals(previous)[0] if previous is not None else 0
+    rate = (calls - prev_calls) / dt if dt > 0 else 0.0
+    r = rates(snapshot, previous, dt)
+    top = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))[:3]
+    top_s = ", ".join(f"{name} {a.get('calls', 0)}" + (f" ({r[name]:.0f}/s)" if name in r else "")
+                      for name, a in top)
+    mem = snapshot.get("memory", {})
+    line = (f"[{elapsed:6.1f} s] calls {calls} ({rate:.0f}/s) errors {errors} | "
+            f"live {fmt_bytes(mem.get('live_bytes', 0))} in {mem.get('live_allocations', 0)} allocations, "
+            f"{mem.get('allocations', 0)} allocs {mem.get('frees', 0)} frees | "
+            f"dropped {snapshot.get('dropped_events', 0)}")
+    ks = _kernels(snapshot)
+    if ks:
+        line += f" | kernels {len(ks)}, top {kernel_label(ks[0])} {ks[0].get('launches', 0)}"
+    if top_s:
+        line += f" | top: {top_s}"
+    return line
+
+
+def _api_table(snapshot: dict, r: dict[str, float] | None, limit: int | None):
+    from rich.table import Table
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    cols = ["API"] + (["calls/s"] if r is not None else []) + ["calls", "errors", "bytes", "mean", "p50", "p99"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "API" else "right")
+    items = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))
+    shown = items if limit is None else items[:limit]
+    for name, a in shown:
+        hist = a.get("histogram") or {}
+        lat = has_latency(a)
+        errors = a.get("errors", 0)
+        row = [name] + ([f"{r.get(name, 0.0):.0f}"] if r is not None else [])
+        row += [str(a.get("calls", 0)), f"[red]{errors}[/red]" if errors else "0",
+                fmt_bytes(a.get("bytes", 0)) if a.get("bytes") else "—",
+                fmt_seconds(a.get("mean_latency_s")) if lat else "—",
+                fmt_seconds(percentile(hist, 0.5), upper=True) if hist else "—",
+                fmt_seconds(percentile(hist, 0.99), upper=True) if hist else "—"]
+        t.add_row(*row)
+    if len(items) > len(shown):
+        t.add_row(f"… {len(items) - len(shown)} more", *[""] * (len(cols) - 1))
+    return t
+
+
+def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
+    from rich.table import Table
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    cols = ["kernel (handle)"] + (["launches/s"] if kr is not None else []) + \
+        ["launches", "grid", "block", "shared mem", "1-block launches"]
+    for c in cols:
+        t.add_column(c, justify="left" if c.startswith("kernel") else "right")
+    for k in kernels[:limit]:
+        row = [kernel_label(k)] + ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
+        row += [str(k.get("launches", 0)), fmt_dims(k.get("grid")), fmt_dims(k.get("block")),
+                fmt_bytes(k.get("shared_mem_bytes")) if k.get("shared_mem_bytes") is not None else "—",
+                str(k.get("degenerate_launches", 0))]
+        t.add_row(*row)
+    if len(kernels) > limit:
+        t.add_row(f"… {len(kernels) - limit} more", *[""] * (len(cols) - 1))
+    return t
+
+
+def _memory_text(mem: dict, dropped: int) -> str:
+    d = f"[red]{dropped}[/red]" if dropped else "0"
+    return (f"device memory: live [bold]{fmt_bytes(mem.get('live_bytes', 0))}[/bold] in "
+            f"{mem.get('live_allocations', 0)} allocations · {mem.get('allocations', 0)} allocations, "
+            f"{mem.get('frees', 0)} frees · dropped events: {d}")
+
+
+def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float, *, pid: int, process: str,
+                uprobes: int, duration: float | None):
+    """The rich renderable for the live terminal view."""
+    from rich.console import Group
+    from rich.text import Text
+    calls, errors = totals(snapshot)
+    left = f" of {duration:g} s" if duration else ""
+    head = (f"[bold]gpuwatch trace[/bold] PID {pid} ({process}) · {elapsed:.0f} s{left} · {calls} calls, "
+            f"{errors} errors · {uprobes} uprobes · Ctrl-C to stop")
+    parts: list[Any] = [Text.from_markup(head), Text(""),
+                        _api_table(snapshot, rates(snapshot, previous, dt), TOP_APIS)]
+    ks = _kernels(snapshot)
+    if ks:
+        parts += [Text(""), _kernel_table(ks, kernel_rates(snapshot, previous, dt), TOP_KERNELS)]
+    parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0))),
+              Text(LATENCY_NOTE, style="dim")]
+    return Group(*parts)
+
+
+def render_summary(summary: dict):
+    """The rich renderable printed when the trace ends."""
+    from rich.console import Group
+    from rich.text import Text
+    snap = {"apis": {name: dict(a, histogram={}, seconds=a.get("mean_latency_s") or 0.0)
+                     for name, a in summary["apis"].items()}}
+    calls, errors = totals(snap)
+    head = (f"[bold]trace of PID {summary['pid']} ({summary['process']}) ended: {summary['ended']}[/bold] "
+            f"after {summary['duration_seconds']:.1f} s · {calls} calls, {errors} errors")
+    parts: list[Any] = [Text.from_markup(head), Text("")]
+    if summary["apis"]:
+        from rich.table import Table
+        t = Table(box=None, pad_edge=False, header_style="bold")
+        for c in ("API", "calls", "errors", "bytes", "mean", "p50", "p99"):
+            t.add_column(c, justify="left" if c == "API" else "right")
+        for name, a in sorted(summary["apis"].items(), key=lambda kv: (-kv[1]["calls"], kv[0])):
+            t.add_row(name, str(a["calls"]), f"[red]{a['errors']}[/red]" if a["errors"] else "0",
+                      fmt_bytes(a["bytes"]) if a["bytes"] else "—", fmt_seconds(a["mean_latency_s"]),
+                      fmt_seconds(a["p50_latency_s"], upper=True), fmt_seconds(a["p99_latency_s"], upper=True))
+        parts.append(t)
+    else:
+        parts.append(Text("no CUDA driver calls seen during the trace"))
+    if summary["kernels"]:
+        parts += [Text(""), _kernel_table(summary["kernels"], None, TOP_KERNELS)]
+    parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
+    if any(a["p50_latency_s"] is not None for a in summary["apis"].values()):
+        parts.append(Text(LATENCY_NOTE, style="dim"))
+    return Group(*parts)
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+class _Stop(Exception):
+    pass
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr) if stream.isatty() else Console(stderr=stderr, width=200)
+
+
+def run_trace(pid: int, *, duration: float | None = None, summary_json: str | None = None,
+              library: str | None = None, wait: bool = False, interval: float = 1.0,
+              probe_factory: Callable[..., Any] | None = None) -> dict:
+    """Validate, compile, attach, show live, and return (and print, and write) the summary.
+
+    Raises TraceError for everything that stops the trace from starting."""
+    from gpuwatch.agent.api import ProbeUnavailable
+
+    validate_summary_path(summary_json)
+    target = validate(pid, library, wait)
+    out, err = _console(), _console(stderr=True)
+    live_tty = sys.stdout.isatty()
+    if not target.libraries:
+        err.print(f"waiting for process {pid} ({target.process}) to load "
+                  f"{library or 'libcuda'}… (Ctrl-C to give up)")
+        wait_for_cuda(target, library)
+
+    if probe_factory is None:
+        from gpuwatch.probes.ebpf import EbpfCudaProbe
+        probe_factory = EbpfCudaProbe
+    probe = probe_factory(libraries=target.libraries, pid=pid, rescan_interval=3600)
+
+    # SIGTERM ends the trace like Ctrl-C does: summary printed, probes detached.
+    def _term(signum, frame):
+        raise _Stop()
+    main_thread = _main_thread()
+    old_handlers = {signal.SIGINT: signal.getsignal(signal.SIGINT),
+                    signal.SIGTERM: signal.signal(signal.SIGTERM, _term) if main_thread else None}
+    started = False
+    uprobes = 0
+    try:
+        t_compile = time.monotonic()
+        try:
+            if sys.stderr.isatty():
+                with err.status("compiling eBPF program…"):
+                    probe.start()
+            else:
+                err.print("compiling eBPF program…")
+                probe.start()
+        except ProbeUnavailable as e:
+            if not alive(pid, target.start_time):
+                raise TraceError(f"process {pid} ({target.process}) exited before the probe attached") from None
+            raise TraceError(str(e)) from None
+        started = True
+        libs = probe.attached()
+        uprobes = sum(lib.get("uprobes", 0) for lib in libs)
+        if not alive(pid, target.start_time):
+            raise TraceError(f"process {pid} ({target.process}) exited before the probe attached")
+        n_sym = sum(len(lib.get("attached", [])) for lib in libs)
+        err.print(f"tracing PID {pid} ({target.process}): {n_sym} CUDA driver functions, {uprobes} uprobes on "
+                  f"{', '.join(lib['path'] for lib in libs)} (ready in {time.monotonic() - t_compile:.1f} s)"
+                  + (f" for {duration:g} s" if duration else "") + "; Ctrl-C to stop", highlight=False)
+
+        ended, t0 = _loop(probe, target, duration, interval, out, live_tty, uprobes)
+        elapsed = time.monotonic() - t0
+        # From here on a second Ctrl-C or SIGTERM neither costs the summary nor leaves the probes
+        # half detached: the summary takes milliseconds, the detach a few seconds (said on stderr).
+        if main_thread:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        final = probe.snapshot(pid)  # after the end: everything the process did until then
+        summary = summarize(final, pid=pid, process=target.process, duration=elapsed, ended=ended)
+        out.print(render_summary(summary))
+        out.file.flush()
+        if summary_json:
+            with open(summary_json, "w") as f:
+                json.dump(summary, f, indent=2, sort_keys=True)
+                f.write("\n")
+            err.print(f"summary written to {summary_json}", highlight=False)
+        return summary
+    finally:
+        if started:
+            _detach(probe, err, uprobes)
+        if main_thread:
+            for sig, handler in old_handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+
+def _detach(probe, err, uprobes: int) -> None:
+    """Detach every uprobe before exiting.
+
+    The kernel waits for an RCU grace period per uprobe (~0.1 s each), so this takes seconds; it
+    happens after the summary is out. Letting the process exit instead saves nothing: the kernel
+    then releases the uprobes the same way, one at a time.
+    """
+    if uprobes:
+        err.print(f"detaching {uprobes} uprobes (the kernel takes about 0.1 s each)…", highlight=False)
+    try:
+        params = inspect.signature(probe.shutdown).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "wait" in params and hasattr(probe, "wait_detached"):
+        probe.shutdown(wait=False)  # the detaching thread and the waiting one: either may be interrupted
+        probe.wait_detached()
+    else:
+        probe.shutdown()
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _loop(probe, target: Target, duration: float | None, interval: float, out, live_tty: bool,
+          uprobes: int) -> tuple[str, float]:
+    """Refresh until the duration is up, Ctrl-C/SIGTERM, or the process is gone.
+
+    Returns (why it ended, when it started)."""
+    pid = target.pid
+    step = min(0.2, interval)
+    t0 = time.monotonic()
+    deadline = t0 + duration if duration else None
+    previous: dict | None = None
+    last_t = t0
+    snap: dict | None = None
+    live = None
+    if live_tty:
+        from rich.live import Live
+        live = Live(console=out, auto_refresh=False, transient=True)
+        live.start()
+    try:
+        next_tick = t0 + interval
+        while True:
+            now = time.monotonic()
+            if not alive(pid, target.start_time):
+                return "process exited", t0
+            if deadline is not None and now >= deadline:
+                return "duration", t0
+            if now >= next_tick:
+                snap = probe.snapshot(pid)
+                dt, elapsed = now - last_t, now - t0
+                if live is not None:
+                    live.update(render_live(snap, previous, dt, elapsed, pid=pid, process=target.process,
+                                            uprobes=uprobes, duration=duration), refresh=True)
+                else:
+                    print(render_line(snap, previous, dt, elapsed), flush=True)
+                previous, last_t = snap, now
+                next_tick += interval
+                if next_tick <= now:
+                    next_tick = now + interval
+            wake = min(next_tick, deadline if deadline is not None else next_tick, now + step)
+            time.sleep(max(0.0, wake - time.monotonic()))
+    except (KeyboardInterrupt, _Stop):
+        return "interrupted", t0
+    finally:
+        if live is not None:
+            live.stop()

@@ -1,0 +1,311 @@
+"""`gpuwatch trace --pid` end to end: the CLI as a subprocess, real uprobes on the fake libcuda.so.1,
+tests/ebpf/driver.c as the traced process (see conftest.py). Counts must be exactly driver.c's.
+
+Each full trace costs ~2 s to compile and ~7-9 s to detach (the kernel waits for an RCU grace
+period per uprobe), so there are three, one per way a trace ends (duration, process exit, Ctrl-C);
+the validation errors come before any compiling and are fast.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from gpuwatch.agent import trace as trace_mod
+from . import test_ebpf_cuda as _base
+from .test_ebpf_cuda import EXPECTED, LIVE_ALLOCATIONS, LIVE_BYTES
+
+KERNELS = getattr(_base, "KERNELS", None)  # per kernel handle, busiest first, where the probe has kernels
+
+pytestmark = pytest.mark.root
+
+KERNEL_LAUNCHES = 1009 + 4 * 101 + 53 + 11  # cuLaunchKernel, _ptsz, Ex, Cooperative (graphs are no kernel)
+ALLOCATIONS = 307 + 3 + 2 + 4 + 2
+FREES = 211 + 4 + 1
+
+
+class Trace:
+    """`python -m gpuwatch.agent.cli trace ARGS` with stdout and stderr collected as they come."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "trace", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.attached = threading.Event()
+        self._threads = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
+                         threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _read(self, stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+            if line.startswith("tracing PID"):
+                self.attached.set()
+
+    def wait_attached(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.attached.wait(0.05):
+            assert self.proc.poll() is None, self.stderr
+            assert time.monotonic() < deadline, self.stderr
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        for t in self._threads:
+            t.join(5)
+        return rc
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+
+def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "trace", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def _assert_exact(summary: dict, pid: int) -> None:
+    assert summary["pid"] == pid and summary["process"] == "driver"
+    got = {api: (a["calls"], a["errors"], a["bytes"]) for api, a in summary["apis"].items()}
+    assert got == EXPECTED
+    assert summary["memory"] == {"live_bytes": LIVE_BYTES, "live_allocations": LIVE_ALLOCATIONS,
+                                 "allocations": ALLOCATIONS, "frees": FREES}
+    assert summary["dropped_events"] == 0
+    for a in summary["apis"].values():
+        assert set(a) >= {"calls", "errors", "bytes", "mean_latency_s"}
+        if a["p50_latency_s"] is not None:  # the upper edge of a power-of-two bucket of ns
+            assert a["p50_latency_s"] <= a["p99_latency_s"]
+            assert round(a["p99_latency_s"] * 1e9) & (round(a["p99_latency_s"] * 1e9) - 1) == 0
+    assert summary["apis"]["cuMemAlloc_v2"]["mean_latency_s"] > 0
+    if KERNELS is not None:
+        assert summary["kernels"] == KERNELS
+    if summary["kernels"]:
+        assert sum(k["launches"] for k in summary["kernels"]) == KERNEL_LAUNCHES
+
+
+def test_duration_summary_counts_exact(fake_cuda, drivers, tmp_path):
+    d = drivers()
+    out = tmp_path / "summary.json"
+    t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--summary-json", str(out),
+              "--duration", "3", "--interval", "0.5")
+    t.wait_attached()
+    assert "compiling eBPF program…" in t.stderr
+    d.go()
+    assert t.wait() == 0, t.stderr
+    summary = json.loads(out.read_text())
+    assert summary["ended"] == "duration"
+    assert 2.9 <= summary["duration_seconds"] < 4.5
+    _assert_exact(summary, d.pid)
+    # stdout is a pipe: one plain line per refresh, then the summary
+    lines = [line for line in t.out if line.startswith("[")]
+    assert len(lines) >= 4 and f"calls {sum(c for c, _, _ in EXPECTED.values())} " in lines[-1]
+    assert "ended: duration" in t.stdout and "cuMemAlloc_v2" in t.stdout and "power-of-two" in t.stdout
+    assert "Traceback" not in t.stderr and f"summary written to {out}" in t.stderr
+    assert d.finish() == 0  # the traced process was not disturbed
+
+
+def test_process_exit_ends_trace_with_summary(fake_cuda, drivers, tmp_path):
+    d = drivers()
+    out = tmp_path / "summary.json"
+    t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--summary-json", str(out),
+              "--interval", "0.5", "--duration", "60")
+    t.wait_attached()
+    d.go()
+    assert d.finish() == 0
+    t0 = time.monotonic()
+    assert t.wait() == 0, t.stderr
+    summary = json.loads(out.read_text())
+    assert summary["ended"] == "process exited"
+    assert summary["duration_seconds"] < 30
+    _assert_exact(summary, d.pid)
+    assert "ended: process exited" in t.stdout and "Traceback" not in t.stderr
+    print(f"exit to end of trace (incl. detaching): {time.monotonic() - t0:.1f} s")
+
+
+def test_ctrl_c_ends_trace_with_summary(fake_cuda, drivers, tmp_path):
+    d = drivers()
+    out = tmp_path / "summary.json"
+    t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--summary-json", str(out), "--interval", "0.2")
+    t.wait_attached()
+    d.go()
+    total = f"calls {sum(c for c, _, _ in EXPECTED.values())} "
+    deadline = time.monotonic() + 10
+    while not any(total in line for line in t.out):  # the live view has seen the whole workload
+        assert time.monotonic() < deadline and t.proc.poll() is None, t.stdout + t.stderr
+        time.sleep(0.05)
+    t.proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    t.proc.send_signal(signal.SIGINT)  # a second Ctrl-C costs neither the summary nor the detach
+    assert t.wait() == 0, t.stderr
+    summary = json.loads(out.read_text())
+    assert summary["ended"] == "interrupted"
+    _assert_exact(summary, d.pid)
+    assert "ended: interrupted" in t.stdout and "Traceback" not in t.stderr and "Aborted" not in t.stderr
+    with open("/sys/kernel/tracing/uprobe_events") as f:
+        assert fake_cuda["lib"] not in f.read()
+
+
+def _free_pid() -> int:
+    pid = trace_mod.pid_max() - 1
+    while os.path.exists(f"/proc/{pid}"):
+        pid -= 1
+    return pid
+
+
+def _is_kthreadd() -> bool:
+    try:
+        with open("/proc/2/status") as f:
+            return f.readline().split()[1:] == ["kthreadd"]
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def sleeper():
+    p = subprocess.Popen(["sleep", "30"])
+    yield p
+    p.kill()
+    p.wait()
+
+
+@pytest.mark.parametrize("pid, message", [
+    ("0", "PID must be a positive integer"),
+    ("-1", "PID must be a positive integer"),
+    ("pid_max+1", "is above this system's largest PID"),
+    ("free", "no such process"),
+    ("2", "PID 2 is a kernel thread: it runs no CUDA"),
+    ("sleep", "process {pid} (sleep) does not use CUDA: no libcuda.so is mapped"),
+])
+def test_invalid_pid_exits_1_with_message(pid, message, sleeper):
+    if pid == "2" and not _is_kthreadd():
+        pytest.skip("PID 2 is not kthreadd here")
+    value = {"pid_max+1": str(trace_mod.pid_max() + 1), "free": str(_free_pid()),
+             "sleep": str(sleeper.pid)}.get(pid, pid)
+    r = _run("--pid", value)
+    assert r.returncode == 1, r
+    assert r.stderr.startswith("Error: ") and message.format(pid=value) in r.stderr
+    assert "Traceback" not in r.stderr and "compiling" not in r.stderr
+
+
+def test_library_not_mapped(fake_cuda, sleeper):
+    r = _run("--pid", str(sleeper.pid), "--library", fake_cuda["lib"])
+    assert r.returncode == 1
+    assert f"process {sleeper.pid} (sleep) does not map {fake_cuda['lib']} (--library)" in r.stderr
+    r = _run("--pid", str(sleeper.pid), "--library", "/nonexistent/libcuda.so.1")
+    assert r.returncode == 1 and "--library /nonexistent/libcuda.so.1: no such file" in r.stderr
+
+
+def test_usage_errors_exit_2():
+    assert _run("--pid", "abc").returncode == 2
+    assert _run().returncode == 2
+    assert _run("--pid", "1", "--duration", "0").returncode == 2
+
+
+def test_wait_gives_up_when_the_process_exits():
+    p = subprocess.Popen(["sleep", "0.7"])
+    try:
+        r = _run("--pid", str(p.pid), "--wait")
+    finally:
+        p.wait()
+    assert r.returncode == 1
+    assert "waiting for process" in r.stderr
+    assert f"process {p.pid} (sleep) exited before it loaded CUDA" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_wait_returns_once_libcuda_is_mapped(fake_cuda):
+    code = f"import ctypes, time; time.sleep(0.5); ctypes.CDLL({fake_cuda['lib']!r}); time.sleep(30)"
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        time.sleep(0.1)
+        target = trace_mod.validate(p.pid, None, wait=True)
+        assert target.libraries == []
+        with pytest.raises(trace_mod.TraceError, match="does not use CUDA"):
+            trace_mod.validate(p.pid, None)
+        t0 = time.monotonic()
+        trace_mod.wait_for_cuda(target, None, poll=0.05)
+        assert time.monotonic() - t0 < 10
+        assert len(target.libraries) == 1 and target.libraries[0].endswith(fake_cuda["lib"])
+        assert target.libraries[0].startswith(f"/proc/{p.pid}/root/")
+        assert trace_mod.validate(p.pid, fake_cuda["lib"]).libraries == [fake_cuda["lib"]]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_pid_reuse_or_exit_is_told_by_start_time(sleeper):
+    st = trace_mod.read_stat(sleeper.pid)
+    assert trace_mod.alive(sleeper.pid, st.start_time)
+    assert not trace_mod.alive(sleeper.pid, st.start_time + 1)  # same PID, another process
+    sleeper.kill()
+    sleeper.wait()
+    assert not trace_mod.alive(sleeper.pid, st.start_time)
+
+
+def test_not_root_says_run_as_root(sleeper):
+    def drop() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    mine = subprocess.Popen(["sleep", "30"], preexec_fn=drop)
+    try:
+        for pid, text in ((mine.pid, f"attaching eBPF uprobes to process {mine.pid} needs root"),
+                          (sleeper.pid, f"process {sleeper.pid} belongs to uid 0")):
+            r = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "trace", "--pid", str(pid)],
+                               capture_output=True, text=True, cwd="/", preexec_fn=drop, timeout=30)
+            assert r.returncode == 1, r
+            assert text in r.stderr
+            assert ("run as root (tracing through the gpuwatch daemon for your own processes is not "
+                    "available yet)") in r.stderr
+            assert "Traceback" not in r.stderr
+    finally:
+        mine.kill()
+        mine.wait()
+
+
+def test_percentiles_from_log2_histogram():
+    # slot s holds [2**(s-1), 2**s) ns: the answer is the slot's upper edge
+    hist = {10: 50, 11: 49, 20: 1}
+    assert trace_mod.percentile(hist, 0.5) == 2 ** 10 * 1e-9
+    assert trace_mod.percentile(hist, 0.99) == 2 ** 11 * 1e-9
+    assert trace_mod.percentile(hist, 1.0) == 2 ** 20 * 1e-9
+    assert trace_mod.percentile({}, 0.5) is None
+    assert trace_mod.percentile({0: 3}, 0.99) == 0.0
+
+
+def test_summary_from_snapshot_without_kernels():
+    snap = {"pid": 7, "apis": {"cuMemAlloc_v2": {"calls": 3, "errors": 1, "bytes": 30, "seconds": 3e-6,
+                                                 "mean_latency_s": 1e-6, "histogram": {10: 3}},
+                               "cuLaunchKernel": {"calls": 5, "errors": 0, "bytes": 0, "seconds": 0.0,
+                                                  "mean_latency_s": 0.0, "histogram": {}}},
+            "memory": {"live_bytes": 20, "live_allocations": 2, "allocations": 2, "frees": 0},
+            "dropped_events": 4}
+    s = trace_mod.summarize(snap, pid=7, process="x", duration=1.23456, ended="interrupted")
+    assert s["kernels"] == [] and s["dropped_events"] == 4 and s["duration_seconds"] == 1.235
+    assert s["apis"]["cuLaunchKernel"]["mean_latency_s"] is None  # entry-only: no latency measured
+    assert s["apis"]["cuMemAlloc_v2"] == {"calls": 3, "errors": 1, "bytes": 30, "mean_latency_s": 1e-6,
+                                          "p50_latency_s": 2 ** 10 * 1e-9, "p99_latency_s": 2 ** 10 * 1e-9}
+    line = trace_mod.render_line(snap, None, 1.0, 1.0)
+    assert "calls 8" in line and "errors 1" in line and "dropped 4" in line
+    import io
+
+    from rich.console import Console
+    c = Console(width=200, record=True, file=io.StringIO())
+    c.print(trace_mod.render_summary(s))
+    text = c.export_text()
+    assert "ended: interrupted" in text and "cuMemAlloc_v2" in text and "≤1.02 µs" in text
