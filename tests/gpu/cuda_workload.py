@@ -1,7 +1,7 @@
 """A PyTorch process whose CUDA driver calls are known, for checking the eBPF probe on a GPU.
 
 It prints "ready <pid>" once CUDA is initialised and its kernels are loaded, then waits for a
-line on stdin before each phase (add, add, malloc, matmul), printing "done <phase> <seconds>":
+line on stdin before each phase (add x 2*rounds, malloc, matmul), printing "done <phase> <seconds>":
   add      N x.add_(1) on a small tensor      -> N cuLaunchKernel (via cudaLaunchKernel)
   malloc   M raw cudaMalloc(S) + cudaFree     -> M cuMemAlloc_v2 (S bytes each) + M cuMemFree_v2
   matmul   K bf16 matmuls 1024^3 (cuBLAS)     -> K cuLaunchKernelEx
@@ -20,6 +20,7 @@ ap.add_argument("--adds", type=int, default=20000)
 ap.add_argument("--mallocs", type=int, default=500)
 ap.add_argument("--malloc-bytes", type=int, default=1 << 20)
 ap.add_argument("--matmuls", type=int, default=50)
+ap.add_argument("--rounds", type=int, default=1)
 a = ap.parse_args()
 
 x = torch.zeros(16, device="cuda")
@@ -67,8 +68,10 @@ def matmuls():
         m1 @ m2
 
 
-phase("add", adds)  # twice: the tracer attaches between the two, so their times give its overhead
-phase("add", adds)
+# add phases in two groups of --rounds: the tracer attaches between the groups, so the medians
+# of the two give its overhead (the first phase of all also warms up, so it is not counted).
+for _ in range(2 * a.rounds):
+    phase("add", adds)
 phase("malloc", mallocs)
 phase("matmul", matmuls)
 sys.stdin.readline()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ def main() -> int:
     ap.add_argument("--mallocs", type=int, default=500)
     ap.add_argument("--malloc-bytes", type=int, default=1 << 20)
     ap.add_argument("--matmuls", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=7, help="add phases timed detached, and attached")
     ap.add_argument("--out")
     a = ap.parse_args()
     # The workload must not see the bcc bundle's libraries (GPU.md): give it the original environment.
@@ -39,7 +41,7 @@ def main() -> int:
             env[var] = orig
     work = subprocess.Popen([sys.executable, os.path.join(HERE, "cuda_workload.py"), "--adds", str(a.adds),
                              "--mallocs", str(a.mallocs), "--malloc-bytes", str(a.malloc_bytes),
-                             "--matmuls", str(a.matmuls)],
+                             "--matmuls", str(a.matmuls), "--rounds", str(a.rounds)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
     def step(name):
@@ -53,7 +55,7 @@ def main() -> int:
     assert ready[0] == "ready", ready
     pid = int(ready[1])
     result: dict = {"pid": pid}
-    result["add_seconds_detached"] = step("add")
+    detached = [step("add") for _ in range(a.rounds)]
 
     probe = EbpfCudaProbe(pid=pid)
     t = time.perf_counter()
@@ -69,8 +71,9 @@ def main() -> int:
         return {api: tuple(x - y for x, y in zip(v, before.get(api, (0, 0, 0))))
                 for api, v in after.items() if v != before.get(api, (0, 0, 0))}
 
+    attached = [step("add") for _ in range(a.rounds - 1)]
     s0 = calls()
-    result["add_seconds_attached"] = step("add")
+    attached.append(step("add"))
     s1 = calls()
     step("malloc")
     s2 = calls()
@@ -99,9 +102,12 @@ def main() -> int:
     result["cuMemAlloc_v2_mean_latency_us"] = round(alloc.get("mean_latency_s", 0) * 1e6, 2)
     result["cuMemAlloc_v2_histogram"] = alloc.get("histogram")
     result["kernels"] = snap.get("kernels", [])[:10]
-    result["per_add_us_detached"] = round(result["add_seconds_detached"] / a.adds * 1e6, 2)
-    result["per_add_us_attached"] = round(result["add_seconds_attached"] / a.adds * 1e6, 2)
-    result["attached_over_detached"] = round(result["add_seconds_attached"] / result["add_seconds_detached"], 3)
+    # Medians over the rounds, leaving out the very first phase (warm-up).
+    det, att = statistics.median(detached[1:] or detached), statistics.median(attached)
+    result["add_phase_seconds"] = {"detached": detached, "attached": attached}
+    result["per_add_us_detached"] = round(det / a.adds * 1e6, 2)
+    result["per_add_us_attached"] = round(att / a.adds * 1e6, 2)
+    result["attached_over_detached"] = round(att / det, 3)
     result["samples"] = len(samples)
     result["live_bytes_at_end"] = snap["memory"]["live_bytes"]
     if a.out:
