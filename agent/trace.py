@@ -145,35 +145,12 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
     return Target(pid, comm(pid, proc), st.start_time)
 
 
-def _file_id(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def maps_file(pid: int, path: str, proc: str = "/proc") -> bool:
     """Does the process map this file (compared by device and inode, through /proc/PID/root)?"""
-    want = _file_id(path)
-    if want is None:
-        return False
-    seen: set[str] = set()
-    try:
-        with open(f"{proc}/{pid}/maps", "rb") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) < 6:
-                    continue
-                mapped = parts[5].strip().decode(errors="replace")
-                if not mapped.startswith("/") or mapped.endswith(" (deleted)") or mapped in seen:
-                    continue
-                seen.add(mapped)
-                if _file_id(f"{proc}/{pid}/root{mapped}") == want:
-                    return True
-    except OSError:
-        pass
-    return False
+    from gpuwatch.probes.ebpf.loader import file_id, mapped_files
+
+    want = file_id(path)
+    return want is not None and any(file_id(f"{proc}/{pid}/root{m}") == want for m in mapped_files(pid, proc))
 
 
 def cuda_libraries(target: Target, library: str | None = None, proc: str = "/proc") -> list[str]:

@@ -102,30 +102,33 @@ def check_environment() -> None:
         raise ProbeUnavailable(
             f"no kernel headers for {release} (bcc looks in /lib/modules/{release}/build): install "
             f"linux-headers-{release}, or, for a kernel without a headers package, install the nearest "
-            f"distribution headers (e.g. linux-headers-amd64) and set BCC_KERNEL_SOURCE to their directory "
-            f"or symlink /lib/modules/{release}/build and /source to them")
+            f"distribution headers (e.g. linux-headers-amd64) and symlink /lib/modules/{release}/build to "
+            f"/usr/src/linux-headers-VERSION-amd64 and /source to its -common sibling: uprobe programs "
+            f"need little from them (verified with Debian's 6.1 headers on 6.18 kernels)")
     ensure_tracefs()
 
 
 # ---- finding libcuda ---------------------------------------------------------------------------
-def libcuda_in(pid: int) -> list[str]:
-    """The libcuda files mapped by a process, as paths reachable from here (through /proc/PID/root)."""
-    found: list[str] = []
+def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
+    """The files a process maps, once each, in its own mount namespace's paths (not deleted ones)."""
+    found: dict[str, None] = {}
     try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
+        with open(f"{proc}/{pid}/maps", "rb") as f:
             for line in f:
                 parts = line.split(None, 5)
                 if len(parts) < 6:
                     continue
                 path = parts[5].strip().decode(errors="replace")
-                if path.endswith(" (deleted)") or not LIBCUDA_RE.search(path):
-                    continue
-                full = f"/proc/{pid}/root{path}"
-                if full not in found:
-                    found.append(full)
+                if path.startswith("/") and not path.endswith(" (deleted)"):
+                    found[path] = None
     except OSError:
         pass
-    return found
+    return list(found)
+
+
+def libcuda_in(pid: int) -> list[str]:
+    """The libcuda files mapped by a process, as paths reachable from here (through /proc/PID/root)."""
+    return [f"/proc/{pid}/root{path}" for path in mapped_files(pid) if LIBCUDA_RE.search(path)]
 
 
 def file_id(path: str) -> tuple[int, int] | None:
@@ -199,7 +202,8 @@ class Loader:
         except Exception as e:
             raise ProbeUnavailable(f"bcc could not compile the probe ({e}); see the compiler messages in the "
                                    f"agent's log; the kernel headers used are {kernel_headers()}: install "
-                                   f"linux-headers for the running kernel or set BCC_KERNEL_SOURCE") from None
+                                   f"linux-headers for the running kernel (`gpuwatch doctor` says what is "
+                                   f"missing)") from None
         self.compile_seconds = time.perf_counter() - t0
         self._closed = False
         # bcc registers BPF.cleanup to run at interpreter exit; it would race a background detach

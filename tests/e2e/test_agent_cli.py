@@ -4,7 +4,7 @@ import subprocess
 import sys
 import time
 
-from tests.conftest import FIXTURE, wait_http
+from tests.conftest import FIXTURE
 
 
 def gpuwatch(*args, timeout=30):

@@ -11,38 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import time
 
+import workload  # tests/gpu/workload.py
 from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--adds", type=int, default=20000)
-    ap.add_argument("--mallocs", type=int, default=500)
-    ap.add_argument("--malloc-bytes", type=int, default=1 << 20)
-    ap.add_argument("--matmuls", type=int, default=50)
+    workload.add_arguments(ap)
     ap.add_argument("--rounds", type=int, default=7, help="add phases timed detached, and attached")
     ap.add_argument("--out")
     a = ap.parse_args()
     # The workload must not see the bcc bundle's libraries (GPU.md): give it the original environment.
-    env = dict(os.environ)
-    for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
-        orig = os.environ.get(f"WORKLOAD_{var}")
-        if orig is None:
-            env.pop(var, None)
-        else:
-            env[var] = orig
-    work = subprocess.Popen([sys.executable, os.path.join(HERE, "cuda_workload.py"), "--adds", str(a.adds),
-                             "--mallocs", str(a.mallocs), "--malloc-bytes", str(a.malloc_bytes),
-                             "--matmuls", str(a.matmuls), "--rounds", str(a.rounds)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    work = workload.start(a, rounds=a.rounds)
 
     def step(name):
         work.stdin.write("go\n")

@@ -10,31 +10,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import workload
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--adds", type=int, default=20000)
-    ap.add_argument("--mallocs", type=int, default=500)
-    ap.add_argument("--malloc-bytes", type=int, default=1 << 20)
-    ap.add_argument("--matmuls", type=int, default=50)
+    workload.add_arguments(ap)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    env = dict(os.environ)
-    for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
-        orig = os.environ.get(f"WORKLOAD_{var}")
-        env.pop(var, None) if orig is None else env.__setitem__(var, orig)
-    work = subprocess.Popen([sys.executable, os.path.join(HERE, "cuda_workload.py"), "--adds", str(a.adds),
-                             "--mallocs", str(a.mallocs), "--malloc-bytes", str(a.malloc_bytes),
-                             "--matmuls", str(a.matmuls)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    work = workload.start(a)
     pid = int(work.stdout.readline().split()[1])
     trace = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "trace", "--pid", str(pid),
                               "--summary-json", a.out, "--interval", "1"],
