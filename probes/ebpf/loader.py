@@ -14,6 +14,7 @@ import re
 import subprocess
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -91,7 +92,11 @@ def ensure_tracefs() -> str:
 def check_environment() -> None:
     """Raise ProbeUnavailable with the remedy when bcc cannot work here."""
     try:
-        import bcc  # noqa: F401
+        with warnings.catch_warnings():
+            # bcc 0.26's own module has an invalid escape sequence; its warning is noise to our users.
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import bcc  # noqa: F401
     except ImportError:
         raise ProbeUnavailable(BCC_REMEDY) from None
     if not has_privileges():
