@@ -1,10 +1,11 @@
 """A PyTorch process whose CUDA driver calls are known, for checking the eBPF probe on a GPU.
 
 It prints "ready <pid>" once CUDA is initialised and its kernels are loaded, then waits for a
-line on stdin before each phase (add x 2*rounds, malloc, matmul), printing "done <phase> <seconds>":
+line on stdin before each phase (add x 2*rounds, malloc, matmul, fresh), printing "done <phase> <seconds>":
   add      N x.add_(1) on a small tensor      -> N cuLaunchKernel (via cudaLaunchKernel)
   malloc   M raw cudaMalloc(S) + cudaFree     -> M cuMemAlloc_v2 (S bytes each) + M cuMemFree_v2
   matmul   K bf16 matmuls 1024^3 (cuBLAS)     -> K cuLaunchKernelEx
+  fresh    F sin_ + F cos_ on a 1M tensor     -> 2F cuLaunchKernel of kernels first loaded now
 Usage: python3 tests/gpu/cuda_workload.py --adds 20000 --mallocs 500 --malloc-bytes 1048576 --matmuls 50
 """
 import argparse
@@ -21,11 +22,13 @@ ap.add_argument("--mallocs", type=int, default=500)
 ap.add_argument("--malloc-bytes", type=int, default=1 << 20)
 ap.add_argument("--matmuls", type=int, default=50)
 ap.add_argument("--rounds", type=int, default=1)
+ap.add_argument("--fresh", type=int, default=100, help="sin_ and cos_ launches in the last phase")
 a = ap.parse_args()
 
 x = torch.zeros(16, device="cuda")
 m1 = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
 m2 = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+y = torch.ones(1 << 20, device="cuda")  # for the fresh phase: allocated now, so it launches only sin/cos
 x.add_(1); m1 @ m2  # load the kernels and cuBLAS before the tracer counts
 torch.cuda.synchronize()
 cudart = None
@@ -63,6 +66,12 @@ def mallocs():
         assert cudart.cudaFree(ptr) == 0
 
 
+def fresh():
+    for _ in range(a.fresh):
+        y.sin_()
+        y.cos_()
+
+
 def matmuls():
     for _ in range(a.matmuls):
         m1 @ m2
@@ -74,4 +83,5 @@ for _ in range(2 * a.rounds):
     phase("add", adds)
 phase("malloc", mallocs)
 phase("matmul", matmuls)
+phase("fresh", fresh)  # kernels this process has not launched before: loaded (and named) now
 sys.stdin.readline()

@@ -62,6 +62,8 @@ def main() -> int:
     s2 = calls()
     step("matmul")
     s3 = calls()
+    step("fresh")
+    s4 = calls()
     snap = probe.snapshot(pid)
     samples = probe.collect()
     t = time.perf_counter()
@@ -71,7 +73,7 @@ def main() -> int:
     work.stdin.flush()
     work.wait(30)
 
-    phases = {"add": delta(s0, s1), "malloc": delta(s1, s2), "matmul": delta(s2, s3)}
+    phases = {"add": delta(s0, s1), "malloc": delta(s1, s2), "matmul": delta(s2, s3), "fresh": delta(s3, s4)}
     result["phases"] = {k: {api: list(v) for api, v in d.items()} for k, d in phases.items()}
     checks = [
         ("add: cuLaunchKernel calls", phases["add"].get("cuLaunchKernel", (0,))[0], a.adds),
@@ -79,6 +81,7 @@ def main() -> int:
         ("malloc: cuMemAlloc_v2 bytes", phases["malloc"].get("cuMemAlloc_v2", (0, 0, 0))[2], a.mallocs * a.malloc_bytes),
         ("malloc: cuMemFree_v2 calls", phases["malloc"].get("cuMemFree_v2", (0,))[0], a.mallocs),
         ("matmul: cuLaunchKernelEx calls", phases["matmul"].get("cuLaunchKernelEx", (0,))[0], a.matmuls),
+        ("fresh: cuLaunchKernel calls", phases["fresh"].get("cuLaunchKernel", (0,))[0], 200),
     ]
     result["checks"] = [{"what": w, "seen": seen, "expected": exp, "ok": seen == exp} for w, seen, exp in checks]
     alloc = snap["apis"].get("cuMemAlloc_v2", {})
@@ -102,9 +105,12 @@ def main() -> int:
               "attached_over_detached", "cuMemAlloc_v2_mean_latency_us"):
         print(f"{k:34s} {result[k]}")
     print("other APIs seen per phase:", {k: sorted(v) for k, v in phases.items()})
-    for k in result["kernels"][:5]:
-        print(f"kernel {k['handle']}: {k['launches']} launches, grid {k['grid']} block {k['block']}, "
-              f"shared {k['shared_mem_bytes']} B, degenerate {k['degenerate_launches']}")
+    for k in result["kernels"][:6]:
+        print(f"kernel {k['handle']} {str(k.get('name'))[:70]}: {k['launches']} launches, grid {k['grid']} "
+              f"block {k['block']}, shared {k['shared_mem_bytes']} B, degenerate {k['degenerate_launches']}")
+    fresh_kernels = [k for k in snap.get("kernels", []) if k["launches"] == 100]
+    result["fresh_kernels_named"] = sum(1 for k in fresh_kernels if k.get("name"))
+    print(f"kernels first launched after attach: {len(fresh_kernels)}, named: {result['fresh_kernels_named']}")
     return 0 if all(c["ok"] for c in result["checks"]) else 1
 
 

@@ -43,8 +43,7 @@ def main() -> int:
     out, err = trace.communicate(timeout=120)
     print(out[-3000:])
     print(err[-1500:])
-    work.stdin.write("bye\n")
-    work.stdin.flush()
+    work.stdin.close()  # the workload ends at the end of its input
     work.wait(30)
     summary = json.load(open(a.out))
     apis = summary["apis"]
