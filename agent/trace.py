@@ -309,9 +309,15 @@ def fmt_dims(d: Any) -> str:
         return str(d)
 
 
+KERNEL_NAME_WIDTH = 60
+
+
 def kernel_label(k: dict) -> str:
-    if k.get("name"):
-        return str(k["name"])
+    """The kernel's name (cut to KERNEL_NAME_WIDTH characters, "…" marking the cut), else its handle."""
+    name = k.get("name")
+    if name:
+        name = str(name)
+        return name if len(name) <= KERNEL_NAME_WIDTH else name[:KERNEL_NAME_WIDTH - 1] + "…"
     h = k.get("handle")
     return f"0x{h:x}" if isinstance(h, int) else str(h)
 
@@ -371,12 +377,14 @@ def _api_table(snapshot: dict, r: dict[str, float] | None, limit: int | None):
 def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
     from rich.table import Table
     t = Table(box=None, pad_edge=False, header_style="bold")
-    cols = ["kernel (handle)"] + (["launches/s"] if kr is not None else []) + \
+    from rich.text import Text
+    cols = ["kernel (name or handle)"] + (["launches/s"] if kr is not None else []) + \
         ["launches", "grid", "block", "shared mem", "1-block launches"]
     for c in cols:
         t.add_column(c, justify="left" if c.startswith("kernel") else "right")
     for k in kernels[:limit]:
-        row = [kernel_label(k)] + ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
+        # Text, not a str: a name is the traced process's choice and must not be read as rich markup
+        row = [Text(kernel_label(k))] + ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
         row += [str(k.get("launches", 0)), fmt_dims(k.get("grid")), fmt_dims(k.get("block")),
                 fmt_bytes(k.get("shared_mem_bytes")) if k.get("shared_mem_bytes") is not None else "—",
                 str(k.get("degenerate_launches", 0))]

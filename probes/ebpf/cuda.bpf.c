@@ -1,5 +1,5 @@
 // gpuwatch eBPF probe on libcuda: per (process, API) counters, latency histograms, live
-// allocations and per-kernel launch configurations, aggregated in the kernel. Compiled by bcc;
+// allocations, per-kernel launch configurations and kernel names, aggregated in the kernel. Compiled by bcc;
 // the loader replaces the two markers below with the text from symbols.py (struct layouts and
 // constants, then one entry program per hooked symbol and one return program per timed one), so
 // layouts and the symbol table are defined in one place.
@@ -17,9 +17,12 @@ BPF_F_TABLE("hash", struct gw_live_key, struct gw_live, live, GW_LIVE_MAX, BPF_F
 BPF_F_TABLE("hash", u32, s64, live_bytes, GW_LIVE_PIDS_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_hist_key, u64, hist, GW_HIST_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_kernel_key, struct gw_kernel, kernels, GW_KERNELS_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct gw_name_key, struct gw_name, names, GW_NAMES_MAX, BPF_F_NO_PREALLOC);
+// Scratch for one name (too big for the 512-byte BPF stack next to the rest of gw_return).
+BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
-// allocations, 3 kernels. (A full histogram map loses buckets silently.)
-BPF_ARRAY(dropped, u64, 4);
+// allocations, 3 kernels, 4 kernel names. (A full histogram map loses buckets silently.)
+BPF_ARRAY(dropped, u64, 5);
 
 static __always_inline void gw_drop(int what) {
     dropped.atomic_increment(what);
@@ -121,6 +124,31 @@ static __always_inline void gw_add_live(u32 pid, s64 delta) {
         __sync_fetch_and_add(v, delta);
 }
 
+// names[(pid, kind, h)] = the NUL-terminated user string at src, up to GW_NAME_LEN - 1 bytes;
+// truncated = 1 when the string goes on past them.
+static __always_inline void gw_name_store(u32 pid, u32 kind, u64 h, const char *src) {
+    u32 zero = 0;
+    struct gw_name *n = name_buf.lookup(&zero);
+    if (!n)
+        return;
+    int len = bpf_probe_read_user_str(n->name, sizeof(n->name), src);
+    if (len <= 0)
+        return;  // unreadable: the handle stays unnamed
+    n->truncated = 0;
+    if (len == sizeof(n->name)) {  // the buffer is full: a name of exactly NAME_LEN - 1 bytes, or longer
+        char next = 0;
+        if (bpf_probe_read_user(&next, 1, src + sizeof(n->name) - 1) != 0 || next != 0)
+            n->truncated = 1;
+    }
+    n->len = len - 1;
+    struct gw_name_key k = {};
+    k.pid = pid;
+    k.kind = kind;
+    k.handle = h;
+    if (names.update(&k, n) != 0)
+        gw_drop(4);
+}
+
 static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
     u64 now = bpf_ktime_get_ns();
     struct gw_call_key k = {};
@@ -178,6 +206,30 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
                 bytes = old->size;
                 live.delete(&lk);
                 gw_add_live(pid, -(s64)bytes);
+            }
+        }
+    } else if (op == GW_OP_NAME_FUNCTION || op == GW_OP_NAME_KERNEL) {
+        // c.ptr: where the driver wrote the handle; c.aux: the name (still the caller's string)
+        u64 h = 0;
+        if (rc == 0 && c.ptr && c.aux && bpf_probe_read_user(&h, sizeof(h), (void *)c.ptr) == 0 && h)
+            gw_name_store(pid, op == GW_OP_NAME_KERNEL ? GW_NAME_KERNEL : GW_NAME_FUNCTION, h,
+                          (const char *)c.aux);
+    } else if (op == GW_OP_KERNEL_FUNCTION) {
+        // c.ptr: where the driver wrote the CUfunction; c.aux: the CUkernel whose name it takes
+        u64 h = 0;
+        if (rc == 0 && c.ptr && bpf_probe_read_user(&h, sizeof(h), (void *)c.ptr) == 0 && h) {
+            struct gw_name_key kk = {};
+            kk.pid = pid;
+            kk.kind = GW_NAME_KERNEL;
+            kk.handle = c.aux;
+            struct gw_name *n = names.lookup(&kk);
+            if (n) {
+                struct gw_name_key fk = {};
+                fk.pid = pid;
+                fk.kind = GW_NAME_FUNCTION;
+                fk.handle = h;
+                if (names.update(&fk, n) != 0)
+                    gw_drop(4);
             }
         }
     }

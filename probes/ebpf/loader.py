@@ -371,6 +371,15 @@ class Loader:
                     "shared_mem_bytes": v.shared_mem, "stream": v.stream}
         return out
 
+    def names(self, pid: int | None = None) -> dict[tuple[int, int, int], tuple[bytes, bool]]:
+        """(pid, symbols.NAME_FUNCTION or NAME_KERNEL, handle) -> (name as the process gave it, up
+        to NAME_LEN - 1 bytes; truncated)."""
+        out = {}
+        for k, v in self.bpf[b"names"].items():
+            if pid is None or k.pid == pid:
+                out[(k.pid, k.kind, k.handle)] = (bytes(v.name)[:v.len], bool(v.truncated))
+        return out
+
     def dropped(self) -> int:
         return sum(v.value for v in self.bpf[b"dropped"].values())
 
@@ -380,7 +389,7 @@ class Loader:
             return
         for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("live", lambda k: k.pid),
                              ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
-                             ("kernels", lambda k: k.pid)):
+                             ("kernels", lambda k: k.pid), ("names", lambda k: k.pid)):
             table = self.bpf[name.encode()]
             doomed = [k for k in table.keys() if pid_of(k) in pids]
             for k in doomed:
@@ -395,4 +404,5 @@ class Loader:
         pids.update(k.value for k in self.bpf[b"live_bytes"].keys())
         pids.update(k.pid_tgid >> 32 for k in self.bpf[b"inflight"].keys())
         pids.update(k.pid for k in self.bpf[b"kernels"].keys())
+        pids.update(k.pid for k in self.bpf[b"names"].keys())
         return pids

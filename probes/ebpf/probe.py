@@ -29,8 +29,18 @@ decoded at entry and is exact either way. `launch_latency=True` brings the retur
 
 Per kernel (process, CUfunction handle), the launch programs keep launches, the grid, block,
 shared memory and stream of the last launch, and the launches with a grid of one block
-("degenerate"): snapshot()["kernels"]. Names are not resolved yet ("name": None). No metric series
-per kernel are emitted.
+("degenerate"): snapshot()["kernels"]. No metric series per kernel are emitted.
+
+Kernel names: the return probes of cuModuleGetFunction and cuLibraryGetKernel store the name of
+each handle they hand out, and cuKernelGetFunction gives its CUfunction the name of its CUkernel
+(see symbols.py); a launch's handle is looked up as a CUfunction, then as a CUkernel (CUDA 12
+accepts a CUkernel where a CUfunction is expected). With lazy loading (the default since CUDA 12)
+the runtime resolves each kernel through cuKernelGetFunction at its first launch, so kernels first
+launched after the probe attached are named; handles fetched before that stay unnamed ("name":
+None) and are still counted. Names are the mangled symbols as the driver got them (not
+demangled: no small demangler safe to run on names a traced process chooses, in a root agent),
+at most NAME_LEN - 1 bytes; a longer one ends in "…". Characters that are not printable are
+shown as "?".
 
 Shutdown: detaching costs the kernel ~0.1 s per uprobe (an RCU grace period each, serialised), so
 a full set on the real libcuda takes seconds. `shutdown(wait=False)` returns at once and detaches in
@@ -51,7 +61,7 @@ from typing import Callable, Iterable
 
 from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
 from gpuwatch.probes.ebpf import loader as _loader
-from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS
+from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS, NAME_FUNCTION, NAME_KERNEL
 from gpuwatch.probes.nvml.probe import sanitise_process_name
 
 log = logging.getLogger("gpuwatch.ebpf")
@@ -72,6 +82,13 @@ def _start_time(pid: int) -> int | None:
         return int(stat[stat.rindex(b")") + 2:].split()[19])
     except (ValueError, IndexError):
         return None
+
+
+def _name_text(raw: bytes, truncated: bool) -> str:
+    """A kernel name from the maps as text: UTF-8 (invalid bytes replaced), characters that are not
+    printable (terminal controls included) as "?", "…" appended when truncated."""
+    text = "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", errors="replace"))
+    return text + "…" if truncated else text
 
 
 def _comm(pid: int) -> str:
@@ -230,7 +247,9 @@ class EbpfCudaProbe(Probe):
         seconds and histogram are not measured (0, 0.0, {}).
         kernels: one entry per (process, CUfunction handle), busiest first; "handle" and "stream"
         are hex strings; grid, block, shared_mem_bytes and stream are those of the last launch;
-        degenerate_launches counts launches with a grid of one block; "name" is None for now.
+        degenerate_launches counts launches with a grid of one block; "name" is the kernel's name
+        (mangled, "…" at the end when truncated) or None when the handle was fetched before the
+        probe attached.
         With pid=None the kernels of every process are listed, each with its "pid".
         """
         ld = self._loader
@@ -268,8 +287,10 @@ class EbpfCudaProbe(Probe):
     @staticmethod
     def _kernels(ld: _loader.Loader, pid: int | None) -> list[dict]:
         out = []
+        names = ld.names(pid)
         for (p, handle), k in ld.kernels(pid).items():
-            entry = {"handle": hex(handle), "name": None, "launches": k["launches"], "grid": k["grid"],
+            name = names.get((p, NAME_FUNCTION, handle)) or names.get((p, NAME_KERNEL, handle))
+            entry = {"handle": hex(handle), "name": _name_text(*name) if name else None, "launches": k["launches"], "grid": k["grid"],
                      "block": k["block"], "shared_mem_bytes": k["shared_mem_bytes"],
                      "degenerate_launches": k["degenerate_launches"], "stream": hex(k["stream"])}
             if pid is None:

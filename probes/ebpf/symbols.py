@@ -12,6 +12,12 @@ Every launch program (entry-only or not) also decodes the launch configuration a
 updates the per-kernel map (key: process, CUfunction handle): launches, grid, block, shared memory
 and stream of the last launch, launches with a grid of one block ("degenerate").
 
+Kernel names come from the calls that hand out handles (group "module"): at return, when the call
+succeeded, the handle written through the pointer argument is stored with the name string
+(cuModuleGetFunction -> CUfunction, cuLibraryGetKernel -> CUkernel), and cuKernelGetFunction
+copies a known CUkernel's name to the CUfunction it returns. Python joins them to the per-kernel
+map by (process, handle). Handles fetched before the probe attached stay unnamed.
+
 Arguments are read by the x86-64 System V calling convention: the first six integer arguments in
 rdi, rsi, rdx, rcx, r8, r9 (PT_REGS_PARMn, n = 1..6), the rest on the user stack; at a uprobe on
 the first instruction of a function, sp points at the return address, so argument 7 is at sp+8,
@@ -35,10 +41,18 @@ OP_ALLOC_PITCH = 2  # as OP_ALLOC, but size = *ARG(aux) (the pitch) * bytes-at-e
 OP_FREE = 3         # ARG(ptr) is the device pointer being freed; live entry removed, size subtracted
 OP_CREATE = 4       # *ARG(ptr) is a CUmemGenericAllocationHandle; tracked like OP_ALLOC, other kind
 OP_RELEASE = 5      # ARG(ptr) is a CUmemGenericAllocationHandle being released
+OP_NAME_FUNCTION = 6   # *ARG(ptr) is a new CUfunction, ARG(aux) its name: names[(pid, function, h)] = name
+OP_NAME_KERNEL = 7     # *ARG(ptr) is a new CUkernel, ARG(aux) its name: names[(pid, kernel, h)] = name
+OP_KERNEL_FUNCTION = 8  # *ARG(ptr) is the CUfunction of the CUkernel ARG(aux): its name, if known, copied
 
 # Live-allocation key kinds: device pointers and physical allocation handles are different spaces.
 KIND_DPTR = 0
 KIND_HANDLE = 1
+
+# Kernel-name key kinds: CUfunction and CUkernel handles are different spaces.
+NAME_FUNCTION = 0
+NAME_KERNEL = 1
+NAME_LEN = 128  # bytes kept of a kernel name, the terminating NUL included (longer: truncated, marked)
 
 # How a launch program finds the launch configuration (Hook.decode).
 DECODE_NONE = 0    # no kernel (cuGraphLaunch): counted, no per-kernel entry
@@ -47,6 +61,9 @@ DECODE_CONFIG = 2  # (const CUlaunchConfig *config, CUfunction f, ...): the stru
 
 OPS = {"OP_COUNT": OP_COUNT, "OP_ALLOC": OP_ALLOC, "OP_ALLOC_PITCH": OP_ALLOC_PITCH, "OP_FREE": OP_FREE,
        "OP_CREATE": OP_CREATE, "OP_RELEASE": OP_RELEASE, "KIND_DPTR": KIND_DPTR, "KIND_HANDLE": KIND_HANDLE,
+       "OP_NAME_FUNCTION": OP_NAME_FUNCTION, "OP_NAME_KERNEL": OP_NAME_KERNEL,
+       "OP_KERNEL_FUNCTION": OP_KERNEL_FUNCTION, "NAME_FUNCTION": NAME_FUNCTION, "NAME_KERNEL": NAME_KERNEL,
+       "NAME_LEN": NAME_LEN,
        "DECODE_NONE": DECODE_NONE, "DECODE_REGS": DECODE_REGS, "DECODE_CONFIG": DECODE_CONFIG}
 
 HIST_SLOTS = 64  # log2 buckets of nanoseconds
@@ -60,7 +77,8 @@ class Hook:
            ("" for none). For OP_ALLOC_PITCH it is the height, multiplied by the pitch at return.
     ptr:   argument number of the pointer argument (OP_ALLOC/OP_CREATE: where the result is
            written; OP_FREE/OP_RELEASE: the pointer or handle itself), 0 for none.
-    aux:   argument number of a second pointer argument read at return (OP_ALLOC_PITCH: pPitch).
+    aux:   argument number of a second argument used at return (OP_ALLOC_PITCH: pPitch;
+           OP_NAME_*: the name string; OP_KERNEL_FUNCTION: the CUkernel handle).
     decode: launches only: where the kernel handle and launch configuration are (DECODE_*).
     """
 
@@ -136,10 +154,14 @@ HOOKS: tuple[Hook, ...] = tuple([
     *_variants(Hook("cuStreamSynchronize", "sync"), "_ptsz"),
     Hook("cuCtxSynchronize", "sync"),
     Hook("cuEventSynchronize", "sync"),
-    # --- what names kernels (names are resolved in a later step; for now they are counted)
-    Hook("cuModuleGetFunction", "module"),
-    Hook("cuLibraryGetKernel", "module"),
-    Hook("cuKernelGetFunction", "module"),
+    # --- what names kernels: the name of each handle the driver hands out, kept per process.
+    # cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
+    Hook("cuModuleGetFunction", "module", OP_NAME_FUNCTION, ptr=1, aux=3),
+    # cuLibraryGetKernel(CUkernel *pKernel, CUlibrary library, const char *name)
+    Hook("cuLibraryGetKernel", "module", OP_NAME_KERNEL, ptr=1, aux=3),
+    # cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel): with lazy loading (the default since
+    # CUDA 12) the runtime calls it when a kernel is first launched
+    Hook("cuKernelGetFunction", "module", OP_KERNEL_FUNCTION, ptr=1, aux=2),
 ])
 
 LAUNCH_APIS = frozenset(h.name for h in HOOKS if h.group == "launch")
@@ -174,6 +196,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
                   ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
                   ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
                   ("u32", "shared_mem"), ("u32", "pad")),
+    # kernel names: (process, NAME_FUNCTION or NAME_KERNEL, handle) -> the first len bytes of name,
+    # truncated = 1 when the name was longer than NAME_LEN - 1 bytes
+    "gw_name_key": (("u32", "pid"), ("u32", "kind"), ("u64", "handle")),
+    "gw_name": (("u32", "len"), ("u32", "truncated"), ("char", f"name[{NAME_LEN}]")),
     # the head of CUlaunchConfig (cuda.h), read from user memory at cuLaunchKernelEx entry
     "gw_launch_config": (("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
                          ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
@@ -183,7 +209,7 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 # Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
 # not memory taken up front.
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
-             "HIST_MAX": 65536, "KERNELS_MAX": 65536}
+             "HIST_MAX": 65536, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18}
 
 
 def _arg_expr(expr: str) -> str:

@@ -56,8 +56,8 @@ def fake_cuda_private(tmp_path_factory) -> dict:
 class Driver:
     """tests/ebpf/driver.c as a subprocess: ready -> go() runs the workload -> finish() exits it."""
 
-    def __init__(self, path: str) -> None:
-        self.proc = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    def __init__(self, path: str, *args: str) -> None:
+        self.proc = subprocess.Popen([path, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline().split()
         assert line[:1] == ["ready"], line
         self.pid = int(line[1])
@@ -85,8 +85,8 @@ class Driver:
 def drivers(fake_cuda):
     started: list[Driver] = []
 
-    def start(path: str | None = None) -> Driver:
-        d = Driver(path or fake_cuda["driver"])
+    def start(path: str | None = None, *args: str) -> Driver:
+        d = Driver(path or fake_cuda["driver"], *args)
         started.append(d)
         return d
 

@@ -1,7 +1,9 @@
 /* Drives the fake libcuda.so.1 with a known workload for the eBPF tests.
  *
  * Protocol on stdin/stdout: prints "ready <pid>", waits for a line, runs the workload once, prints
- * "done", then waits for another line or EOF and exits 0. The counts below are mirrored in
+ * "done", then waits for another line or EOF and exits 0. With the argument "early", the handle
+ * of kernel C is fetched (cuModuleGetFunction "coop_reduce") before "ready" instead of in the
+ * workload: a probe attached after "ready" never sees its name. The counts below are mirrored in
  * test_ebpf_cuda.py (EXPECTED); keep the two in step. Counts are primes where it matters, so an
  * off-by-something cannot pass by accident.
  */
@@ -15,7 +17,7 @@
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
-typedef void *CUfunction, *CUstream, *CUevent, *CUgraphExec, *CUmodule;
+typedef void *CUfunction, *CUstream, *CUevent, *CUgraphExec, *CUmodule, *CUlibrary, *CUkernel;
 typedef struct {
     unsigned int gridDimX, gridDimY, gridDimZ;
     unsigned int blockDimX, blockDimY, blockDimZ;
@@ -58,6 +60,8 @@ CUresult cuStreamSynchronize(CUstream);
 CUresult cuCtxSynchronize(void);
 CUresult cuEventSynchronize(CUevent);
 CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuLibraryGetKernel(CUkernel *, CUlibrary, const char *);
+CUresult cuKernelGetFunction(CUfunction *, CUkernel);
 
 
 #define N_ALLOC 307
@@ -66,12 +70,28 @@ CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
 static CUdeviceptr ptrs[N_ALLOC];
 static char host[65536];
 
-/* Kernel handles and streams, distinct per kernel (mirrored in test_ebpf_cuda.py KERNELS) */
-#define KERNEL_A ((CUfunction)0xa000)
-#define KERNEL_B ((CUfunction)0xb000)
-#define KERNEL_C ((CUfunction)0xc000)
-#define KERNEL_D ((CUfunction)0xd000)
+/* Kernel handles, as fakecuda.c hands them out for these names (mirrored in test_ebpf_cuda.py
+ * KERNELS): A 0xa000 and C 0xc000 from cuModuleGetFunction; B 0xb000 and D 0xd000 from
+ * cuLibraryGetKernel + cuKernelGetFunction. D's name is longer than the probe keeps. */
+static CUfunction KERNEL_A, KERNEL_B, KERNEL_C, KERNEL_D;
+static int early;
+#define NAME_D "_ZN5flash3fwd22flash_fwd_splitkv_kernelINS_15Flash_fwd_traitsILi128ELi64ELi128ELi4ELb0ELb0EN7cutlass10bfloat16_tENS_17Flash_kernel_traitsEEELb1ELb0ELb0ELb1ELb1ELb0ELb0EEEvNS_16Flash_fwd_paramsE"
 #define STREAM(n) ((CUstream)(0x5000 + (n)))
+
+static void names(void) {
+    CUkernel k = 0;
+    CUfunction bogus = (CUfunction)0xe000;
+    cuModuleGetFunction(&KERNEL_A, 0, "_Z10add_kernelPfi");
+    if (!early)
+        cuModuleGetFunction(&KERNEL_C, 0, "coop_reduce");
+    fakecuda_set_result(CUDA_ERROR_INVALID_VALUE);          /* a failing lookup: nothing is named */
+    cuModuleGetFunction(&bogus, 0, "never_named");
+    fakecuda_set_result(0);
+    cuLibraryGetKernel(&k, 0, "gemm_bf16");
+    cuKernelGetFunction(&KERNEL_B, k);
+    cuLibraryGetKernel(&k, 0, NAME_D);
+    cuKernelGetFunction(&KERNEL_D, k);
+}
 
 static void *launcher(void *arg) {
     /* D: grid (3,5,7) block (32,4,2) shm 1024: bz and shm in stack slots */
@@ -81,8 +101,7 @@ static void *launcher(void *arg) {
 }
 
 static void work(void) {
-    CUfunction fn = 0;
-    cuModuleGetFunction(&fn, 0, "k");                       /* 1 */
+    names();
     /* A: 1009 launches; the first with a grid of one block (degenerate), then grid (1056,1,1);
      * block (256,1,1), shm 0 */
     for (int i = 0; i < 1009; i++)
@@ -164,9 +183,12 @@ static void work(void) {
         cuEventSynchronize(0);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     char line[64];
     setvbuf(stdout, NULL, _IOLBF, 0);
+    early = argc > 1 && strcmp(argv[1], "early") == 0;
+    if (early)
+        cuModuleGetFunction(&KERNEL_C, 0, "coop_reduce");
     printf("ready %d\n", (int)getpid());
     if (!fgets(line, sizeof line, stdin))
         return 1;

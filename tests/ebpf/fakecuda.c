@@ -5,9 +5,16 @@
  * pointer argument.
  *
  * Deliberately NOT exported (the probe must list them as skipped): cuGraphLaunch_ptsz,
- * cuMemcpy3DAsync_v2_ptsz, cuLibraryGetKernel, and most _ptds/_ptsz forms.
+ * cuMemcpy3DAsync_v2_ptsz, and most _ptds/_ptsz forms.
+ *
+ * Kernel handles (mirrored in driver.c and test_ebpf_cuda.py): cuModuleGetFunction gives
+ * "_Z10add_kernelPfi" 0xa000 and "coop_reduce" 0xc000; cuLibraryGetKernel gives "gemm_bf16" the
+ * CUkernel 0xb100 and any name longer than 127 bytes 0xd100; cuKernelGetFunction(k) gives k - 0x100.
+ * Other names get 0x1234 (functions) and 0x4321 (kernels).
  */
 #include <stddef.h>
+#include <stdint.h>
+#include <string.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -17,6 +24,8 @@ typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
+typedef struct CUkern_st *CUkernel;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUlaunchAttribute_st CUlaunchAttribute;
@@ -115,6 +124,24 @@ CUresult cuStreamSynchronize_ptsz(CUstream s) { RET; }
 CUresult cuCtxSynchronize(void) { RET; }
 CUresult cuEventSynchronize(CUevent e) { RET; }
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
-    if (fake_result == 0) *f = (CUfunction)(void *)0x1234;
+    if (fake_result == 0) {
+        uintptr_t h = 0x1234;
+        if (strcmp(name, "_Z10add_kernelPfi") == 0) h = 0xa000;
+        else if (strcmp(name, "coop_reduce") == 0) h = 0xc000;
+        *f = (CUfunction)h;
+    }
+    RET;
+}
+CUresult cuLibraryGetKernel(CUkernel *k, CUlibrary lib, const char *name) {
+    if (fake_result == 0) {
+        uintptr_t h = 0x4321;
+        if (strcmp(name, "gemm_bf16") == 0) h = 0xb100;
+        else if (strlen(name) > 127) h = 0xd100;
+        *k = (CUkernel)h;
+    }
+    RET;
+}
+CUresult cuKernelGetFunction(CUfunction *f, CUkernel k) {
+    if (fake_result == 0) *f = (CUfunction)((uintptr_t)k - 0x100);
     RET;
 }

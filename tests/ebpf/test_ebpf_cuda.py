@@ -21,7 +21,10 @@ pytestmark = pytest.mark.root
 KIB4 = 4096
 # api -> (calls, errors, bytes): mirrors driver.c
 EXPECTED = {
-    "cuModuleGetFunction": (1, 0, 0),
+    # kernel names: A, C and one failing lookup; B and D through CUkernels
+    "cuModuleGetFunction": (3, 1, 0),
+    "cuLibraryGetKernel": (2, 0, 0),
+    "cuKernelGetFunction": (2, 0, 0),
     "cuLaunchKernel": (1009, 0, 0),
     "cuLaunchKernel_ptsz": (4 * 101, 0, 0),  # from 4 threads
     "cuLaunchKernelEx": (53, 0, 0),
@@ -53,21 +56,24 @@ EXPECTED = {
 # live after the run: allocations 212..307, 3 pitched, 2 managed, 1 of 2 cuMemCreate handles
 LIVE_BYTES = sum((i + 1) * KIB4 for i in range(211, 307)) + 3 * 1024 * 17 + 2 * (1 << 20) + (2 << 20)
 LIVE_ALLOCATIONS = 96 + 3 + 2 + 1
-# Per kernel handle (driver.c): launches, last grid, last block, last shared memory, last stream,
-# degenerate launches (grid of one block)
+# driver.c's kernel D: longer than the probe keeps (127 bytes), so truncated and marked "…"
+NAME_D = ("_ZN5flash3fwd22flash_fwd_splitkv_kernelINS_15Flash_fwd_traitsILi128ELi64ELi128ELi4ELb0ELb0EN7cutlass"
+          "10bfloat16_tENS_17Flash_kernel_traitsEEELb1ELb0ELb0ELb1ELb1ELb0ELb0EEEvNS_16Flash_fwd_paramsE")
+# Per kernel handle (driver.c): name, launches, last grid, last block, last shared memory, last
+# stream, degenerate launches (grid of one block)
 KERNELS = [
-    {"handle": "0xa000", "name": None, "launches": 1009, "grid": [1056, 1, 1], "block": [256, 1, 1],
+    {"handle": "0xa000", "name": "_Z10add_kernelPfi", "launches": 1009, "grid": [1056, 1, 1], "block": [256, 1, 1],
      "shared_mem_bytes": 0, "degenerate_launches": 1, "stream": "0x5001"},
-    {"handle": "0xd000", "name": None, "launches": 4 * 101, "grid": [3, 5, 7], "block": [32, 4, 2],
+    {"handle": "0xd000", "name": NAME_D[:127] + "…", "launches": 4 * 101, "grid": [3, 5, 7], "block": [32, 4, 2],
      "shared_mem_bytes": 1024, "degenerate_launches": 0, "stream": "0x5004"},
-    {"handle": "0xb000", "name": None, "launches": 53, "grid": [7, 3, 2], "block": [128, 2, 1],
+    {"handle": "0xb000", "name": "gemm_bf16", "launches": 53, "grid": [7, 3, 2], "block": [128, 2, 1],
      "shared_mem_bytes": 4096, "degenerate_launches": 0, "stream": "0x5002"},
-    {"handle": "0xc000", "name": None, "launches": 11, "grid": [1, 1, 1], "block": [64, 1, 1],
+    {"handle": "0xc000", "name": "coop_reduce", "launches": 11, "grid": [1, 1, 1], "block": [64, 1, 1],
      "shared_mem_bytes": 48, "degenerate_launches": 11, "stream": "0x5003"},
 ]
 LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
                "cuGraphLaunch")
-NOT_IN_FAKE = ("cuGraphLaunch_ptsz", "cuLibraryGetKernel", "cuMemcpy3DAsync_v2_ptsz", "cuKernelGetFunction")
+NOT_IN_FAKE = ("cuGraphLaunch_ptsz", "cuMemcpy3DAsync_v2_ptsz", "cuLaunchCooperativeKernel_ptsz")
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +129,47 @@ def test_per_kernel_launch_configuration(probe, drivers):
     assert snap["dropped_events"] == 0
     everyone = probe.snapshot()["kernels"]
     assert [dict(k, pid=d.pid) for k in KERNELS] == [k for k in everyone if k["pid"] == d.pid]
+
+
+def test_kernel_names_from_handles_fetched_after_attach(fake_cuda, drivers):
+    # "early": kernel C's handle is fetched before the probe attaches, the others after
+    d = drivers(None, "early")
+    apis = ("cuModuleGetFunction", "cuLibraryGetKernel", "cuKernelGetFunction", "cuLaunchKernel",
+            "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, apis=apis)
+    p.start()
+    try:
+        d.go()
+        snap = p.snapshot(d.pid)
+        got = {api: (a["calls"], a["errors"]) for api, a in snap["apis"].items()}
+        assert got == {"cuModuleGetFunction": (2, 1), "cuLibraryGetKernel": (2, 0), "cuKernelGetFunction": (2, 0),
+                       "cuLaunchKernel": (1009, 0), "cuLaunchKernel_ptsz": (404, 0), "cuLaunchKernelEx": (53, 0),
+                       "cuLaunchCooperativeKernel": (11, 0)}
+        # C fetched before attach: unnamed, its launches still counted
+        assert snap["kernels"] == [dict(k, name=None) if k["handle"] == "0xc000" else k for k in KERNELS]
+        assert snap["dropped_events"] == 0
+        from gpuwatch.probes.ebpf.symbols import NAME_FUNCTION, NAME_KERNEL
+        names = p.loader.names(d.pid)
+        assert names == {
+            (d.pid, NAME_FUNCTION, 0xa000): (b"_Z10add_kernelPfi", False),
+            (d.pid, NAME_KERNEL, 0xb100): (b"gemm_bf16", False),
+            (d.pid, NAME_FUNCTION, 0xb000): (b"gemm_bf16", False),
+            (d.pid, NAME_KERNEL, 0xd100): (NAME_D[:127].encode(), True),
+            (d.pid, NAME_FUNCTION, 0xd000): (NAME_D[:127].encode(), True),
+        }  # nothing for the failing lookup (0xe000 stays in the caller's variable)
+        assert d.finish() == 0
+        p.collect()  # prunes the exited process: its names too
+        assert p.loader.names() == {} and d.pid not in p.loader.pids()
+    finally:
+        p.shutdown(wait=False)
+    assert p.wait_detached(60)
+
+
+def test_kernel_name_text():
+    from gpuwatch.probes.ebpf.probe import _name_text
+    assert _name_text(b"gemm_bf16", False) == "gemm_bf16"
+    assert _name_text(b"x" * 127, True) == "x" * 127 + "…"
+    assert _name_text(b"a\x1b[2Jb\xff", False) == "a?[2Jb\ufffd"
 
 
 def test_live_bytes_after_allocs_and_frees(probe, drivers):
@@ -206,6 +253,7 @@ def test_exited_process_entries_removed_and_folded(probe, drivers):
     assert probe.snapshot(d.pid)["apis"] == {}
     assert probe.snapshot(d.pid)["kernels"] == []
     assert all(k["pid"] != d.pid for k in probe.snapshot()["kernels"])
+    assert all(key[0] != d.pid for key in probe.loader.names())
 
 
 def test_pid_filter_and_shutdown_detaches_everything(fake_cuda, drivers):
@@ -249,8 +297,9 @@ def test_launch_latency_option_times_launches_and_counts_errors(fake_cuda, drive
             a = snap["apis"][api]
             assert a["timed"] and a["mean_latency_s"] > 0
             assert sum(a["histogram"].values()) == a["calls"]
-        # per-kernel aggregation is the same with or without the return probes
-        assert snap["kernels"] == [k for k in KERNELS if k["handle"] in ("0xa000", "0xb000")]
+        # per-kernel aggregation is the same with or without the return probes (no naming API is
+        # hooked here: unnamed)
+        assert snap["kernels"] == [dict(k, name=None) for k in KERNELS if k["handle"] in ("0xa000", "0xb000")]
         samples = p.collect()
         assert _calls(samples, str(d.pid), "cuGraphLaunch", "gpuwatch.cuda.errors") == 4
         assert _calls(samples, str(d.pid), "cuLaunchKernel", "gpuwatch.cuda.call.duration") > 0
