@@ -31,10 +31,9 @@ BACKOFF_MAX = 300.0
 class _ProbeSlot:
     """Runner-side state of one probe and its worker thread."""
 
-    def __init__(self, probe: Probe, clock: Callable[[], float], wake: threading.Event) -> None:
+    def __init__(self, probe: Probe, wake: threading.Event) -> None:
         self.probe = probe
         self.wake = wake  # shared with the runner: set when any collection finishes
-        self.clock = clock
         self.started = False
         self.next_due = 0.0  # monotonic
         self.backoff = BACKOFF_START
@@ -92,7 +91,7 @@ class Runner:
         self.clock = clock
         self.wallclock = wallclock
         self._wake = threading.Event()
-        self.slots = [_ProbeSlot(p, clock, self._wake) for p in probes]
+        self.slots = [_ProbeSlot(p, self._wake) for p in probes]
         self.detectors = list(detectors)
         self.exporters = list(exporters)
         self.history = history or History()

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatch.probes.ebpf import loader
+
 PF_KTHREAD = 0x00200000  # task flag of kernel threads (include/linux/sched.h)
 NOT_ROOT = "run as root (tracing through the gpuwatch daemon for your own processes is not available yet)"
 LATENCY_NOTE = ("p50/p99: upper edge of the power-of-two (log2 ns) latency bucket holding that rank; "
@@ -42,34 +44,9 @@ class TraceError(Exception):
 
 
 # ---- /proc -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ProcStat:
-    state: str       # R, S, D, Z (zombie), X (dead), ...
-    flags: int
-    start_time: int  # clock ticks since boot: with the PID, identifies the process
-
-
-def read_stat(pid: int, proc: str = "/proc") -> ProcStat | None:
-    """State, flags and start time from /proc/PID/stat; None when there is no such process."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    try:
-        fields = raw[raw.rindex(b")") + 2:].split()
-        # after "(comm) ": state(3) ppid(4) ... flags(9) ... starttime(22), 1-based as in proc(5)
-        return ProcStat(fields[0].decode(), int(fields[6]), int(fields[19]))
-    except (ValueError, IndexError):
-        return None
-
-
 def comm(pid: int, proc: str = "/proc") -> str:
-    try:
-        with open(f"{proc}/{pid}/comm", "rb") as f:
-            return f.read().decode(errors="replace").strip() or "?"
-    except OSError:
-        return "?"
+    """The command name to show a person, "?" when it cannot be read."""
+    return loader.comm(pid, proc) or "?"
 
 
 def _tgid(pid: int, proc: str = "/proc") -> int | None:
@@ -94,13 +71,12 @@ def pid_max(proc: str = "/proc") -> int:
 def alive(pid: int, start_time: int, proc: str = "/proc") -> bool:
     """The same process is still running: present, not a zombie, and its start time unchanged
     (a different start time means the PID was reused by a new process)."""
-    st = read_stat(pid, proc)
+    st = loader.read_stat(pid, proc)
     return st is not None and st.state not in ("Z", "X", "x") and st.start_time == start_time
 
 
 def _privileged() -> bool:
-    from gpuwatch.probes.ebpf.loader import has_privileges
-    return has_privileges()
+    return loader.has_privileges()
 
 
 def _not_privileged_message(pid: int) -> str:
@@ -130,7 +106,7 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
     if pid > limit:
         raise TraceError(f"PID {pid} is above this system's largest PID ({limit}, /proc/sys/kernel/pid_max): "
                          f"no such process")
-    st = read_stat(pid, proc)
+    st = loader.read_stat(pid, proc)
     if st is None or st.state in ("X", "x"):
         raise TraceError(f"no such process: PID {pid}")
     if st.flags & PF_KTHREAD:
@@ -147,18 +123,17 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
 
 def maps_file(pid: int, path: str, proc: str = "/proc") -> bool:
     """Does the process map this file (compared by device and inode, through /proc/PID/root)?"""
-    from gpuwatch.probes.ebpf.loader import file_id, mapped_files
 
-    want = file_id(path)
-    return want is not None and any(file_id(f"{proc}/{pid}/root{m}") == want for m in mapped_files(pid, proc))
+    want = loader.file_id(path)
+    return want is not None and any(loader.file_id(f"{proc}/{pid}/root{m}") == want
+                                    for m in loader.mapped_files(pid, proc))
 
 
 def cuda_libraries(target: Target, library: str | None = None, proc: str = "/proc") -> list[str]:
     """The libcuda files to attach to; [] when the process maps none (yet)."""
     if library is not None:
         return [library] if maps_file(target.pid, library, proc) else []
-    from gpuwatch.probes.ebpf.loader import libcuda_in
-    return libcuda_in(target.pid)
+    return loader.libcuda_in(target.pid)
 
 
 def no_cuda_message(target: Target, library: str | None) -> str:

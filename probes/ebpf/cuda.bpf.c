@@ -124,6 +124,15 @@ static __always_inline void gw_add_live(u32 pid, s64 delta) {
         __sync_fetch_and_add(v, delta);
 }
 
+static __always_inline void gw_name_put(u32 pid, u32 kind, u64 h, struct gw_name *n) {
+    struct gw_name_key k = {};
+    k.pid = pid;
+    k.kind = kind;
+    k.handle = h;
+    if (names.update(&k, n) != 0)
+        gw_drop(4);
+}
+
 // names[(pid, kind, h)] = the NUL-terminated user string at src, up to GW_NAME_LEN - 1 bytes;
 // truncated = 1 when the string goes on past them.
 static __always_inline void gw_name_store(u32 pid, u32 kind, u64 h, const char *src) {
@@ -141,12 +150,7 @@ static __always_inline void gw_name_store(u32 pid, u32 kind, u64 h, const char *
             n->truncated = 1;
     }
     n->len = len - 1;
-    struct gw_name_key k = {};
-    k.pid = pid;
-    k.kind = kind;
-    k.handle = h;
-    if (names.update(&k, n) != 0)
-        gw_drop(4);
+    gw_name_put(pid, kind, h, n);
 }
 
 static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
@@ -223,14 +227,8 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
             kk.kind = GW_NAME_KERNEL;
             kk.handle = c.aux;
             struct gw_name *n = names.lookup(&kk);
-            if (n) {
-                struct gw_name_key fk = {};
-                fk.pid = pid;
-                fk.kind = GW_NAME_FUNCTION;
-                fk.handle = h;
-                if (names.update(&fk, n) != 0)
-                    gw_drop(4);
-            }
+            if (n)
+                gw_name_put(pid, GW_NAME_FUNCTION, h, n);
         }
     }
 

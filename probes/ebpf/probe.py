@@ -71,32 +71,11 @@ ALLOC_APIS = frozenset(h.name for h in HOOKS if h.group == "alloc" or h.name == 
 FREE_APIS = frozenset(h.name for h in HOOKS if h.group == "free" or h.name == "cuMemRelease")
 
 
-def _start_time(pid: int) -> int | None:
-    """Process start time in clock ticks since boot (field 22 of /proc/PID/stat), None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    try:
-        return int(stat[stat.rindex(b")") + 2:].split()[19])
-    except (ValueError, IndexError):
-        return None
-
-
 def _name_text(raw: bytes, truncated: bool) -> str:
     """A kernel name from the maps as text: UTF-8 (invalid bytes replaced), characters that are not
     printable (terminal controls included) as "?", "…" appended when truncated."""
     text = "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", errors="replace"))
     return text + "…" if truncated else text
-
-
-def _comm(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/comm", "rb") as f:
-            return sanitise_process_name(f.read().decode(errors="replace").strip())
-    except OSError:
-        return "unknown"
 
 
 class EbpfCudaProbe(Probe):
@@ -320,7 +299,8 @@ class EbpfCudaProbe(Probe):
         """Processes gone (or whose PID was reused) since first seen; their map entries removed."""
         dead = set()
         for pid in pids:
-            start = _start_time(pid)
+            stat = _loader.read_stat(pid)
+            start = stat.start_time if stat is not None else None
             first = self._starts.setdefault(pid, start) if start is not None else None
             if start is None or first != start:
                 dead.add(pid)
@@ -334,7 +314,8 @@ class EbpfCudaProbe(Probe):
     def _name(self, pid: int) -> str:
         name = self._names.get(pid)
         if name is None:
-            name = self._names[pid] = _comm(pid)
+            raw = _loader.comm(pid)
+            name = self._names[pid] = "unknown" if raw is None else sanitise_process_name(raw)
         return name
 
     @staticmethod
