@@ -16,8 +16,13 @@ BPF_F_TABLE("hash", struct gw_call_key, struct gw_call, inflight, GW_CALLS_MAX, 
 BPF_F_TABLE("hash", struct gw_live_key, struct gw_live, live, GW_LIVE_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", u32, s64, live_bytes, GW_LIVE_PIDS_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_hist_key, u64, hist, GW_HIST_MAX, BPF_F_NO_PREALLOC);
+BPF_F_TABLE("hash", struct gw_error_key, u64, errors, GW_ERRORS_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_kernel_key, struct gw_kernel, kernels, GW_KERNELS_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_name_key, struct gw_name, names, GW_NAMES_MAX, BPF_F_NO_PREALLOC);
+#ifdef GW_EVENTS
+// One record per call (gw_event), for `gpuwatch trace --output`: compiled in only then.
+BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
+#endif
 // Scratch for one name (too big for the 512-byte BPF stack next to the rest of gw_return).
 BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
@@ -33,7 +38,8 @@ static __always_inline void gw_drop(int what) {
 // sp points at the return address at the first instruction). DECODE_CONFIG: cuLaunchKernelEx
 // (config, f): grid, block, sharedMemBytes and hStream from the CUlaunchConfig in user memory.
 // A configuration that cannot be read counts the launch with zeros (never "degenerate").
-static __always_inline void gw_launch(struct pt_regs *ctx, int decode) {
+// The handle, grid and block also go into the call record c (for a timed launch's event).
+static __always_inline void gw_launch(struct pt_regs *ctx, int decode, struct gw_call *c) {
     struct gw_launch_config lc = {};
     u64 f;
     if (decode == GW_DECODE_REGS) {
@@ -56,6 +62,13 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode) {
         if (bpf_probe_read_user(&lc, sizeof(lc), (void *)ARG(1)) != 0)
             __builtin_memset(&lc, 0, sizeof(lc));
     }
+    c->ptr = f;
+    c->grid_x = lc.grid_x;
+    c->grid_y = lc.grid_y;
+    c->grid_z = lc.grid_z;
+    c->block_x = lc.block_x;
+    c->block_y = lc.block_y;
+    c->block_z = lc.block_z;
     struct gw_kernel_key kk = {};
     kk.pid = bpf_get_current_pid_tgid() >> 32;
     kk.handle = f;
@@ -78,6 +91,16 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode) {
     kv->block_z = lc.block_z;
     kv->shared_mem = lc.shared_mem;
     kv->stream = lc.stream;
+}
+
+// The bytes a 2D/3D copy moves: the product of the `dims` size_t fields at desc + off (the
+// extent of a CUDA_MEMCPY2D/3D, see symbols.py); 0 when the descriptor cannot be read.
+static __always_inline u64 gw_extent_bytes(u64 desc, u32 off, u32 dims) {
+    u64 e[3];  // no initialiser list: bcc would place it in global data, which it cannot load
+    e[2] = 1;
+    int err = dims == 3 ? bpf_probe_read_user(e, 3 * sizeof(u64), (void *)(desc + off))
+                        : bpf_probe_read_user(e, 2 * sizeof(u64), (void *)(desc + off));
+    return err ? 0 : e[0] * e[1] * e[2];
 }
 
 static __always_inline struct gw_api_stats *gw_stats(u32 pid, u32 api) {
@@ -103,16 +126,12 @@ static __always_inline int gw_count(struct pt_regs *ctx, u32 api, u64 bytes) {
     return 0;
 }
 
-static __always_inline int gw_enter(struct pt_regs *ctx, u32 api, u64 bytes, u64 ptr, u64 aux) {
+static __always_inline int gw_enter(struct pt_regs *ctx, u32 api, struct gw_call *c) {
     struct gw_call_key k = {};
     k.pid_tgid = bpf_get_current_pid_tgid();
     k.api = api;
-    struct gw_call c = {};
-    c.bytes = bytes;
-    c.ptr = ptr;
-    c.aux = aux;
-    c.ts = bpf_ktime_get_ns();
-    if (inflight.update(&k, &c) != 0)
+    c->ts = bpf_ktime_get_ns();
+    if (inflight.update(&k, c) != 0)
         gw_drop(1);
     return 0;
 }
@@ -168,6 +187,7 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
     int rc = (int)PT_REGS_RC(ctx);  // CUresult
     u64 ns = now - c.ts;
     u64 bytes = c.bytes;
+    u64 result = c.ptr;  // what the event reports: the pointer or handle the call took or produced
 
     if (op == GW_OP_ALLOC || op == GW_OP_ALLOC_PITCH || op == GW_OP_CREATE) {
         if (op == GW_OP_ALLOC_PITCH) {
@@ -177,7 +197,9 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
             bytes = pitch * c.bytes;  // pitch * height; 0 when the call failed
         }
         u64 p = 0;
+        result = 0;
         if (rc == 0 && c.ptr && bpf_probe_read_user(&p, sizeof(p), (void *)c.ptr) == 0 && p) {
+            result = p;
             struct gw_live_key lk = {};
             lk.pid = pid;
             lk.kind = op == GW_OP_CREATE ? GW_KIND_HANDLE : GW_KIND_DPTR;
@@ -232,6 +254,18 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
         }
     }
 
+    if (rc != 0) {
+        struct gw_error_key ek = {};
+        ek.pid = pid;
+        ek.api = api;
+        ek.code = rc;
+        u64 zero = 0;
+        u64 *n = errors.lookup_or_try_init(&ek, &zero);
+        if (n)
+            __sync_fetch_and_add(n, 1);
+        else
+            gw_drop(5);
+    }
     struct gw_api_stats *s = gw_stats(pid, api);
     if (s) {
         __sync_fetch_and_add(&s->calls, 1);
@@ -246,6 +280,28 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
     hk.api = api;
     hk.slot = bpf_log2l(ns);
     hist.atomic_increment(hk);
+#ifdef GW_EVENTS
+    struct gw_event *ev = events.ringbuf_reserve(sizeof(struct gw_event));
+    if (!ev) {
+        gw_drop(6);
+        return 0;
+    }
+    ev->ts = c.ts;
+    ev->ns = ns;
+    ev->bytes = bytes;
+    ev->ptr = result;
+    ev->pid = pid;
+    ev->tid = (u32)k.pid_tgid;
+    ev->api = api;
+    ev->rc = rc;
+    ev->grid_x = c.grid_x;
+    ev->grid_y = c.grid_y;
+    ev->grid_z = c.grid_z;
+    ev->block_x = c.block_x;
+    ev->block_y = c.block_y;
+    ev->block_z = c.block_z;
+    events.ringbuf_submit(ev, 0);
+#endif
     return 0;
 }
 

@@ -199,8 +199,8 @@ def function_symbols(path: str) -> dict[str, int]:
 
 
 # ---- the loaded program ------------------------------------------------------------------------
-def bpf_text(launch_latency: bool = False) -> str:
-    src = BPF_SOURCE.read_text()
+def bpf_text(launch_latency: bool = False, events: bool = False) -> str:
+    src = ("#define GW_EVENTS 1\n" if events else "") + BPF_SOURCE.read_text()
     return src.replace("GW_DEFINITIONS", symbols.render_c()).replace(
         "GW_PROGRAMS", symbols.render_programs(launch_latency))
 
@@ -218,9 +218,10 @@ class Loader:
     """One compiled BPF program and the uprobes attached from it."""
 
     def __init__(self, pid: int | None = None, apis: Iterable[str] | None = None,
-                 launch_latency: bool = False) -> None:
+                 launch_latency: bool = False, events: bool = False) -> None:
         """launch_latency: give the launch APIs a return probe too (latency, errors); by default
-        they are counted at entry only (see symbols.timed)."""
+        they are counted at entry only (see symbols.timed). events: compile in the per-call ring
+        buffer "events" (one gw_event per timed call; see events.py)."""
         self.pid = pid  # attach only for this process (perf filters by its mm), or None: everyone
         self.hooks = HOOKS if apis is None else tuple(h for h in HOOKS if h.name in set(apis))
         self.launch_latency = launch_latency
@@ -234,7 +235,7 @@ class Loader:
         from bcc import BPF
         t0 = time.perf_counter()
         try:
-            self.bpf = BPF(text=bpf_text(launch_latency).encode(),
+            self.bpf = BPF(text=bpf_text(launch_latency, events).encode(),
                            cflags=["-Wno-macro-redefined", "-Wno-unused-function"])
         except Exception as e:
             raise ProbeUnavailable(f"bcc could not compile the probe ({e}); see the compiler messages in the "
@@ -376,6 +377,14 @@ class Loader:
             out[(k.pid, API_NAMES[k.api])] = (v.calls, v.errors, v.ns, v.bytes)
         return out
 
+    def errors(self, pid: int | None = None) -> dict[tuple[int, str], dict[int, int]]:
+        """(pid, api) -> {CUresult: calls that returned it} (errors only: CUresult != 0)."""
+        out: dict[tuple[int, str], dict[int, int]] = {}
+        for k, v in self.bpf[b"errors"].items():
+            if pid is None or k.pid == pid:
+                out.setdefault((k.pid, API_NAMES[k.api]), {})[k.code] = v.value
+        return out
+
     def live_bytes(self) -> dict[int, int]:
         return {k.value: v.value for k, v in self.bpf[b"live_bytes"].items()}
 
@@ -419,7 +428,7 @@ class Loader:
         """Remove every map entry of these processes (they exited)."""
         if not pids:
             return
-        for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("live", lambda k: k.pid),
+        for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("errors", lambda k: k.pid), ("live", lambda k: k.pid),
                              ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
                              ("kernels", lambda k: k.pid), ("names", lambda k: k.pid)):
             table = self.bpf[name.encode()]

@@ -60,8 +60,10 @@ from collections import defaultdict
 from typing import Callable, Iterable
 
 from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
+from gpuwatch.probes.ebpf import driver_names as driver_names_
+from gpuwatch.probes.ebpf import events as events_
 from gpuwatch.probes.ebpf import loader as _loader
-from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS, NAME_FUNCTION, NAME_KERNEL
+from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS, NAME_FUNCTION, NAME_KERNEL, curesult_name
 from gpuwatch.probes.nvml.probe import sanitise_process_name
 
 log = logging.getLogger("gpuwatch.ebpf")
@@ -83,11 +85,20 @@ class EbpfCudaProbe(Probe):
 
     def __init__(self, libraries: Iterable[str] = (), pid: int | None = None, interval: float = 1.0,
                  rescan_interval: float = 10.0, max_processes: int = 32, apis: Iterable[str] | None = None,
-                 clock: Callable[[], float] = time.monotonic, launch_latency: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, launch_latency: bool = False,
+                 driver_names: bool = True, events_path: str | None = None,
+                 max_events: int = 5_000_000) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
-        entry and return probes on the launch APIs too (latency and errors; see the module doc)."""
+        entry and return probes on the launch APIs too (latency and errors; see the module doc);
+        driver_names: name the kernels no hook saw from the driver's memory (driver_names.py);
+        events_path: record one event per call there (raw records, see events.py; implies
+        launch_latency, so that launches are calls with a duration too), at most max_events."""
         self.apis = None if apis is None else tuple(apis)
+        self.events_path = events_path
+        self.max_events = max_events
+        self._recorder: events_.EventRecorder | None = None
+        launch_latency = launch_latency or events_path is not None
         self.launch_latency = launch_latency
         self.untimed = frozenset() if launch_latency else LAUNCH_APIS
         self.libraries = tuple(str(p) for p in libraries)
@@ -103,6 +114,9 @@ class EbpfCudaProbe(Probe):
         # api -> [calls, errors, ns, bytes] of processes that exited, reported under pid="other"
         self._retired: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         self._closing: list[_loader.Loader] = []  # detaching in the background
+        self.driver_names = driver_names
+        self._calibrations: dict[tuple[int, int], driver_names_.Calibration] = {}  # per libcuda file
+        self._driver_named: dict[tuple[int, int], bytes | None] = {}  # (pid, handle) -> name read
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,8 +128,15 @@ class EbpfCudaProbe(Probe):
                 raise ProbeUnavailable(f"the configured CUDA driver library {path} does not exist: "
                                        f"fix the path, or leave it unset to find libcuda in running processes")
         # raises ProbeUnavailable with the remedy
-        self._loader = _loader.Loader(pid=self.pid, apis=self.apis, launch_latency=self.launch_latency)
+        self._loader = _loader.Loader(pid=self.pid, apis=self.apis, launch_latency=self.launch_latency,
+                                      events=self.events_path is not None)
         try:
+            if self.events_path is not None:
+                try:
+                    self._recorder = events_.EventRecorder(self._loader.bpf, self.events_path, self.max_events)
+                except OSError as e:
+                    raise ProbeUnavailable(f"cannot record per-call events in {self.events_path}: "
+                                           f"{e.strerror or e}") from None
             for path in self.libraries:
                 self._loader.attach(path)
             self._rescan()
@@ -184,6 +205,7 @@ class EbpfCudaProbe(Probe):
     def shutdown(self, wait: bool = True) -> None:
         """Detach and free the maps. wait=False: return at once, detach in a daemon thread
         (`wait_detached()` waits for it; a process exiting first releases the rest)."""
+        self.stop_events()
         ld, self._loader = self._loader, None
         if ld is not None:
             ld.close(wait=wait)
@@ -201,6 +223,15 @@ class EbpfCudaProbe(Probe):
         self._closing = [c for c in self._closing if c.detaching]
         return not self._closing
 
+    def stop_events(self) -> dict | None:
+        """Stop recording per-call events (what the ring buffer still holds is written first);
+        their counts, or None when none were recorded."""
+        rec = self._recorder
+        if rec is None:
+            return None
+        rec.stop()
+        return rec.counts()
+
     # ---- for `gpuwatch trace` and tests ------------------------------------------------------
     @property
     def loader(self) -> _loader.Loader | None:
@@ -217,8 +248,8 @@ class EbpfCudaProbe(Probe):
     def snapshot(self, pid: int | None = None) -> dict:
         """What the maps hold now, for one process or (pid=None) all processes still running.
 
-        {"pid", "apis": {api: {"calls", "errors", "bytes", "seconds", "mean_latency_s",
-        "histogram": {slot: count}, "timed"}}, "memory": {"live_bytes", "live_allocations",
+        {"pid", "apis": {api: {"calls", "errors", "errors_by_code": {"CUDA_ERROR_…": count},
+        "bytes", "seconds", "mean_latency_s", "histogram": {slot: count}, "timed"}}, "memory": {"live_bytes", "live_allocations",
         "allocations", "frees"}, "kernels": [{"handle", "name", "launches", "grid", "block",
         "shared_mem_bytes", "degenerate_launches", "stream"}], "dropped_events", "libraries"}.
         Histogram slot s counts calls that took [2**(s-1), 2**s) ns (bcc's bpf_log2l; slot 0: 0 ns).
@@ -244,7 +275,13 @@ class EbpfCudaProbe(Probe):
             a["bytes"] += nbytes
             a["seconds"] += ns * NANO
         hist = ld.histogram(pid)
+        codes: dict[str, dict[str, int]] = {}
+        for (_p, api), by_code in ld.errors(pid).items():
+            acc = codes.setdefault(api, {})
+            for code, n in by_code.items():
+                acc[curesult_name(code)] = acc.get(curesult_name(code), 0) + n
         for api, a in apis.items():
+            a["errors_by_code"] = dict(sorted(codes.get(api, {}).items()))
             a["mean_latency_s"] = a["seconds"] / a["calls"] if a["calls"] else 0.0
             a["histogram"] = dict(sorted(hist.get(api, {}).items()))
             a["timed"] = api not in self.untimed
@@ -259,24 +296,62 @@ class EbpfCudaProbe(Probe):
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
             "kernels": self._kernels(ld, pid),
             "dropped_events": ld.dropped(),
+            **({"events": self._recorder.counts()} if self._recorder is not None else {}),
             "libraries": self.attached(),
         }
 
     # ---- helpers -----------------------------------------------------------------------------
-    @staticmethod
-    def _kernels(ld: _loader.Loader, pid: int | None) -> list[dict]:
+    def _kernels(self, ld: _loader.Loader, pid: int | None) -> list[dict]:
         out = []
         names = ld.names(pid)
         for (p, handle), k in ld.kernels(pid).items():
-            name = names.get((p, NAME_FUNCTION, handle)) or names.get((p, NAME_KERNEL, handle))
-            entry = {"handle": hex(handle), "name": _name_text(*name) if name else None, "launches": k["launches"], "grid": k["grid"],
+            raw, truncated = names.get((p, NAME_FUNCTION, handle)) or names.get((p, NAME_KERNEL, handle)) \
+                or (None, False)
+            source = "hook" if raw is not None else None
+            if (raw is None or truncated) and self.driver_names:
+                full = self._driver_name(p, handle)
+                if full is not None and (raw is None or full.startswith(raw)):
+                    raw, truncated, source = full, False, "driver"
+            symbol = _name_text(raw, truncated) if raw is not None else None
+            entry = {"handle": hex(handle), "name": symbol, "symbol": symbol, "name_source": source,
+                     "launches": k["launches"], "grid": k["grid"],
                      "block": k["block"], "shared_mem_bytes": k["shared_mem_bytes"],
                      "degenerate_launches": k["degenerate_launches"], "stream": hex(k["stream"])}
             if pid is None:
                 entry["pid"] = p
             out.append(entry)
+        complete = [e["symbol"] for e in out if e["symbol"] and not e["symbol"].endswith("…")]
+        demangled = driver_names_.demangle(complete) if complete else {}
+        for e in out:
+            e["name"] = demangled.get(e["symbol"], e["symbol"])
         out.sort(key=lambda e: (-e["launches"], e.get("pid", 0), int(e["handle"], 16)))
         return out
+
+    def _driver_name(self, pid: int, handle: int) -> bytes | None:
+        """The name the driver keeps for this handle, read in the process's memory (cached)."""
+        key = (pid, handle)
+        if key in self._driver_named:
+            return self._driver_named[key]
+        name = None
+        libs = _loader.libcuda_in(pid) or list(self.libraries)
+        fid = _loader.file_id(libs[0]) if libs else None
+        if fid is not None:
+            cal = self._calibrations.get(fid)
+            if cal is None:
+                cal = self._calibrations[fid] = driver_names_.calibrate(libs[0])
+                if cal.error:
+                    log.warning("kernels fetched before the probe attached stay unnamed: %s", cal.error)
+                else:
+                    log.info("kernel names from driver memory: chains %s in %s", cal.chains, libs[0])
+            if cal.chains:
+                try:
+                    with driver_names_.Memory(pid) as mem:
+                        name = cal.name(mem, handle)
+                except OSError as e:  # gone, or no ptrace access
+                    log.debug("cannot read process %d's memory: %s", pid, e)
+                    return None  # not cached: may work next time (e.g. a transient error)
+        self._driver_named[key] = name
+        return name
 
     def _rescan(self) -> None:
         self._next_rescan = self._clock() + self.rescan_interval
@@ -307,6 +382,8 @@ class EbpfCudaProbe(Probe):
         for pid in set(self._starts) - (pids - dead):
             self._starts.pop(pid, None)
             self._names.pop(pid, None)
+        if dead and self._driver_named:
+            self._driver_named = {k: v for k, v in self._driver_named.items() if k[0] not in dead}
         if dead:
             self._loader.forget(dead)  # type: ignore[union-attr]
         return dead

@@ -69,6 +69,32 @@ OPS = {"OP_COUNT": OP_COUNT, "OP_ALLOC": OP_ALLOC, "OP_ALLOC_PITCH": OP_ALLOC_PI
 HIST_SLOTS = 64  # log2 buckets of nanoseconds
 
 
+
+# Where the extent (size_t WidthInBytes, Height[, Depth]) is in cuda.h's copy descriptors, x86-64:
+# CUDA_MEMCPY2D has 7 fields of 8 bytes per side (srcXInBytes, srcY, srcMemoryType + padding,
+# srcHost, srcDevice, srcArray, srcPitch; the same for dst) before it: 14 * 8 = 112.
+# CUDA_MEMCPY3D has 11 per side (srcXInBytes, srcY, srcZ, srcLOD, srcMemoryType + padding, srcHost,
+# srcDevice, srcArray, reserved0, srcPitch, srcHeight): 22 * 8 = 176.
+MEMCPY2D_EXTENT = 112
+MEMCPY3D_EXTENT = 176
+
+# CUresult names (cuda.h) for errors by return code; others are shown as their number.
+CURESULT_NAMES = {
+    1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3: "CUDA_ERROR_NOT_INITIALIZED",
+    4: "CUDA_ERROR_DEINITIALIZED", 100: "CUDA_ERROR_NO_DEVICE", 101: "CUDA_ERROR_INVALID_DEVICE",
+    200: "CUDA_ERROR_INVALID_IMAGE", 201: "CUDA_ERROR_INVALID_CONTEXT", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
+    214: "CUDA_ERROR_ECC_UNCORRECTABLE", 218: "CUDA_ERROR_INVALID_PTX", 400: "CUDA_ERROR_INVALID_HANDLE",
+    500: "CUDA_ERROR_NOT_FOUND", 600: "CUDA_ERROR_NOT_READY", 700: "CUDA_ERROR_ILLEGAL_ADDRESS",
+    701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", 702: "CUDA_ERROR_LAUNCH_TIMEOUT", 719: "CUDA_ERROR_LAUNCH_FAILED",
+    720: "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE", 800: "CUDA_ERROR_NOT_PERMITTED", 801: "CUDA_ERROR_NOT_SUPPORTED",
+    802: "CUDA_ERROR_SYSTEM_NOT_READY", 999: "CUDA_ERROR_UNKNOWN",
+}
+
+
+def curesult_name(code: int) -> str:
+    return CURESULT_NAMES.get(code, f"CUresult {code}")
+
+
 @dataclass(frozen=True)
 class Hook:
     """One exported libcuda function.
@@ -135,11 +161,12 @@ HOOKS: tuple[Hook, ...] = tuple([
     # cuMemcpyPeer(dst, dstCtx, src, srcCtx, size_t ByteCount[, stream])
     *_variants(Hook("cuMemcpyPeer", "copy", bytes="ARG(5)"), "_ptds"),
     *_variants(Hook("cuMemcpyPeerAsync", "copy", bytes="ARG(5)"), "_ptsz"),
-    # 2D/3D copies take a descriptor struct: counted, bytes not decoded yet.
-    *_variants(Hook("cuMemcpy2D_v2", "copy"), "_ptds"),
-    *_variants(Hook("cuMemcpy2DAsync_v2", "copy"), "_ptsz"),
-    *_variants(Hook("cuMemcpy3D_v2", "copy"), "_ptds"),
-    *_variants(Hook("cuMemcpy3DAsync_v2", "copy"), "_ptsz"),
+    # 2D/3D copies: (const CUDA_MEMCPY2D *pCopy[, stream]); bytes = the extent's product, read from
+    # the descriptor in user memory at entry (0 when it cannot be read)
+    *_variants(Hook("cuMemcpy2D_v2", "copy", bytes=f"gw_extent_bytes(ARG(1), {MEMCPY2D_EXTENT}, 2)"), "_ptds"),
+    *_variants(Hook("cuMemcpy2DAsync_v2", "copy", bytes=f"gw_extent_bytes(ARG(1), {MEMCPY2D_EXTENT}, 2)"), "_ptsz"),
+    *_variants(Hook("cuMemcpy3D_v2", "copy", bytes=f"gw_extent_bytes(ARG(1), {MEMCPY3D_EXTENT}, 3)"), "_ptds"),
+    *_variants(Hook("cuMemcpy3DAsync_v2", "copy", bytes=f"gw_extent_bytes(ARG(1), {MEMCPY3D_EXTENT}, 3)"), "_ptsz"),
     # --- sets: (CUdeviceptr dst, value, size_t N[, stream]); N elements of 1, 2 or 4 bytes
     *_variants(Hook("cuMemsetD8_v2", "set", bytes="ARG(3)"), "_ptds"),
     *_variants(Hook("cuMemsetD16_v2", "set", bytes="ARG(3) * 2"), "_ptds"),
@@ -184,10 +211,21 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "gw_api_stats": (("u64", "calls"), ("u64", "errors"), ("u64", "ns"), ("u64", "bytes")),
     # entry -> return scratch, per thread and API (a hooked function may call another)
     "gw_call_key": (("u64", "pid_tgid"), ("u32", "api"), ("u32", "pad")),
-    "gw_call": (("u64", "ts"), ("u64", "bytes"), ("u64", "ptr"), ("u64", "aux")),
+    # (launches: ptr = the kernel handle, and the grid and block, for the per-call events)
+    "gw_call": (("u64", "ts"), ("u64", "bytes"), ("u64", "ptr"), ("u64", "aux"),
+                ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
+                ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z")),
+    # one call, in the ring buffer (events on): entry time and duration in ns, bytes, the pointer
+    # or handle the call produced or took (allocations: the device pointer; launches: the kernel)
+    "gw_event": (("u64", "ts"), ("u64", "ns"), ("u64", "bytes"), ("u64", "ptr"),
+                 ("u32", "pid"), ("u32", "tid"), ("u32", "api"), ("s32", "rc"),
+                 ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
+                 ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z")),
     # live allocations: (process, kind, device pointer or handle) -> size
     "gw_live_key": (("u32", "pid"), ("u32", "kind"), ("u64", "ptr")),
     "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("u32", "pad")),
+    # errors by return code: (process, API, CUresult) -> count
+    "gw_error_key": (("u32", "pid"), ("u32", "api"), ("s32", "code"), ("u32", "pad")),
     # log2 latency histogram key
     "gw_hist_key": (("u32", "pid"), ("u32", "api"), ("u64", "slot")),
     # per kernel: (process, CUfunction handle) -> launches and the configuration of the last launch
@@ -208,8 +246,9 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 
 # Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
 # not memory taken up front.
+RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230k events of 72 bytes
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
-             "HIST_MAX": 65536, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18}
+             "HIST_MAX": 65536, "ERRORS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18}
 
 
 def _arg_expr(expr: str) -> str:
@@ -222,6 +261,7 @@ def render_c() -> str:
     lines += [f"#define GW_{k} {v}" for k, v in OPS.items()]
     lines += [f"#define GW_{k} {v}" for k, v in MAP_SIZES.items()]
     lines.append(f"#define GW_HIST_SLOTS {HIST_SLOTS}")
+    lines.append(f"#define GW_RINGBUF_PAGES {RINGBUF_PAGES}")
     for name, fields in STRUCTS.items():
         lines.append(f"struct {name} {{")
         lines += [f"    {ctype} {field};" for ctype, field in fields]
@@ -233,21 +273,24 @@ def render_programs(launch_latency: bool = False) -> str:
     """One entry function per hook, and one return function per timed hook (see `timed()`).
 
     Timed hooks inline gw_enter()/gw_return(); entry-only launches inline gw_count(); every launch
-    with a kernel first inlines gw_launch() (the per-kernel map).
+    with a kernel first inlines gw_launch() (the per-kernel map; it also puts the kernel handle,
+    grid and block in the call record, for the per-call events).
     """
     out = []
     for api, h in enumerate(HOOKS):
         ptr = f"ARG({h.ptr})" if h.ptr else "0"
         aux = f"ARG({h.aux})" if h.aux else "0"
-        body = ""
+        body = "struct gw_call c = {}; "
         if h.decode != DECODE_NONE:
-            body += f"gw_launch(ctx, GW_DECODE_{'REGS' if h.decode == DECODE_REGS else 'CONFIG'}); "
+            body += f"gw_launch(ctx, GW_DECODE_{'REGS' if h.decode == DECODE_REGS else 'CONFIG'}, &c); "
+        else:
+            body += f"c.bytes = {_arg_expr(h.bytes)}; c.ptr = {ptr}; c.aux = {aux}; "
         if timed(h, launch_latency):
-            body += f"return gw_enter(ctx, {api}, {_arg_expr(h.bytes)}, {ptr}, {aux});"
+            body += f"return gw_enter(ctx, {api}, &c);"
             out.append(f"int {entry_fn(h.name)}(struct pt_regs *ctx) {{ {body} }}")
             out.append(f"int {return_fn(h.name)}(struct pt_regs *ctx) {{ return gw_return(ctx, {api}, {h.op}); }}")
         else:
-            body += f"return gw_count(ctx, {api}, {_arg_expr(h.bytes)});"
+            body += f"return gw_count(ctx, {api}, c.bytes);"
             out.append(f"int {entry_fn(h.name)}(struct pt_regs *ctx) {{ {body} }}")
     return "\n".join(out) + "\n"
 

@@ -56,6 +56,41 @@ CUresult cuMemsetD8_v2(CUdeviceptr, unsigned char, size_t);
 CUresult cuMemsetD32_v2(CUdeviceptr, unsigned int, size_t);
 CUresult cuMemsetD32Async(CUdeviceptr, unsigned int, size_t, CUstream);
 CUresult cuMemsetD2D8_v2(CUdeviceptr, size_t, unsigned char, size_t, size_t);
+/* cuda.h's copy descriptors, field for field (CUmemorytype is an enum, CUarray a pointer) */
+typedef struct {
+    size_t srcXInBytes, srcY;
+    int srcMemoryType;
+    const void *srcHost;
+    CUdeviceptr srcDevice;
+    void *srcArray;
+    size_t srcPitch;
+    size_t dstXInBytes, dstY;
+    int dstMemoryType;
+    void *dstHost;
+    CUdeviceptr dstDevice;
+    void *dstArray;
+    size_t dstPitch;
+    size_t WidthInBytes, Height;
+} CUDA_MEMCPY2D;
+typedef struct {
+    size_t srcXInBytes, srcY, srcZ, srcLOD;
+    int srcMemoryType;
+    const void *srcHost;
+    CUdeviceptr srcDevice;
+    void *srcArray;
+    void *reserved0;
+    size_t srcPitch, srcHeight;
+    size_t dstXInBytes, dstY, dstZ, dstLOD;
+    int dstMemoryType;
+    void *dstHost;
+    CUdeviceptr dstDevice;
+    void *dstArray;
+    void *reserved1;
+    size_t dstPitch, dstHeight;
+    size_t WidthInBytes, Height, Depth;
+} CUDA_MEMCPY3D;
+CUresult cuMemcpy2D_v2(const CUDA_MEMCPY2D *);
+CUresult cuMemcpy3D_v2(const CUDA_MEMCPY3D *);
 CUresult cuStreamSynchronize(CUstream);
 CUresult cuCtxSynchronize(void);
 CUresult cuEventSynchronize(CUevent);
@@ -71,11 +106,11 @@ static CUdeviceptr ptrs[N_ALLOC];
 static char host[65536];
 
 /* Kernel handles, as fakecuda.c hands them out for these names (mirrored in test_ebpf_cuda.py
- * KERNELS): A 0xa000 and C 0xc000 from cuModuleGetFunction; B 0xb000 and D 0xd000 from
+ * KERNELS, offsets from 0x10000000): A +0xa000 and C +0xc000 from cuModuleGetFunction; B +0xb000 and D +0xd000 from
  * cuLibraryGetKernel + cuKernelGetFunction. D's name is longer than the probe keeps. */
 static CUfunction KERNEL_A, KERNEL_B, KERNEL_C, KERNEL_D;
 static int early;
-#define NAME_D "_ZN5flash3fwd22flash_fwd_splitkv_kernelINS_15Flash_fwd_traitsILi128ELi64ELi128ELi4ELb0ELb0EN7cutlass10bfloat16_tENS_17Flash_kernel_traitsEEELb1ELb0ELb0ELb1ELb1ELb0ELb0EEEvNS_16Flash_fwd_paramsE"
+#define NAME_D "_ZN5flash3fwd24flash_fwd_splitkv_kernelIN7cutlass10bfloat16_tELi128ELi64ELi128ELi4ELb0ELb0ELb1ELb1ELb0ELb0ELb1ELb0ELb0ELb1ELb1ELb0ELb1EEEvNS0_16Flash_fwd_paramsE"
 #define STREAM(n) ((CUstream)(0x5000 + (n)))
 
 static void names(void) {
@@ -175,6 +210,13 @@ static void work(void) {
         cuMemsetD32Async(ptrs[N_ALLOC - 1], 0, 10, 0);
     for (int i = 0; i < 7; i++)
         cuMemsetD2D8_v2(ptrs[N_ALLOC - 1], 1024, 0, 100, 9);
+    CUDA_MEMCPY2D c2 = {.srcPitch = 512, .dstPitch = 512, .WidthInBytes = 300, .Height = 7};
+    for (int i = 0; i < 13; i++)                              /* 13 x 300 x 7 bytes */
+        cuMemcpy2D_v2(&c2);
+    CUDA_MEMCPY3D c3 = {.srcPitch = 64, .srcHeight = 8, .dstPitch = 64, .dstHeight = 8,
+                        .WidthInBytes = 64, .Height = 8, .Depth = 3};
+    for (int i = 0; i < 5; i++)                               /* 5 x 64 x 8 x 3 bytes */
+        cuMemcpy3D_v2(&c3);
     for (int i = 0; i < 41; i++)
         cuStreamSynchronize(0);
     for (int i = 0; i < 43; i++)

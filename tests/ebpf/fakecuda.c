@@ -7,14 +7,17 @@
  * Deliberately NOT exported (the probe must list them as skipped): cuGraphLaunch_ptsz,
  * cuMemcpy3DAsync_v2_ptsz, and most _ptds/_ptsz forms.
  *
- * Kernel handles (mirrored in driver.c and test_ebpf_cuda.py): cuModuleGetFunction gives
- * "_Z10add_kernelPfi" 0xa000 and "coop_reduce" 0xc000; cuLibraryGetKernel gives "gemm_bf16" the
- * CUkernel 0xb100 and any name longer than 127 bytes 0xd100; cuKernelGetFunction(k) gives k - 0x100.
- * Other names get 0x1234 (functions) and 0x4321 (kernels).
+ * Kernel handles (mirrored in driver.c and test_ebpf_cuda.py), offsets from OBJECTS (0x10000000):
+ * cuModuleGetFunction gives "_Z10add_kernelPfi" +0xa000 and "coop_reduce" +0xc000; cuLibraryGetKernel
+ * gives "gemm_bf16" the CUkernel +0xb100 and any name longer than 127 bytes +0xd100;
+ * cuKernelGetFunction(k) gives k - 0x100. Other names get fresh objects. Every handle points at an
+ * object that holds its name, as in the real driver (see "Function and kernel objects" below).
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -117,27 +120,65 @@ CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned int ui, size_t n) { RET; }
 CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char uc, size_t n, CUstream s) { RET; }
 CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned int ui, size_t n, CUstream s) { RET; }
 CUresult cuMemsetD2D8_v2(CUdeviceptr dst, size_t pitch, unsigned char uc, size_t w, size_t h) { RET; }
+/* the descriptors are only passed through: their layout is driver.c's business (cuda.h's) */
+CUresult cuMemcpy2D_v2(const void *pCopy) { RET; }
+CUresult cuMemcpy3D_v2(const void *pCopy) { RET; }
 
 /* synchronisation and names */
 CUresult cuStreamSynchronize(CUstream s) { RET; }
 CUresult cuStreamSynchronize_ptsz(CUstream s) { RET; }
 CUresult cuCtxSynchronize(void) { RET; }
 CUresult cuEventSynchronize(CUevent e) { RET; }
+/* Function and kernel objects, laid out NOT like the real driver's (which keeps the name pointer at
+ * +8 of the object, driver 580): here object +16 -> info, info +24 -> name, so the probe's
+ * calibration (probes/ebpf/driver_names.py) has to find the chain (16, 24) itself. Objects live at
+ * fixed addresses, so tests know the handles: OBJECTS + 0xa000 etc. */
+#define OBJECTS 0x10000000UL
+struct fake_info { uint64_t pad[3]; const char *name; };
+struct fake_object { uint64_t magic, pad; struct fake_info *info; };
+static uintptr_t next_object = OBJECTS + 0x20000;  /* objects for other names, 0x400 apart */
+
+__attribute__((constructor)) static void map_objects(void) {
+    mmap((void *)OBJECTS, 0x100000, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+}
+
+static uintptr_t make_object(uintptr_t at, const char *name) {
+    struct fake_info *info = calloc(1, sizeof *info);
+    info->name = strdup(name);
+    struct fake_object *o = (struct fake_object *)at;
+    o->magic = 0xc0da;
+    o->info = info;
+    return at;
+}
+
+static uintptr_t fresh_object(void) {
+    return __atomic_fetch_add(&next_object, 0x400, __ATOMIC_RELAXED);
+}
+
+static int is_object(const void *h) {
+    uintptr_t a = (uintptr_t)h;
+    return a >= OBJECTS && a < OBJECTS + 0x100000 && ((struct fake_object *)a)->magic == 0xc0da;
+}
+
 CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
     if (fake_result == 0) {
-        uintptr_t h = 0x1234;
-        if (strcmp(name, "_Z10add_kernelPfi") == 0) h = 0xa000;
-        else if (strcmp(name, "coop_reduce") == 0) h = 0xc000;
-        *f = (CUfunction)h;
+        uintptr_t h;
+        if (strcmp(name, "_Z10add_kernelPfi") == 0) h = OBJECTS + 0xa000;
+        else if (strcmp(name, "coop_reduce") == 0) h = OBJECTS + 0xc000;
+        else h = fresh_object();
+        *f = (CUfunction)make_object(h, name);
     }
     RET;
 }
+/* a CUkernel at k, its CUfunction at k - 0x100 */
 CUresult cuLibraryGetKernel(CUkernel *k, CUlibrary lib, const char *name) {
     if (fake_result == 0) {
-        uintptr_t h = 0x4321;
-        if (strcmp(name, "gemm_bf16") == 0) h = 0xb100;
-        else if (strlen(name) > 127) h = 0xd100;
-        *k = (CUkernel)h;
+        uintptr_t h;
+        if (strcmp(name, "gemm_bf16") == 0) h = OBJECTS + 0xb100;
+        else if (strlen(name) > 127) h = OBJECTS + 0xd100;
+        else h = fresh_object() + 0x100;
+        make_object(h - 0x100, name);
+        *k = (CUkernel)make_object(h, name);
     }
     RET;
 }
@@ -145,3 +186,21 @@ CUresult cuKernelGetFunction(CUfunction *f, CUkernel k) {
     if (fake_result == 0) *f = (CUfunction)((uintptr_t)k - 0x100);
     RET;
 }
+
+/* what the calibration needs: a context, a module from PTX, names */
+CUresult cuInit(unsigned flags) { return 0; }
+CUresult cuDeviceGet(int *dev, int ordinal) { *dev = ordinal; return 0; }
+CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, int dev) { *ctx = (CUcontext)0x1; return 0; }
+CUresult cuCtxSetCurrent(CUcontext ctx) { return 0; }
+CUresult cuModuleLoadData(CUmodule *m, const void *image) {
+    *m = (CUmodule)0x2;
+    return strstr((const char *)image, ".entry") ? 0 : 218; /* CUDA_ERROR_INVALID_PTX */
+}
+CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, void *jo, void **jv, unsigned nj, void *lo,
+                           void **lv, unsigned nl) { *lib = (CUlibrary)0x3; return 0; }
+CUresult cuFuncGetName(const char **name, CUfunction f) {
+    if (!is_object(f)) return 400; /* CUDA_ERROR_INVALID_HANDLE */
+    *name = ((struct fake_object *)f)->info->name;
+    return 0;
+}
+CUresult cuKernelGetName(const char **name, CUkernel k) { return cuFuncGetName(name, (CUfunction)k); }

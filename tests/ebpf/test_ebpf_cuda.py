@@ -49,28 +49,51 @@ EXPECTED = {
     "cuMemsetD32_v2": (31, 0, 31 * 100 * 4),
     "cuMemsetD32Async": (37, 0, 37 * 10 * 4),
     "cuMemsetD2D8_v2": (7, 0, 7 * 100 * 9),
+    "cuMemcpy2D_v2": (13, 0, 13 * 300 * 7),  # WidthInBytes x Height from the descriptor
+    "cuMemcpy3D_v2": (5, 0, 5 * 64 * 8 * 3),  # WidthInBytes x Height x Depth
     "cuStreamSynchronize": (41, 0, 0),
     "cuCtxSynchronize": (43, 0, 0),
     "cuEventSynchronize": (47, 0, 0),
 }
+# errors by return code (driver.c injects CUDA_ERROR_INVALID_VALUE = 1 and CUDA_ERROR_OUT_OF_MEMORY = 2)
+ERRORS_BY_CODE = {"cuModuleGetFunction": {"CUDA_ERROR_INVALID_VALUE": 1},
+                  "cuMemAlloc_v2": {"CUDA_ERROR_OUT_OF_MEMORY": 5},
+                  "cuMemFree_v2": {"CUDA_ERROR_INVALID_VALUE": 3}}
 # live after the run: allocations 212..307, 3 pitched, 2 managed, 1 of 2 cuMemCreate handles
 LIVE_BYTES = sum((i + 1) * KIB4 for i in range(211, 307)) + 3 * 1024 * 17 + 2 * (1 << 20) + (2 << 20)
 LIVE_ALLOCATIONS = 96 + 3 + 2 + 1
 # driver.c's kernel D: longer than the probe keeps (127 bytes), so truncated and marked "…"
-NAME_D = ("_ZN5flash3fwd22flash_fwd_splitkv_kernelINS_15Flash_fwd_traitsILi128ELi64ELi128ELi4ELb0ELb0EN7cutlass"
-          "10bfloat16_tENS_17Flash_kernel_traitsEEELb1ELb0ELb0ELb1ELb1ELb0ELb0EEEvNS_16Flash_fwd_paramsE")
-# Per kernel handle (driver.c): name, launches, last grid, last block, last shared memory, last
-# stream, degenerate launches (grid of one block)
+NAME_D = ("_ZN5flash3fwd24flash_fwd_splitkv_kernelIN7cutlass10bfloat16_tELi128ELi64ELi128ELi4ELb0ELb0ELb1ELb1ELb0ELb0ELb1"
+          "ELb0ELb0ELb1ELb1ELb0ELb1EEEvNS0_16Flash_fwd_paramsE")
+# fakecuda.c's function and kernel objects live at fixed addresses: handle(0xa000) is kernel A's
+OBJECTS = 0x10000000
+
+
+def handle(offset: int) -> str:
+    return hex(OBJECTS + offset)
+
+
+# Per kernel handle (driver.c): name (demangled) and symbol, where the name came from (the
+# naming hooks; D's name is longer than they keep, so read whole from the driver's memory),
+# launches, last grid, last block, last shared memory, last stream, degenerate launches (grid of
+# one block)
+NAME_D_DEMANGLED = ("void flash::fwd::flash_fwd_splitkv_kernel<cutlass::bfloat16_t, 128, 64, 128, 4, false, false, "
+                    "true, true, false, false, true, false, false, true, true, false, true>(flash::fwd::Flash_fwd_params)")
 KERNELS = [
-    {"handle": "0xa000", "name": "_Z10add_kernelPfi", "launches": 1009, "grid": [1056, 1, 1], "block": [256, 1, 1],
+    {"handle": handle(0xa000), "name": "add_kernel(float*, int)", "symbol": "_Z10add_kernelPfi",
+     "name_source": "hook", "launches": 1009, "grid": [1056, 1, 1], "block": [256, 1, 1],
      "shared_mem_bytes": 0, "degenerate_launches": 1, "stream": "0x5001"},
-    {"handle": "0xd000", "name": NAME_D[:127] + "…", "launches": 4 * 101, "grid": [3, 5, 7], "block": [32, 4, 2],
+    {"handle": handle(0xd000), "name": NAME_D_DEMANGLED, "symbol": NAME_D, "name_source": "driver",
+     "launches": 4 * 101, "grid": [3, 5, 7], "block": [32, 4, 2],
      "shared_mem_bytes": 1024, "degenerate_launches": 0, "stream": "0x5004"},
-    {"handle": "0xb000", "name": "gemm_bf16", "launches": 53, "grid": [7, 3, 2], "block": [128, 2, 1],
+    {"handle": handle(0xb000), "name": "gemm_bf16", "symbol": "gemm_bf16", "name_source": "hook",
+     "launches": 53, "grid": [7, 3, 2], "block": [128, 2, 1],
      "shared_mem_bytes": 4096, "degenerate_launches": 0, "stream": "0x5002"},
-    {"handle": "0xc000", "name": "coop_reduce", "launches": 11, "grid": [1, 1, 1], "block": [64, 1, 1],
+    {"handle": handle(0xc000), "name": "coop_reduce", "symbol": "coop_reduce", "name_source": "hook",
+     "launches": 11, "grid": [1, 1, 1], "block": [64, 1, 1],
      "shared_mem_bytes": 48, "degenerate_launches": 11, "stream": "0x5003"},
 ]
+UNNAMED = {"name": None, "symbol": None, "name_source": None}
 LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchCooperativeKernel",
                "cuGraphLaunch")
 NOT_IN_FAKE = ("cuGraphLaunch_ptsz", "cuMemcpy3DAsync_v2_ptsz", "cuLaunchCooperativeKernel_ptsz")
@@ -111,6 +134,7 @@ def test_exact_counts_errors_and_bytes_per_api(probe, drivers):
     snap = probe.snapshot(d.pid)
     got = {api: (a["calls"], a["errors"], a["bytes"]) for api, a in snap["apis"].items()}
     assert got == EXPECTED
+    assert {api: a["errors_by_code"] for api, a in snap["apis"].items() if a["errors_by_code"]} == ERRORS_BY_CODE
     assert snap["dropped_events"] == 0
     # launches are counted at entry only: no latency, no errors
     for api in LAUNCH_APIS:
@@ -131,12 +155,13 @@ def test_per_kernel_launch_configuration(probe, drivers):
     assert [dict(k, pid=d.pid) for k in KERNELS] == [k for k in everyone if k["pid"] == d.pid]
 
 
-def test_kernel_names_from_handles_fetched_after_attach(fake_cuda, drivers):
+@pytest.mark.parametrize("driver_names", [False, True])
+def test_kernel_names_from_handles_fetched_after_attach(fake_cuda, drivers, driver_names):
     # "early": kernel C's handle is fetched before the probe attaches, the others after
     d = drivers(None, "early")
     apis = ("cuModuleGetFunction", "cuLibraryGetKernel", "cuKernelGetFunction", "cuLaunchKernel",
             "cuLaunchKernel_ptsz", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
-    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, apis=apis)
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, apis=apis, driver_names=driver_names)
     p.start()
     try:
         d.go()
@@ -145,17 +170,24 @@ def test_kernel_names_from_handles_fetched_after_attach(fake_cuda, drivers):
         assert got == {"cuModuleGetFunction": (2, 1), "cuLibraryGetKernel": (2, 0), "cuKernelGetFunction": (2, 0),
                        "cuLaunchKernel": (1009, 0), "cuLaunchKernel_ptsz": (404, 0), "cuLaunchKernelEx": (53, 0),
                        "cuLaunchCooperativeKernel": (11, 0)}
-        # C fetched before attach: unnamed, its launches still counted
-        assert snap["kernels"] == [dict(k, name=None) if k["handle"] == "0xc000" else k for k in KERNELS]
+        if driver_names:
+            # C fetched before attach: named from the driver's memory (the calibration found the
+            # fake driver's layout: object +16 -> info, info +24 -> name)
+            want = [dict(k, name_source="driver") if k["handle"] == handle(0xc000) else k for k in KERNELS]
+        else:
+            # C fetched before attach: unnamed, its launches still counted; D only as far as kept
+            want = [dict(k, **UNNAMED) if k["handle"] == handle(0xc000) else k for k in KERNELS]
+            want[1] = dict(want[1], name=NAME_D[:127] + "…", symbol=NAME_D[:127] + "…", name_source="hook")
+        assert snap["kernels"] == want
         assert snap["dropped_events"] == 0
         from gpuwatch.probes.ebpf.symbols import NAME_FUNCTION, NAME_KERNEL
         names = p.loader.names(d.pid)
         assert names == {
-            (d.pid, NAME_FUNCTION, 0xa000): (b"_Z10add_kernelPfi", False),
-            (d.pid, NAME_KERNEL, 0xb100): (b"gemm_bf16", False),
-            (d.pid, NAME_FUNCTION, 0xb000): (b"gemm_bf16", False),
-            (d.pid, NAME_KERNEL, 0xd100): (NAME_D[:127].encode(), True),
-            (d.pid, NAME_FUNCTION, 0xd000): (NAME_D[:127].encode(), True),
+            (d.pid, NAME_FUNCTION, OBJECTS + 0xa000): (b"_Z10add_kernelPfi", False),
+            (d.pid, NAME_KERNEL, OBJECTS + 0xb100): (b"gemm_bf16", False),
+            (d.pid, NAME_FUNCTION, OBJECTS + 0xb000): (b"gemm_bf16", False),
+            (d.pid, NAME_KERNEL, OBJECTS + 0xd100): (NAME_D[:127].encode(), True),
+            (d.pid, NAME_FUNCTION, OBJECTS + 0xd000): (NAME_D[:127].encode(), True),
         }  # nothing for the failing lookup (0xe000 stays in the caller's variable)
         assert d.finish() == 0
         p.collect()  # prunes the exited process: its names too
@@ -298,8 +330,10 @@ def test_launch_latency_option_times_launches_and_counts_errors(fake_cuda, drive
             assert a["timed"] and a["mean_latency_s"] > 0
             assert sum(a["histogram"].values()) == a["calls"]
         # per-kernel aggregation is the same with or without the return probes (no naming API is
-        # hooked here: unnamed)
-        assert snap["kernels"] == [dict(k, name=None) for k in KERNELS if k["handle"] in ("0xa000", "0xb000")]
+        # hooked here: every name read from the driver's memory)
+        assert snap["kernels"] == [dict(k, name_source="driver") for k in KERNELS
+                                   if k["handle"] in (handle(0xa000), handle(0xb000))]
+        assert snap["apis"]["cuGraphLaunch"]["errors_by_code"] == {"CUDA_ERROR_INVALID_VALUE": 4}
         samples = p.collect()
         assert _calls(samples, str(d.pid), "cuGraphLaunch", "gpuwatch.cuda.errors") == 4
         assert _calls(samples, str(d.pid), "cuLaunchKernel", "gpuwatch.cuda.call.duration") > 0
@@ -469,3 +503,52 @@ def test_missing_bcc_says_how_to_install_it(tmp_path):
     (fake / "__init__.py").write_text("raise ImportError('no bcc here')\n")
     out = _start_in_child({"PYTHONPATH": str(tmp_path)})
     assert "ProbeUnavailable" in out and "apt-get install python3-bpfcc" in out and "--system-site-packages" in out
+
+
+def test_per_call_events_and_chrome_trace(fake_cuda, drivers, tmp_path):
+    """events_path: one ring-buffer record per call (launches timed too), none dropped at this
+    rate, written as a Chrome/Perfetto trace whose events match the counts exactly."""
+    import json
+
+    from gpuwatch.probes.ebpf import events
+    d = drivers()
+    raw = tmp_path / "events.raw"
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, events_path=str(raw))
+    p.start()
+    try:
+        d.go()
+        counts = p.stop_events()
+        snap = p.snapshot(d.pid)
+    finally:
+        p.shutdown(wait=False)
+    total = sum(calls for calls, _e, _b in EXPECTED.values())
+    assert counts == {"recorded": total, "not_written": 0, "error": None}
+    assert snap["dropped_events"] == 0 and snap["events"] == counts
+    names = {int(k["handle"], 16): k["name"] for k in snap["kernels"]}
+    out = tmp_path / "trace.json"
+    assert events.write_chrome_trace(str(raw), str(out), kernel_names=names, processes={d.pid: "driver"}) == total
+    doc = json.loads(out.read_text())
+    calls = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    per_api: dict[str, list[int]] = {}
+    for e in calls:
+        acc = per_api.setdefault(e["name"], [0, 0, 0])
+        acc[0] += 1
+        acc[1] += "error" in e["args"]
+        acc[2] += e["args"].get("bytes", 0)
+        assert e["pid"] == d.pid and e["dur"] >= 0
+    assert {api: tuple(v) for api, v in per_api.items()} == {
+        api: (c, EXPECTED_WITH_LAUNCH_ERRORS.get(api, err), b) for api, (c, err, b) in EXPECTED.items()}
+    a = [e for e in calls if e["name"] == "cuLaunchKernel"]
+    assert {e["args"]["kernel"] for e in a} == {"add_kernel(float*, int)"}
+    assert a[-1]["args"]["grid"] == [1056, 1, 1] and a[-1]["args"]["block"] == [256, 1, 1]
+    oom = [e for e in calls if e["name"] == "cuMemAlloc_v2" and "error" in e["args"]]
+    assert [e["args"]["error"] for e in oom] == ["CUDA_ERROR_OUT_OF_MEMORY"] * 5
+    assert all(int(e["args"]["ptr"], 16) for e in calls if e["name"] == "cuMemAlloc_v2" and "error" not in e["args"])
+    assert {e["name"]: e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M"} == {"process_name": "driver"}
+    # the events are in time order per thread, one per call, each inside the trace's span
+    assert all(x["ts"] <= y["ts"] for x, y in zip(a, a[1:]))
+    assert p.wait_detached(60)
+
+
+# launches timed (events on): their failures are seen too
+EXPECTED_WITH_LAUNCH_ERRORS = {"cuGraphLaunch": 4}

@@ -20,7 +20,7 @@ import pytest
 from gpuwatch.agent import trace as trace_mod
 from gpuwatch.probes.ebpf import loader
 from . import test_ebpf_cuda as _base
-from .test_ebpf_cuda import EXPECTED, LIVE_ALLOCATIONS, LIVE_BYTES
+from .test_ebpf_cuda import ERRORS_BY_CODE, EXPECTED, LIVE_ALLOCATIONS, LIVE_BYTES
 
 KERNELS = getattr(_base, "KERNELS", None)  # per kernel handle, busiest first, where the probe has kernels
 
@@ -85,6 +85,7 @@ def _assert_exact(summary: dict, pid: int) -> None:
     assert summary["pid"] == pid and summary["process"] == "driver"
     got = {api: (a["calls"], a["errors"], a["bytes"]) for api, a in summary["apis"].items()}
     assert got == EXPECTED
+    assert {api: a["errors_by_code"] for api, a in summary["apis"].items() if a["errors_by_code"]} == ERRORS_BY_CODE
     assert summary["memory"] == {"live_bytes": LIVE_BYTES, "live_allocations": LIVE_ALLOCATIONS,
                                  "allocations": ALLOCATIONS, "frees": FREES}
     assert summary["dropped_events"] == 0
@@ -95,7 +96,11 @@ def _assert_exact(summary: dict, pid: int) -> None:
             assert round(a["p99_latency_s"] * 1e9) & (round(a["p99_latency_s"] * 1e9) - 1) == 0
     assert summary["apis"]["cuMemAlloc_v2"]["mean_latency_s"] > 0
     if KERNELS is not None:
-        assert summary["kernels"] == KERNELS
+        # D's whole name is read from the driver's memory while the process lives: one that
+        # exited before the trace's next refresh keeps the part the naming hook saw
+        truncated = dict(KERNELS[1], name=_base.NAME_D[:127] + "…", symbol=_base.NAME_D[:127] + "…",
+                         name_source="hook")
+        assert summary["kernels"] in (KERNELS, [KERNELS[0], truncated, *KERNELS[2:]])
     if summary["kernels"]:
         assert sum(k["launches"] for k in summary["kernels"]) == KERNEL_LAUNCHES
 
