@@ -19,6 +19,9 @@ BPF_F_TABLE("hash", struct gw_hist_key, u64, hist, GW_HIST_MAX, BPF_F_NO_PREALLO
 BPF_F_TABLE("hash", struct gw_error_key, u64, errors, GW_ERRORS_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_kernel_key, struct gw_kernel, kernels, GW_KERNELS_MAX, BPF_F_NO_PREALLOC);
 BPF_F_TABLE("hash", struct gw_name_key, struct gw_name, names, GW_NAMES_MAX, BPF_F_NO_PREALLOC);
+// The user stacks that allocated (ids kept in live allocations): few distinct ones in practice
+// (an allocator has a handful of call sites), so stacks of freed allocations are left in place.
+BPF_STACK_TRACE(stacks, GW_STACKS_MAX);
 #ifdef GW_EVENTS
 // One record per call (gw_event), for `gpuwatch trace --output`: compiled in only then.
 BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
@@ -101,6 +104,20 @@ static __always_inline u64 gw_extent_bytes(u64 desc, u32 off, u32 dims) {
     int err = dims == 3 ? bpf_probe_read_user(e, 3 * sizeof(u64), (void *)(desc + off))
                         : bpf_probe_read_user(e, 2 * sizeof(u64), (void *)(desc + off));
     return err ? 0 : e[0] * e[1] * e[2];
+}
+
+static __always_inline s32 gw_stack(struct pt_regs *ctx) {
+    int id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    if (id < 0)
+        gw_drop(7);
+    return id;
+}
+
+// The return address: at a function's first instruction, at sp.
+static __always_inline u64 gw_caller(struct pt_regs *ctx) {
+    u64 ret = 0;
+    bpf_probe_read_user(&ret, sizeof(ret), (void *)PT_REGS_SP(ctx));
+    return ret;
 }
 
 static __always_inline struct gw_api_stats *gw_stats(u32 pid, u32 api) {
@@ -212,6 +229,8 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
             lv.size = bytes;
             lv.ts = now;
             lv.api = api;
+            lv.stack = c.stack;
+            lv.caller = c.caller;
             if (live.update(&lk, &lv) == 0)
                 gw_add_live(pid, delta);
             else

@@ -388,6 +388,36 @@ class Loader:
     def live_bytes(self) -> dict[int, int]:
         return {k.value: v.value for k, v in self.bpf[b"live_bytes"].items()}
 
+    def live_by_stack(self, pid: int) -> dict[tuple[int, int], tuple[int, int]]:
+        """Live allocations of a process by the user stack that made them: (stack id, return
+        address) -> (bytes, allocations); stack id -1 where the stack could not be taken."""
+        out: dict[tuple[int, int], tuple[int, int]] = {}
+        for k, v in self.bpf[b"live"].items():
+            if k.pid == pid:
+                b, n = out.get((v.stack, v.caller), (0, 0))
+                out[(v.stack, v.caller)] = (b + v.size, n + 1)
+        return out
+
+    def stack_frames(self, stack_id: int, caller: int, pid: int, limit: int = 16) -> list[str]:
+        """The frames of an allocation's stack, innermost first (the API, its caller, ...),
+        symbolised and demangled by bcc in the process's binaries: "function+0x1c [library]", or
+        the address when nothing names it. With frame pointers missing (most optimised builds)
+        the walk stops early: the API and its caller are always there."""
+        addrs: list[int] = []
+        if stack_id >= 0:
+            try:
+                addrs = list(self.bpf[b"stacks"].walk(stack_id))[:limit]
+            except KeyError:
+                pass
+        if caller:  # the walk from the API's first instruction skips its caller
+            addrs = addrs[:1] + [caller] + addrs[1:]
+        frames = []
+        for a in addrs[:limit]:
+            name = self.bpf.sym(a, pid, show_module=True, show_offset=True, demangle=True)
+            text = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+            frames.append(f"{a:#x}" if text.startswith("[unknown]") else text)
+        return frames
+
     def live_allocations(self, pid: int | None = None) -> int:
         return sum(1 for k in self.bpf[b"live"].keys() if pid is None or k.pid == pid)
 

@@ -69,6 +69,7 @@ from gpuwatch.probes.nvml.probe import sanitise_process_name
 log = logging.getLogger("gpuwatch.ebpf")
 
 NANO = 1e-9
+TOP_STACKS = 8  # allocation stacks in a snapshot
 ALLOC_APIS = frozenset(h.name for h in HOOKS if h.group == "alloc" or h.name == "cuMemCreate")
 FREE_APIS = frozenset(h.name for h in HOOKS if h.group == "free" or h.name == "cuMemRelease")
 
@@ -251,7 +252,8 @@ class EbpfCudaProbe(Probe):
         {"pid", "apis": {api: {"calls", "errors", "errors_by_code": {"CUDA_ERROR_…": count},
         "bytes", "seconds", "mean_latency_s", "histogram": {slot: count}, "timed"}}, "memory": {"live_bytes", "live_allocations",
         "allocations", "frees"}, "kernels": [{"handle", "name", "launches", "grid", "block",
-        "shared_mem_bytes", "degenerate_launches", "stream"}], "dropped_events", "libraries"}.
+        "shared_mem_bytes", "degenerate_launches", "stream"}], "stacks": [{"bytes", "allocations",
+        "frames"}], "dropped_events", "libraries"}.
         Histogram slot s counts calls that took [2**(s-1), 2**s) ns (bcc's bpf_log2l; slot 0: 0 ns).
         "timed": False for entry-only APIs (launches without launch_latency): their errors,
         seconds and histogram are not measured (0, 0.0, {}).
@@ -295,6 +297,7 @@ class EbpfCudaProbe(Probe):
                        "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
             "kernels": self._kernels(ld, pid),
+            "stacks": self._stacks(ld, pid) if pid is not None else [],
             "dropped_events": ld.dropped(),
             **({"events": self._recorder.counts()} if self._recorder is not None else {}),
             "libraries": self.attached(),
@@ -326,6 +329,13 @@ class EbpfCudaProbe(Probe):
             e["name"] = demangled.get(e["symbol"], e["symbol"])
         out.sort(key=lambda e: (-e["launches"], e.get("pid", 0), int(e["handle"], 16)))
         return out
+
+    @staticmethod
+    def _stacks(ld: _loader.Loader, pid: int, top: int = TOP_STACKS) -> list[dict]:
+        """The user stacks holding the most live bytes: [{"bytes", "allocations", "frames"}]."""
+        by_stack = sorted(ld.live_by_stack(pid).items(), key=lambda kv: (-kv[1][0], kv[0]))
+        return [{"bytes": b, "allocations": n, "frames": ld.stack_frames(sid, caller, pid)}
+                for (sid, caller), (b, n) in by_stack[:top]]
 
     def _driver_name(self, pid: int, handle: int) -> bytes | None:
         """The name the driver keeps for this handle, read in the process's memory (cached)."""

@@ -214,7 +214,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     # (launches: ptr = the kernel handle, and the grid and block, for the per-call events)
     "gw_call": (("u64", "ts"), ("u64", "bytes"), ("u64", "ptr"), ("u64", "aux"),
                 ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
-                ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z")),
+                ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
+                # allocations: the user stack id (else -1) and the return address, which a
+                # frame-pointer walk from a function's first instruction skips
+                ("s32", "stack"), ("u32", "pad"), ("u64", "caller")),
     # one call, in the ring buffer (events on): entry time and duration in ns, bytes, the pointer
     # or handle the call produced or took (allocations: the device pointer; launches: the kernel)
     "gw_event": (("u64", "ts"), ("u64", "ns"), ("u64", "bytes"), ("u64", "ptr"),
@@ -223,7 +226,7 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
                  ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z")),
     # live allocations: (process, kind, device pointer or handle) -> size
     "gw_live_key": (("u32", "pid"), ("u32", "kind"), ("u64", "ptr")),
-    "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("u32", "pad")),
+    "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("s32", "stack"), ("u64", "caller")),
     # errors by return code: (process, API, CUresult) -> count
     "gw_error_key": (("u32", "pid"), ("u32", "api"), ("s32", "code"), ("u32", "pad")),
     # log2 latency histogram key
@@ -248,7 +251,7 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 # not memory taken up front.
 RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230k events of 72 bytes
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
-             "HIST_MAX": 65536, "ERRORS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18}
+             "HIST_MAX": 65536, "ERRORS_MAX": 16384, "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18}
 
 
 def _arg_expr(expr: str) -> str:
@@ -285,6 +288,9 @@ def render_programs(launch_latency: bool = False) -> str:
             body += f"gw_launch(ctx, GW_DECODE_{'REGS' if h.decode == DECODE_REGS else 'CONFIG'}, &c); "
         else:
             body += f"c.bytes = {_arg_expr(h.bytes)}; c.ptr = {ptr}; c.aux = {aux}; "
+        # allocations remember who asked: the user stack (its id in the stack map)
+        body += ("c.stack = gw_stack(ctx); c.caller = gw_caller(ctx); "
+                 if h.op in (OP_ALLOC, OP_ALLOC_PITCH, OP_CREATE) else "c.stack = -1; ")
         if timed(h, launch_latency):
             body += f"return gw_enter(ctx, {api}, &c);"
             out.append(f"int {entry_fn(h.name)}(struct pt_regs *ctx) {{ {body} }}")

@@ -35,7 +35,8 @@ def _build(d: Path) -> dict:
     drv = d / "driver"
     subprocess.run([cc, "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
                     str(HERE / "fakecuda.c")], check=True)
-    subprocess.run([cc, "-O1", "-pthread", "-o", str(drv), str(HERE / "driver.c"), f"-L{d}", "-l:libcuda.so.1",
+    # frame pointers: the probe walks the user stack of allocations
+    subprocess.run([cc, "-O1", "-fno-omit-frame-pointer", "-pthread", "-o", str(drv), str(HERE / "driver.c"), f"-L{d}", "-l:libcuda.so.1",
                     f"-Wl,-rpath,{d}"], check=True)
     return {"lib": str(lib), "driver": str(drv)}
 

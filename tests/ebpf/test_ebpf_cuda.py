@@ -145,6 +145,26 @@ def test_exact_counts_errors_and_bytes_per_api(probe, drivers):
     assert sum(alloc["histogram"].values()) == 312
 
 
+def test_live_allocations_by_stack(probe, drivers):
+    d = drivers()
+    d.go()
+    stacks = probe.snapshot(d.pid)["stacks"]
+    assert [s["bytes"] for s in stacks] == sorted((s["bytes"] for s in stacks), reverse=True)
+    # per allocating API (the compiler may unroll a short loop into several call sites): the 96
+    # cuMemAlloc_v2 allocations left live, 1 of 2 cuMemCreate, 2 managed of 1 MiB, 3 pitched
+    per_api: dict[str, list[int]] = {}
+    for s in stacks:
+        api = s["frames"][0].split("+")[0]
+        assert s["frames"][0].endswith("[libcuda.so.1]"), s["frames"]
+        assert s["frames"][1].startswith(("work+", "main+")), s["frames"]  # the caller (work() may be inlined)
+        acc = per_api.setdefault(api, [0, 0])
+        acc[0] += s["bytes"]
+        acc[1] += s["allocations"]
+    assert per_api == {"cuMemAlloc_v2": [sum((i + 1) * KIB4 for i in range(211, 307)), 96],
+                       "cuMemCreate": [2 << 20, 1], "cuMemAllocManaged": [2 << 20, 2],
+                       "cuMemAllocPitch_v2": [3 * 1024 * 17, 3]}
+
+
 def test_per_kernel_launch_configuration(probe, drivers):
     d = drivers()
     d.go()
