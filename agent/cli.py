@@ -219,31 +219,43 @@ def _print_status(st: dict) -> None:
               help="Stop after this long (default: until Ctrl-C or the process exits).")
 @click.option("--summary-json", "summary_json", metavar="FILE", type=click.Path(dir_okay=False),
               help="Write the summary as JSON to FILE when the trace ends.")
+@click.option("--output", "output", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Write every call as a Chrome/Perfetto JSON trace to FILE (root; launches timed too).")
+@click.option("--max-events", default=5_000_000, show_default=True, type=click.IntRange(min=1), metavar="N",
+              help="With --output: write at most N calls (the rest are counted).")
 @click.option("--library", metavar="PATH", type=click.Path(dir_okay=False),
               help="Attach to this libcuda file (default: every libcuda.so the process maps).")
 @click.option("--wait", is_flag=True, help="If the process has not loaded libcuda yet, wait until it does.")
 @click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), metavar="SECONDS",
               help="Seconds between refreshes of the live view.")
-def trace(pid: int, duration: float | None, summary_json: str | None, library: str | None, wait: bool,
-          interval: float) -> None:
+@config_option
+@click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
+              help="Control socket of the running agent, used when not root (default: from the config).")
+def trace(pid: int, duration: float | None, summary_json: str | None, output: str | None, max_events: int,
+          library: str | None, wait: bool, interval: float, config_path: str | None,
+          socket_path: str | None) -> None:
     """Attach to a running CUDA process and watch its CUDA driver calls live.
 
     Live view, refreshed every second: calls/s, calls, errors, bytes and latency (mean, and p50/p99
     as the upper edge of a power-of-two bucket) per CUDA driver API; top kernels by launches with
-    grid and block; live device bytes, allocations and frees; dropped events. Plain lines instead
-    when stdout is not a terminal. Ctrl-C, --duration or the process exiting ends it with a summary.
+    grid and block and names; live device bytes, allocations and frees, and the call stacks holding
+    the most; dropped events. Plain lines instead when stdout is not a terminal. Ctrl-C, --duration
+    or the process exiting ends it with a summary. --output records every call (one event each, in
+    a ring buffer) and writes a Chrome/Perfetto trace at the end.
 
-    Needs root (eBPF uprobes); tracing your own process through the gpuwatch daemon as an ordinary
-    user is not available yet. Not yet either: a Perfetto trace file (--output), kernel names
-    (kernels are shown by handle), per-call streaming.
+    As root (eBPF uprobes) it attaches to the process itself. As an ordinary user it traces your
+    own processes through the running gpuwatch agent (its control socket, which your user must be
+    allowed to use: control.group), counting from when the trace starts (--output and --library
+    need root).
 
     Exit status: 0 when the trace ran (whatever ended it), 1 when it could not start, 2 for usage.
     """
     from gpuwatch.agent.trace import TraceError, run_trace
 
     try:
-        run_trace(pid, duration=duration, summary_json=summary_json, library=library, wait=wait,
-                  interval=interval)
+        run_trace(pid, duration=duration, summary_json=summary_json, output=output, max_events=max_events,
+                  library=library, wait=wait,
+                  interval=interval, socket_path=socket_path, config_path=config_path)
     except TraceError as e:
         raise click.ClickException(str(e)) from None
 

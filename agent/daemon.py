@@ -25,6 +25,10 @@ from gpuwatch.agent.store import Store, StoreError
 
 log = logging.getLogger("gpuwatch.agent")
 
+# How long trace.snapshot waits for the eBPF probe's own work (a collection, or a start that
+# compiles and attaches) before answering that it is busy: well within the client's timeout.
+TRACE_LOCK_WAIT = 3.0
+
 
 class DaemonError(Exception):
     """The agent cannot start; the message says what is in the way."""
@@ -41,6 +45,32 @@ def nvml_backend_factory(cfg: Config):
     from gpuwatch.probes.nvml.backend import RealBackend
 
     return RealBackend
+
+
+class LockedProbe(Probe):
+    """A probe whose start, collect and shutdown (on the runner's threads) never overlap a read
+    from a control socket thread holding `lock`: shutdown frees the BPF maps that a read uses, and
+    a rescan adds libraries while a read lists them."""
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+        self.name, self.interval, self.deadline = probe.name, probe.interval, probe.deadline
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        with self.lock:
+            self.probe.start()
+
+    def collect(self) -> list:
+        with self.lock:
+            return list(self.probe.collect())
+
+    def events(self) -> list[Event]:
+        return self.probe.events()
+
+    def shutdown(self) -> None:
+        with self.lock:
+            self.probe.shutdown()
 
 
 def build_probes(cfg: Config) -> list[Probe]:
@@ -60,7 +90,7 @@ def build_probes(cfg: Config) -> list[Probe]:
         e = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (),
                           max_processes=cfg.ebpf.max_processes)
         e.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
-        probes.append(e)
+        probes.append(LockedProbe(e))  # read by trace.snapshot from the control socket's threads
     return probes
 
 
@@ -84,11 +114,14 @@ class Daemon:
             from gpuwatch.exporters.prometheus import PrometheusExporter
 
             self.exporters.append(PrometheusExporter(cfg.prometheus.listen))
-        self.runner = Runner(build_probes(cfg), exporters=self.exporters,
+        probes = build_probes(cfg)
+        self.ebpf: LockedProbe | None = next((p for p in probes if isinstance(p, LockedProbe)), None)
+        self.runner = Runner(probes, exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",
             "status": self._status,
+            "trace.snapshot": self._trace_snapshot,
         }, group=cfg.control.group or None)
 
     # -- control socket handlers -----------------------------------------------------------
@@ -125,6 +158,61 @@ class Daemon:
             "recent_events": [{"ts": e.ts, "kind": e.kind, "resource": e.resource, "attrs": dict(e.attrs)}
                               for e in snap.events[-20:]],
         }
+
+    def _trace_snapshot(self, params: dict, peer: PeerCred) -> dict:
+        """trace.snapshot {"pid": N}: the eBPF probe's snapshot(N) (see EbpfCudaProbe.snapshot), for
+        root or the process's owner, with "libraries" narrowed to the attached libraries the process
+        maps, each under the path the process sees. An empty "libraries": the process maps a libcuda
+        the probe has not attached to yet (it rescans for new ones)."""
+        from gpuwatch.agent import trace
+        from gpuwatch.probes.ebpf import loader
+
+        pid = params.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool):
+            raise ControlError(f'trace.snapshot needs {{"pid": N}} with N a process ID, got {pid!r}')
+        if self.ebpf is None:
+            raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its "
+                               "config): enable it and restart the agent, or run trace as root")
+        try:
+            target = trace.check_pid(pid, privileged=lambda: True)
+        except trace.TraceError as e:
+            raise ControlError(str(e)) from None
+        if not peer.owns(pid):
+            raise ControlError(trace.not_yours_message(pid, peer.uid))
+        # Matched by file (device, inode): the probe may have found a library through another process.
+        mapped: dict[tuple[int, int], str] = {}
+        for path in loader.mapped_files(pid):
+            fid = loader.file_id(f"/proc/{pid}/root{path}")
+            if fid is not None:
+                mapped.setdefault(fid, path)
+        if not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
+            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
+                               "libcuda): try again in a few seconds")
+        try:
+            probe = self.ebpf.probe
+            ld = probe.loader
+            if ld is None:
+                raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {self._ebpf_down_reason()}")
+            files = {lib.path: lib.file for lib in ld.libraries.values()}
+            snap = probe.snapshot(pid)
+        finally:
+            self.ebpf.lock.release()
+        snap["libraries"] = [dict(lib, path=mapped[files[lib["path"]]]) for lib in snap.get("libraries", [])
+                             if files.get(lib["path"]) in mapped]
+        if not snap["libraries"]:
+            cuda = sorted(p for p in mapped.values() if loader.LIBCUDA_RE.search(p))
+            if not cuda:
+                raise ControlError(trace.no_cuda_message(target, None))
+            if probe.libraries:
+                raise ControlError(f"process {pid} ({target.process}) maps {', '.join(cuda)}, but this gpuwatch "
+                                   f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
+        return snap
+
+    def _ebpf_down_reason(self) -> str:
+        st = self.runner.snapshot.probes.get("ebpf")
+        if st is None or st.state == "starting" or not st.reason:
+            return "it is starting (compiling takes a few seconds): try again shortly"
+        return st.reason
 
     def _on_event(self, ev: Event) -> None:
         log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))

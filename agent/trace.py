@@ -1,15 +1,21 @@
 """`gpuwatch trace --pid PID`: attach the eBPF CUDA probe to one running process and watch it live.
 
-Standalone mode only: the caller must be root (or hold CAP_BPF and CAP_PERFMON); tracing your own
-process through the gpuwatch daemon's socket as an ordinary user is not available yet.
+Two ways to get at the process's CUDA calls:
+  * standalone, for root (or CAP_BPF and CAP_PERFMON): compile the probe and attach uprobes here;
+  * through the gpuwatch agent, for everyone else: the agent's system-wide probe already counts
+    every process's calls, and its control socket (trace.snapshot) hands a caller the counts of
+    a process the caller owns. The agent's counters run from when it first saw the process, so
+    every refresh is reported minus the snapshot taken at the start (since()).
 
 The pieces, so that tests can use them without a terminal:
   * validate_pid() / validate_library(): every check made before anything is compiled, each
     failure a TraceError whose message says what is wrong and what to do;
   * percentile(), summarize(), render_live(), render_line(), render_summary(): pure functions
     from probe snapshots (EbpfCudaProbe.snapshot(pid)) to the JSON summary and what is printed;
-  * run_trace(): compile, attach, refresh every `interval` seconds until the duration is up,
-    Ctrl-C/SIGTERM, or the process exits (or its PID is reused), then print the summary.
+  * since() and AgentTrace: the agent's snapshots, counted from the start of the trace;
+  * run_trace(): compile and attach (or ask the agent), refresh every `interval` seconds until the
+    duration is up, Ctrl-C/SIGTERM, or the process exits (or its PID is reused), then print the
+    summary.
 
 Latency percentiles come from the probe's log2 histogram: slot s counts calls that took
 [2**(s-1), 2**s) ns, so p50/p99 are reported as the upper edge of a power-of-two bucket; the true
@@ -21,6 +27,7 @@ import inspect
 import json
 import math
 import os
+import pwd
 import signal
 import sys
 import time
@@ -28,10 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatch.agent.control import ControlError, PeerCred, call, process_uids
 from gpuwatch.probes.ebpf import loader
 
 PF_KTHREAD = 0x00200000  # task flag of kernel threads (include/linux/sched.h)
-NOT_ROOT = "run as root (tracing through the gpuwatch daemon for your own processes is not available yet)"
+NOT_ROOT = "run as root, or start the gpuwatch daemon (systemctl start gpuwatch) to trace your own processes"
 LATENCY_NOTE = ("p50/p99: upper edge of the power-of-two (log2 ns) latency bucket holding that rank; "
                 "the true value is between half of it and it")
 TOP_APIS = 25
@@ -79,14 +87,17 @@ def _privileged() -> bool:
     return loader.has_privileges()
 
 
-def _not_privileged_message(pid: int) -> str:
-    from gpuwatch.agent.control import PeerCred, process_uids
-    me = PeerCred(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
-    if me.owns(pid):
-        return f"attaching eBPF uprobes to process {pid} needs root: {NOT_ROOT}"
-    uids = process_uids(pid)
-    owner = f"uid {uids[0]}" if uids else "another user"
-    return f"process {pid} belongs to {owner} and attaching eBPF uprobes needs root: {NOT_ROOT}"
+def not_yours_message(pid: int, uid: int) -> str:
+    """For a caller (uid) who does not own the process: to whom it belongs."""
+    other = next((u for u in process_uids(pid) or () if u != uid), None)  # a setuid program: its owner
+    if other is None:
+        owner = "another user"
+    else:
+        try:
+            owner = f"user {pwd.getpwuid(other).pw_name}"
+        except KeyError:
+            owner = f"uid {other}"
+    return f"process {pid} belongs to {owner}: you can trace only your own processes"
 
 
 # ---- validation (before compiling anything) ------------------------------------------------------
@@ -99,7 +110,8 @@ class Target:
 
 
 def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | None = None) -> Target:
-    """Everything about the PID except whether it uses CUDA. Raises TraceError."""
+    """Everything about the PID except whether it uses CUDA; without privileges, that the caller owns
+    it (the gpuwatch agent traces only those for a caller). Raises TraceError."""
     if pid <= 0:
         raise TraceError(f"PID must be a positive integer (got {pid})")
     limit = pid_max(proc)
@@ -117,7 +129,9 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
     if tgid is not None and tgid != pid:
         raise TraceError(f"PID {pid} is a thread of process {tgid} ({comm(tgid, proc)}): use --pid {tgid}")
     if not (privileged or _privileged)():
-        raise TraceError(_not_privileged_message(pid))
+        me = PeerCred(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
+        if not me.owns(pid):
+            raise TraceError(not_yours_message(pid, me.uid) + " (root can trace any)")
     return Target(pid, comm(pid, proc), st.start_time)
 
 
@@ -217,7 +231,8 @@ def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended:
     apis = {}
     for name, a in sorted(snapshot.get("apis", {}).items()):
         hist = a.get("histogram") or {}
-        apis[name] = {"calls": a.get("calls", 0), "errors": a.get("errors", 0), "bytes": a.get("bytes", 0),
+        apis[name] = {"calls": a.get("calls", 0), "errors": a.get("errors", 0),
+                      "errors_by_code": a.get("errors_by_code", {}), "bytes": a.get("bytes", 0),
                       "mean_latency_s": a.get("mean_latency_s", 0.0) if has_latency(a) else None,
                       "p50_latency_s": percentile(hist, 0.50), "p99_latency_s": percentile(hist, 0.99)}
     mem = snapshot.get("memory", {})
@@ -230,6 +245,7 @@ def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended:
         "kernels": _kernels(snapshot),
         "memory": {"live_bytes": mem.get("live_bytes", 0), "live_allocations": mem.get("live_allocations", 0),
                    "allocations": mem.get("allocations", 0), "frees": mem.get("frees", 0)},
+        "stacks": (snapshot.get("stacks") or [])[:TOP_STACKS],
         "dropped_events": snapshot.get("dropped_events", 0),
         "latency_resolution": "log2 buckets: p50/p99 are the bucket's upper edge (true value within a factor 2 below)",
     }
@@ -325,6 +341,16 @@ def render_line(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     return line
 
 
+def errors_cell(a: dict) -> str:
+    """Errors, and by which return codes: "5 OUT_OF_MEMORY", "7 INVALID_VALUE×4 NOT_FOUND×3"."""
+    errors = a.get("errors", 0)
+    if not errors:
+        return "0"
+    codes = sorted((a.get("errors_by_code") or {}).items(), key=lambda kv: -kv[1])
+    short = [c.removeprefix("CUDA_ERROR_") + (f"×{n}" if len(codes) > 1 else "") for c, n in codes[:2]]
+    return f"[red]{errors}[/red]" + (" " + " ".join(short) if short else "")
+
+
 def _api_table(snapshot: dict, r: dict[str, float] | None, limit: int | None):
     from rich.table import Table
     t = Table(box=None, pad_edge=False, header_style="bold")
@@ -338,7 +364,7 @@ def _api_table(snapshot: dict, r: dict[str, float] | None, limit: int | None):
         lat = has_latency(a)
         errors = a.get("errors", 0)
         row = [name] + ([f"{r.get(name, 0.0):.0f}"] if r is not None else [])
-        row += [str(a.get("calls", 0)), f"[red]{errors}[/red]" if errors else "0",
+        row += [str(a.get("calls", 0)), errors_cell(a),
                 fmt_bytes(a.get("bytes", 0)) if a.get("bytes") else "—",
                 fmt_seconds(a.get("mean_latency_s")) if lat else "—",
                 fmt_seconds(percentile(hist, 0.5), upper=True) if hist else "—",
@@ -369,6 +395,19 @@ def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
     return t
 
 
+TOP_STACKS = 3
+
+
+def _stacks_text(stacks: list[dict]) -> str:
+    """The allocation stacks holding the most live bytes: bytes, allocations, innermost frames."""
+    from rich.markup import escape
+    lines = []
+    for s in stacks[:TOP_STACKS]:
+        frames = " ← ".join(escape(f) for f in s.get("frames", [])[1:4]) or "(no stack)"
+        lines.append(f"  {fmt_bytes(s.get('bytes', 0)):>10} in {s.get('allocations', 0)} allocations ← {frames}")
+    return "\n".join(["live bytes by allocating call stack:"] + lines) if lines else ""
+
+
 def _memory_text(mem: dict, dropped: int) -> str:
     d = f"[red]{dropped}[/red]" if dropped else "0"
     return (f"device memory: live [bold]{fmt_bytes(mem.get('live_bytes', 0))}[/bold] in "
@@ -390,8 +429,10 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     ks = _kernels(snapshot)
     if ks:
         parts += [Text(""), _kernel_table(ks, kernel_rates(snapshot, previous, dt), TOP_KERNELS)]
-    parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0))),
-              Text(LATENCY_NOTE, style="dim")]
+    parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0)))]
+    if _stacks_text(snapshot.get("stacks") or []):
+        parts.append(Text.from_markup(_stacks_text(snapshot["stacks"])))
+    parts.append(Text(LATENCY_NOTE, style="dim"))
     return Group(*parts)
 
 
@@ -411,7 +452,7 @@ def render_summary(summary: dict):
         for c in ("API", "calls", "errors", "bytes", "mean", "p50", "p99"):
             t.add_column(c, justify="left" if c == "API" else "right")
         for name, a in sorted(summary["apis"].items(), key=lambda kv: (-kv[1]["calls"], kv[0])):
-            t.add_row(name, str(a["calls"]), f"[red]{a['errors']}[/red]" if a["errors"] else "0",
+            t.add_row(name, str(a["calls"]), errors_cell(a),
                       fmt_bytes(a["bytes"]) if a["bytes"] else "—", fmt_seconds(a["mean_latency_s"]),
                       fmt_seconds(a["p50_latency_s"], upper=True), fmt_seconds(a["p99_latency_s"], upper=True))
         parts.append(t)
@@ -420,9 +461,147 @@ def render_summary(summary: dict):
     if summary["kernels"]:
         parts += [Text(""), _kernel_table(summary["kernels"], None, TOP_KERNELS)]
     parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
+    if _stacks_text(summary.get("stacks") or []):
+        parts.append(Text.from_markup(_stacks_text(summary["stacks"])))
     if any(a["p50_latency_s"] is not None for a in summary["apis"].values()):
         parts.append(Text(LATENCY_NOTE, style="dim"))
     return Group(*parts)
+
+
+# ---- through the gpuwatch agent ------------------------------------------------------------------
+AGENT_TIMEOUT = 10.0  # the agent may wait a few seconds for its probe (daemon.TRACE_LOCK_WAIT)
+AGENT_ATTACH_POLL_S = 0.5
+API_COUNTERS = ("calls", "errors", "bytes", "seconds")
+KERNEL_COUNTERS = ("launches", "degenerate_launches")
+MEMORY_COUNTERS = ("allocations", "frees")
+RESTARTED = ("the gpuwatch agent's eBPF probe restarted during the trace (its counts went back to zero), so "
+             "what happened since the trace started is lost: trace again")
+
+
+def _is_counts(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in v.values())
+
+
+def _int_keys(counts: dict) -> dict:
+    """The probe's integer keys (histogram slots), which JSON turned into text."""
+    return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: c for k, c in counts.items()}
+
+
+def _minus(now: dict, start: dict, counters: tuple[str, ...], by_key: bool = False) -> dict:
+    out = dict(now)
+    for key, v in now.items():
+        if key in counters:
+            out[key] = v - start.get(key, 0)
+        elif by_key and _is_counts(v):
+            before = _int_keys(start.get(key) or {})
+            diff = {k: c - before.get(k, 0) for k, c in _int_keys(v).items()}
+            out[key] = {k: c for k, c in diff.items() if c}
+    return out
+
+
+def since(now: dict, start: dict) -> dict:
+    """Snapshot `now` minus snapshot `start` of the same process: what happened in between.
+
+    The agent's counters run from when it first saw the process, a trace reports what happened
+    during the trace. Subtracted: per API calls, errors, bytes, seconds and every count by key (the
+    latency histogram, errors by code); per kernel its launches; allocations, frees and dropped
+    events. APIs and kernels with no calls in between are left out. Kept as they are: live bytes
+    and allocations (the process's state now), each kernel's last launch configuration, every other
+    key. Raises TraceError when a count went down: the agent's probe restarted and lost them."""
+    start_apis = start.get("apis", {})
+    apis = {}
+    for name, a in now.get("apis", {}).items():
+        d = _minus(a, start_apis.get(name, {}), API_COUNTERS, by_key=True)
+        if d.get("calls", 0) < 0:
+            raise TraceError(RESTARTED)
+        if d.get("calls", 0):
+            d["mean_latency_s"] = d.get("seconds", 0.0) / d["calls"]
+            apis[name] = d
+    if set(start_apis) - set(now.get("apis", {})):
+        raise TraceError(RESTARTED)
+    start_kernels = {k.get("handle"): k for k in start.get("kernels") or []}
+    kernels = []
+    for k in now.get("kernels") or []:
+        d = _minus(k, start_kernels.get(k.get("handle"), {}), KERNEL_COUNTERS)
+        if d.get("launches", 0) < 0:
+            raise TraceError(RESTARTED)
+        if d.get("launches", 0):
+            kernels.append(d)
+    out = dict(now, apis=apis, kernels=kernels,
+               dropped_events=now.get("dropped_events", 0) - start.get("dropped_events", 0))
+    if "memory" in now:
+        out["memory"] = _minus(now["memory"], start.get("memory", {}), MEMORY_COUNTERS)
+    return out
+
+
+def _agent_socket(pid: int, library: str | None, socket_path: str | None, config_path: str | None) -> str:
+    """The control socket of a gpuwatch agent that answers, for a caller without the privileges to
+    attach uprobes; TraceError saying what to do otherwise."""
+    if library is not None:
+        raise TraceError("--library needs root: through the gpuwatch agent, trace reads the libcuda files "
+                         "the agent attached to itself (leave --library out, or run as root)")
+    if not socket_path:
+        from gpuwatch.agent.config import ConfigError, load
+        try:
+            socket_path = load(config_path).control.socket
+        except ConfigError as e:
+            raise TraceError(f"cannot find the gpuwatch agent's control socket (bad configuration: {e}): "
+                             f"give it with --socket") from None
+    try:
+        call(socket_path, "ping", timeout=AGENT_TIMEOUT)
+    except ControlError as e:
+        raise TraceError(f"attaching eBPF uprobes to process {pid} needs root, and the gpuwatch agent cannot "
+                         f"be asked instead ({e}): {NOT_ROOT}") from None
+    return socket_path
+
+
+class AgentTrace:
+    """What run_trace uses of EbpfCudaProbe (start, attached, snapshot), from the gpuwatch agent's
+    system-wide probe through its control socket (trace.snapshot), counted from start()."""
+
+    def __init__(self, socket_path: str, target: Target, wait: bool = False) -> None:
+        self.socket_path = socket_path
+        self.target = target
+        self.wait = wait
+        self._start: dict = {}
+        self._last: dict = {}
+
+    def _ask(self, pid: int) -> dict:
+        try:
+            return call(self.socket_path, "trace.snapshot", {"pid": pid}, timeout=AGENT_TIMEOUT)
+        except ControlError as e:
+            raise TraceError(str(e)) from None
+
+    def start(self) -> None:
+        """Take the snapshot the trace counts from; with wait, first wait until the agent attaches
+        to the libcuda the process loaded (it looks for new ones every few seconds)."""
+        t = self.target
+        snap = self._ask(t.pid)
+        while not snap["libraries"]:
+            if not self.wait:
+                raise TraceError(f"the gpuwatch agent has not attached to the libcuda of process {t.pid} "
+                                 f"({t.process}) yet (it looks for newly loaded ones every few seconds): "
+                                 f"try again shortly, or use --wait")
+            time.sleep(AGENT_ATTACH_POLL_S)
+            if not alive(t.pid, t.start_time):
+                raise TraceError(f"process {t.pid} ({t.process}) exited before the gpuwatch agent attached "
+                                 f"to its libcuda")
+            snap = self._ask(t.pid)
+        self._start = snap
+        self._last = since(snap, snap)
+
+    def attached(self) -> list[dict]:
+        return self._start["libraries"]
+
+    def snapshot(self, pid: int) -> dict:
+        """Counts since start(). Once the process is gone the agent no longer answers for it: then
+        the last counts it gave (at most one refresh before the exit)."""
+        try:
+            self._last = since(self._ask(pid), self._start)
+        except TraceError:
+            if alive(self.target.pid, self.target.start_time):
+                raise
+        return self._last
 
 
 # ---- the loop ------------------------------------------------------------------------------------
@@ -437,15 +616,25 @@ def _console(stderr: bool = False):
 
 
 def run_trace(pid: int, *, duration: float | None = None, summary_json: str | None = None,
-              library: str | None = None, wait: bool = False, interval: float = 1.0,
-              probe_factory: Callable[..., Any] | None = None) -> dict:
+              output: str | None = None, max_events: int = 5_000_000, library: str | None = None, wait: bool = False, interval: float = 1.0,
+              probe_factory: Callable[..., Any] | None = None, socket_path: str | None = None,
+              config_path: str | None = None) -> dict:
     """Validate, compile, attach, show live, and return (and print, and write) the summary.
 
+    Without the privileges to attach uprobes, the gpuwatch agent's probe is read instead, through
+    its control socket: socket_path, else control.socket from the configuration (config_path).
     Raises TraceError for everything that stops the trace from starting."""
     from gpuwatch.agent.api import ProbeUnavailable
 
     validate_summary_path(summary_json)
+    validate_summary_path(output)
     target = validate(pid, library, wait)
+    agent = None if probe_factory is not None or _privileged() else \
+        _agent_socket(pid, library, socket_path, config_path)
+    if agent is not None and output:
+        raise TraceError("--output needs root: it records every call in a ring buffer of the trace's own "
+                         "(the gpuwatch agent keeps counts only)")
+    raw_events = f"{output}.events" if output else None  # raw records while tracing, next to the output
     out, err = _console(), _console(stderr=True)
     live_tty = sys.stdout.isatty()
     if not target.libraries:
@@ -453,10 +642,14 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                   f"{library or 'libcuda'}… (Ctrl-C to give up)")
         wait_for_cuda(target, library)
 
-    if probe_factory is None:
-        from gpuwatch.probes.ebpf import EbpfCudaProbe
-        probe_factory = EbpfCudaProbe
-    probe = probe_factory(libraries=target.libraries, pid=pid, rescan_interval=3600)
+    if agent is not None:
+        probe = AgentTrace(agent, target, wait)
+    else:
+        if probe_factory is None:
+            from gpuwatch.probes.ebpf import EbpfCudaProbe
+            probe_factory = EbpfCudaProbe
+        extra = {"events_path": raw_events, "max_events": max_events} if raw_events else {}
+        probe = probe_factory(libraries=target.libraries, pid=pid, rescan_interval=3600, **extra)
 
     # SIGTERM ends the trace like Ctrl-C does: summary printed, probes detached.
     def _term(signum, frame):
@@ -468,12 +661,13 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     uprobes = 0
     try:
         t_compile = time.monotonic()
+        starting = f"asking the gpuwatch agent on {agent}…" if agent else "compiling eBPF program…"
         try:
             if sys.stderr.isatty():
-                with err.status("compiling eBPF program…"):
+                with err.status(starting):
                     probe.start()
             else:
-                err.print("compiling eBPF program…")
+                err.print(starting, highlight=False)
                 probe.start()
         except ProbeUnavailable as e:
             if not alive(pid, target.start_time):
@@ -485,7 +679,8 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         if not alive(pid, target.start_time):
             raise TraceError(f"process {pid} ({target.process}) exited before the probe attached")
         n_sym = sum(len(lib.get("attached", [])) for lib in libs)
-        err.print(f"tracing PID {pid} ({target.process}): {n_sym} CUDA driver functions, {uprobes} uprobes on "
+        err.print(f"tracing PID {pid} ({target.process})" + (" through the gpuwatch agent" if agent else "")
+                  + f": {n_sym} CUDA driver functions, {uprobes} uprobes on "
                   f"{', '.join(lib['path'] for lib in libs)} (ready in {time.monotonic() - t_compile:.1f} s)"
                   + (f" for {duration:g} s" if duration else "") + "; Ctrl-C to stop", highlight=False)
 
@@ -496,8 +691,11 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         if main_thread:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        events = probe.stop_events() if raw_events else None  # first: the last events are in the snapshot
         final = probe.snapshot(pid)  # after the end: everything the process did until then
         summary = summarize(final, pid=pid, process=target.process, duration=elapsed, ended=ended)
+        if events is not None:
+            summary["events"] = events
         out.print(render_summary(summary))
         out.file.flush()
         if summary_json:
@@ -505,14 +703,33 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                 json.dump(summary, f, indent=2, sort_keys=True)
                 f.write("\n")
             err.print(f"summary written to {summary_json}", highlight=False)
+        if output and events is not None:
+            _write_output(raw_events, output, final, target, events, err)
         return summary
     finally:
-        if started:
+        if started and agent is None:  # the agent's uprobes stay: they are its own
             _detach(probe, err, uprobes)
         if main_thread:
             for sig, handler in old_handlers.items():
                 if handler is not None:
                     signal.signal(sig, handler)
+
+
+def _write_output(raw: str, output: str, final: dict, target: Target, events: dict, err) -> None:
+    """The recorded calls as a Chrome/Perfetto trace, kernels named as the final snapshot names them."""
+    from gpuwatch.probes.ebpf.events import write_chrome_trace
+    names = {int(k["handle"], 16): k["name"] for k in final.get("kernels", []) if k.get("name")}
+    err.print(f"writing {events['recorded']} calls to {output}…", highlight=False)
+    try:
+        n = write_chrome_trace(raw, output, kernel_names=names, processes={target.pid: target.process})
+    except OSError as e:
+        err.print(f"[red]could not write {output}: {e.strerror or e}[/red] (the raw records stay in {raw})")
+        return
+    os.unlink(raw)
+    lost = events["not_written"] + final.get("dropped_events", 0)
+    err.print(f"trace written to {output}: {n} calls" + (f"; {lost} calls not in it (dropped or over "
+              f"--max-events; see the summary)" if lost else "") + " — open it in https://ui.perfetto.dev",
+              highlight=False)
 
 
 def _detach(probe, err, uprobes: int) -> None:

@@ -263,21 +263,21 @@ def test_pid_reuse_or_exit_is_told_by_start_time(sleeper):
     assert not trace_mod.alive(sleeper.pid, st.start_time)
 
 
-def test_not_root_says_run_as_root(sleeper):
+def test_not_root_checks_the_process_before_asking_the_agent(sleeper):
+    # tracing through the agent, and what is said without one: test_trace_daemon.py
     def drop() -> None:
         os.setgid(65534)
         os.setuid(65534)
 
     mine = subprocess.Popen(["sleep", "30"], preexec_fn=drop)
     try:
-        for pid, text in ((mine.pid, f"attaching eBPF uprobes to process {mine.pid} needs root"),
-                          (sleeper.pid, f"process {sleeper.pid} belongs to uid 0")):
+        for pid, text in ((mine.pid, f"process {mine.pid} (sleep) does not use CUDA"),
+                          (sleeper.pid, f"process {sleeper.pid} belongs to user root: you can trace only your "
+                                        f"own processes")):
             r = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "trace", "--pid", str(pid)],
                                capture_output=True, text=True, cwd="/", preexec_fn=drop, timeout=30)
             assert r.returncode == 1, r
             assert text in r.stderr
-            assert ("run as root (tracing through the gpuwatch daemon for your own processes is not "
-                    "available yet)") in r.stderr
             assert "Traceback" not in r.stderr
     finally:
         mine.kill()
@@ -304,7 +304,7 @@ def test_summary_from_snapshot_without_kernels():
     s = trace_mod.summarize(snap, pid=7, process="x", duration=1.23456, ended="interrupted")
     assert s["kernels"] == [] and s["dropped_events"] == 4 and s["duration_seconds"] == 1.235
     assert s["apis"]["cuLaunchKernel"]["mean_latency_s"] is None  # entry-only: no latency measured
-    assert s["apis"]["cuMemAlloc_v2"] == {"calls": 3, "errors": 1, "bytes": 30, "mean_latency_s": 1e-6,
+    assert s["apis"]["cuMemAlloc_v2"] == {"calls": 3, "errors": 1, "errors_by_code": {}, "bytes": 30, "mean_latency_s": 1e-6,
                                           "p50_latency_s": 2 ** 10 * 1e-9, "p99_latency_s": 2 ** 10 * 1e-9}
     line = trace_mod.render_line(snap, None, 1.0, 1.0)
     assert "calls 8" in line and "errors 1" in line and "dropped 4" in line
@@ -315,3 +315,30 @@ def test_summary_from_snapshot_without_kernels():
     c.print(trace_mod.render_summary(s))
     text = c.export_text()
     assert "ended: interrupted" in text and "cuMemAlloc_v2" in text and "≤1.02 µs" in text
+
+
+def test_output_writes_a_perfetto_trace_with_every_call(fake_cuda, drivers, tmp_path):
+    d = drivers()
+    summary_path, trace_path = tmp_path / "summary.json", tmp_path / "trace.json"
+    t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--summary-json", str(summary_path),
+              "--output", str(trace_path), "--interval", "0.5")
+    t.wait_attached()
+    d.go()
+    time.sleep(1.0)
+    t.proc.send_signal(signal.SIGINT)
+    assert t.wait() == 0, t.stderr
+    summary = json.loads(summary_path.read_text())
+    total = sum(c for c, _e, _b in EXPECTED.values())
+    assert summary["events"] == {"recorded": total, "not_written": 0, "error": None}
+    assert summary["dropped_events"] == 0
+    doc = json.loads(trace_path.read_text())
+    calls = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    per_api: dict[str, int] = {}
+    for e in calls:
+        per_api[e["name"]] = per_api.get(e["name"], 0) + 1
+    assert per_api == {api: c for api, (c, _e, _b) in EXPECTED.items()}
+    assert {e["args"].get("kernel") for e in calls if e["name"] == "cuLaunchKernelEx"} == {"gemm_bf16"}
+    assert not (tmp_path / "trace.json.events").exists()  # the raw records are gone
+    assert f"trace written to {trace_path}: {total} calls" in t.stderr
+    # the live view and summary show the stacks holding live bytes
+    assert "live bytes by allocating call stack:" in t.stdout

@@ -64,6 +64,12 @@ def main() -> int:
     s3 = calls()
     step("fresh")
     s4 = calls()
+    step("triton")
+    s5 = calls()
+    step("graph")
+    s6 = calls()
+    step("expand")
+    s7 = calls()
     snap = probe.snapshot(pid)
     samples = probe.collect()
     t = time.perf_counter()
@@ -73,7 +79,11 @@ def main() -> int:
     work.stdin.flush()
     work.wait(30)
 
-    phases = {"add": delta(s0, s1), "malloc": delta(s1, s2), "matmul": delta(s2, s3), "fresh": delta(s3, s4)}
+    phases = {"add": delta(s0, s1), "malloc": delta(s1, s2), "matmul": delta(s2, s3), "fresh": delta(s3, s4),
+              "triton": delta(s4, s5), "graph": delta(s5, s6), "expand": delta(s6, s7)}
+    launches = lambda ph: sum(ph.get(api, (0,))[0] for api in ("cuLaunchKernel", "cuLaunchKernelEx"))  # noqa: E731
+    created = phases["expand"].get("cuMemCreate", (0, 0, 0))[2]
+    mapped = phases["expand"].get("cuMemMap", (0, 0, 0))[2]
     result["phases"] = {k: {api: list(v) for api, v in d.items()} for k, d in phases.items()}
     checks = [
         ("add: cuLaunchKernel calls", phases["add"].get("cuLaunchKernel", (0,))[0], a.adds),
@@ -82,7 +92,21 @@ def main() -> int:
         ("malloc: cuMemFree_v2 calls", phases["malloc"].get("cuMemFree_v2", (0,))[0], a.mallocs),
         ("matmul: cuLaunchKernelEx calls", phases["matmul"].get("cuLaunchKernelEx", (0,))[0], a.matmuls),
         ("fresh: cuLaunchKernel calls", phases["fresh"].get("cuLaunchKernel", (0,))[0], 200),
+        ("triton: kernel launches", launches(phases["triton"]), 300),
+        ("graph: cuGraphLaunch calls", phases["graph"].get("cuGraphLaunch", (0,))[0], 97),
+        ("expand: cuMemMap bytes >= 1 GiB", int(mapped >= 1 << 30), 1),
+        ("expand: cuMemCreate bytes = cuMemMap bytes", int(created == mapped), 1),
     ]
+    triton_k = [k for k in snap.get("kernels", []) if "gw_scale_kernel" in str(k.get("name"))]
+    checks.append(("triton: gw_scale_kernel named, launches", triton_k[0]["launches"] if triton_k else 0, 300))
+    total = sum(k["launches"] for k in snap.get("kernels", []))
+    named = sum(k["launches"] for k in snap.get("kernels", []) if k.get("name"))
+    result["named_launch_fraction"] = round(named / total, 4) if total else None
+    result["name_sources"] = {src: sum(k["launches"] for k in snap.get("kernels", []) if k.get("name_source") == src)
+                              for src in ("hook", "driver", None)}
+    result["expand"] = {"cuMemCreate_bytes": created, "cuMemMap_bytes": mapped,
+                        "calls": {api: v for api, v in phases["expand"].items()}}
+    checks.append(("kernel launches named >= 95 %", int(total > 0 and named >= 0.95 * total), 1))
     result["checks"] = [{"what": w, "seen": seen, "expected": exp, "ok": seen == exp} for w, seen, exp in checks]
     alloc = snap["apis"].get("cuMemAlloc_v2", {})
     result["cuMemAlloc_v2_mean_latency_us"] = round(alloc.get("mean_latency_s", 0) * 1e6, 2)
@@ -105,8 +129,10 @@ def main() -> int:
               "attached_over_detached", "cuMemAlloc_v2_mean_latency_us"):
         print(f"{k:34s} {result[k]}")
     print("other APIs seen per phase:", {k: sorted(v) for k, v in phases.items()})
-    for k in result["kernels"][:6]:
-        print(f"kernel {k['handle']} {str(k.get('name'))[:70]}: {k['launches']} launches, grid {k['grid']} "
+    print("named launch fraction:", result["named_launch_fraction"], "by source:", result["name_sources"])
+    print("expand phase:", result["expand"])
+    for k in result["kernels"][:8]:
+        print(f"kernel {k['handle']} [{k.get('name_source')}] {str(k.get('name'))[:90]}: {k['launches']} launches, grid {k['grid']} "
               f"block {k['block']}, shared {k['shared_mem_bytes']} B, degenerate {k['degenerate_launches']}")
     fresh_kernels = [k for k in snap.get("kernels", []) if k["launches"] == 100]
     result["fresh_kernels_named"] = sum(1 for k in fresh_kernels if k.get("name"))

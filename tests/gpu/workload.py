@@ -28,6 +28,7 @@ def start(a: argparse.Namespace, rounds: int = 1) -> subprocess.Popen:
             env.pop(var, None)
         else:
             env[var] = orig
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the expand phase: cuMemCreate/cuMemMap
     return subprocess.Popen([sys.executable, os.path.join(HERE, "cuda_workload.py"), "--adds", str(a.adds),
                              "--mallocs", str(a.mallocs), "--malloc-bytes", str(a.malloc_bytes),
                              "--matmuls", str(a.matmuls), "--rounds", str(rounds)],
