@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build(d: Path) -> tuple[str, str]:
+    d = d.resolve()  # bcc looks a library path without a leading "/" up as a library name
     lib, prog = d / "libcuda.so.1", d / "hooked_calls"
     if lib.exists() and prog.exists():
         return str(lib), str(prog)

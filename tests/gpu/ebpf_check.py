@@ -94,7 +94,8 @@ def main() -> int:
         ("fresh: cuLaunchKernel calls", phases["fresh"].get("cuLaunchKernel", (0,))[0], 200),
         ("triton: kernel launches", launches(phases["triton"]), 300),
         ("graph: cuGraphLaunch calls", phases["graph"].get("cuGraphLaunch", (0,))[0], 97),
-        ("expand: cuMemMap bytes >= 1 GiB", int(mapped >= 1 << 30), 1),
+        # mapped in 20 MiB pages; the segment's first page (earlier tensors) may hold the start
+        ("expand: cuMemMap bytes >= 1 GiB - 20 MiB", int(mapped >= (1 << 30) - (20 << 20)), 1),
         ("expand: cuMemCreate bytes = cuMemMap bytes", int(created == mapped), 1),
     ]
     triton_k = [k for k in snap.get("kernels", []) if "gw_scale_kernel" in str(k.get("name"))]
