@@ -29,8 +29,10 @@ BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
 // Scratch for one name (too big for the 512-byte BPF stack next to the rest of gw_return).
 BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
-// allocations, 3 kernels, 4 kernel names. (A full histogram map loses buckets silently.)
-BPF_ARRAY(dropped, u64, 5);
+// allocations, 3 kernels, 4 kernel names, 5 errors by return code, 6 per-call events (the ring
+// buffer was full: the reader fell behind), 7 allocation stacks. (A full histogram map loses
+// buckets silently.) Python sizes its reads from the map: keep GW_DROPPED_KINDS in step.
+BPF_ARRAY(dropped, u64, GW_DROPPED_KINDS);
 
 static __always_inline void gw_drop(int what) {
     dropped.atomic_increment(what);

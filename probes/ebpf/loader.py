@@ -454,6 +454,10 @@ class Loader:
     def dropped(self) -> int:
         return sum(v.value for v in self.bpf[b"dropped"].values())
 
+    def dropped_by_kind(self) -> dict[str, int]:
+        """What was not recorded, by what (symbols.DROPPED_KINDS), where anything was."""
+        return {symbols.DROPPED_KINDS[k.value]: v.value for k, v in self.bpf[b"dropped"].items() if v.value}
+
     def forget(self, pids: set[int]) -> None:
         """Remove every map entry of these processes (they exited)."""
         if not pids:

@@ -299,6 +299,7 @@ class EbpfCudaProbe(Probe):
             "kernels": self._kernels(ld, pid),
             "stacks": self._stacks(ld, pid) if pid is not None else [],
             "dropped_events": ld.dropped(),
+            "dropped_by_kind": ld.dropped_by_kind(),
             **({"events": self._recorder.counts()} if self._recorder is not None else {}),
             "libraries": self.attached(),
         }

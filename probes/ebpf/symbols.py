@@ -249,6 +249,9 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 
 # Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
 # not memory taken up front.
+# What dropped[] counts, by index (cuda.bpf.c's gw_drop calls)
+DROPPED_KINDS = ("stats", "in_flight_calls", "live_allocations", "kernels", "kernel_names", "errors_by_code",
+                 "events", "allocation_stacks")
 RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230k events of 72 bytes
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
              "HIST_MAX": 65536, "ERRORS_MAX": 16384, "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18}
@@ -265,6 +268,7 @@ def render_c() -> str:
     lines += [f"#define GW_{k} {v}" for k, v in MAP_SIZES.items()]
     lines.append(f"#define GW_HIST_SLOTS {HIST_SLOTS}")
     lines.append(f"#define GW_RINGBUF_PAGES {RINGBUF_PAGES}")
+    lines.append(f"#define GW_DROPPED_KINDS {len(DROPPED_KINDS)}")
     for name, fields in STRUCTS.items():
         lines.append(f"struct {name} {{")
         lines += [f"    {ctype} {field};" for ctype, field in fields]

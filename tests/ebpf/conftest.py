@@ -38,7 +38,10 @@ def _build(d: Path) -> dict:
     # frame pointers: the probe walks the user stack of allocations
     subprocess.run([cc, "-O1", "-fno-omit-frame-pointer", "-pthread", "-o", str(drv), str(HERE / "driver.c"), f"-L{d}", "-l:libcuda.so.1",
                     f"-Wl,-rpath,{d}"], check=True)
-    return {"lib": str(lib), "driver": str(drv)}
+    calls = d / "hooked_calls"  # bench/hooked_calls.c: N calls as fast as it can
+    subprocess.run([cc, "-O1", "-pthread", "-o", str(calls), str(HERE.parent.parent / "bench" / "hooked_calls.c"),
+                    f"-L{d}", "-l:libcuda.so.1", f"-Wl,-rpath,{d}"], check=True)
+    return {"lib": str(lib), "driver": str(drv), "hooked_calls": str(calls)}
 
 
 @pytest.fixture(scope="session")

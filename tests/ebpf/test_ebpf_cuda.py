@@ -572,3 +572,32 @@ def test_per_call_events_and_chrome_trace(fake_cuda, drivers, tmp_path):
 
 # launches timed (events on): their failures are seen too
 EXPECTED_WITH_LAUNCH_ERRORS = {"cuGraphLaunch": 4}
+
+
+def test_events_the_ring_buffer_cannot_hold_are_counted(fake_cuda, tmp_path, monkeypatch):
+    """A reader that falls behind: every call is still counted, each as an event recorded or as
+    one dropped (the ring buffer holds 16 MiB / 80 bytes = 209,715 records)."""
+    from gpuwatch.probes.ebpf import events
+    monkeypatch.setattr(events.EventRecorder, "_poll", lambda self: self._stop.wait())  # reads only at stop
+    n = 240_007
+    prog = subprocess.Popen([fake_cuda["hooked_calls"], "sync", "1", str(n)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    pid = int(prog.stdout.readline().split()[1])
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=pid, apis=["cuStreamSynchronize"], driver_names=False,
+                      events_path=str(tmp_path / "events.raw"))
+    p.start()
+    try:
+        prog.stdin.write("go\n")
+        prog.stdin.flush()
+        assert prog.stdout.readline().startswith("done")
+        counts = p.stop_events()
+        snap = p.snapshot(pid)
+    finally:
+        prog.stdin.close()
+        prog.wait(30)
+        p.shutdown(wait=False)
+    assert snap["apis"]["cuStreamSynchronize"]["calls"] == n
+    assert counts["recorded"] == (16 << 20) // 80 and counts["not_written"] == 0
+    assert snap["dropped_by_kind"] == {"events": n - counts["recorded"]}
+    assert snap["dropped_events"] == n - counts["recorded"]
+    assert p.wait_detached(60)
