@@ -36,11 +36,13 @@ each handle they hand out, and cuKernelGetFunction gives its CUfunction the name
 (see symbols.py); a launch's handle is looked up as a CUfunction, then as a CUkernel (CUDA 12
 accepts a CUkernel where a CUfunction is expected). With lazy loading (the default since CUDA 12)
 the runtime resolves each kernel through cuKernelGetFunction at its first launch, so kernels first
-launched after the probe attached are named; handles fetched before that stay unnamed ("name":
-None) and are still counted. Names are the mangled symbols as the driver got them (not
-demangled: no small demangler safe to run on names a traced process chooses, in a root agent),
-at most NAME_LEN - 1 bytes; a longer one ends in "…". Characters that are not printable are
-shown as "?".
+launched after the probe attached are named by the hooks ("name_source": "hook"). Handles fetched
+before that (and names longer than the hooks keep) are read from the driver's memory in the
+traced process, at the place a calibration against this very driver found (driver_names.py;
+"name_source": "driver"); a handle that cannot be named that way stays unnamed ("name": None) and
+counted. "symbol" is the name as the driver has it; "name" is it demangled by c++filt (in a child
+process: a name a traced process chose never reaches a demangler inside the agent). Characters
+that are not printable are shown as "?"; a truncated name ends in "…".
 
 Shutdown: detaching costs the kernel ~0.1 s per uprobe (an RCU grace period each, serialised), so
 a full set on the real libcuda takes seconds. `shutdown(wait=False)` returns at once and detaches in
