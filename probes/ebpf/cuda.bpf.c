@@ -49,18 +49,18 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode, struct gw
     u64 f;
     if (decode == GW_DECODE_REGS) {
         f = ARG(1);
-        lc.grid_x = (u32)ARG(2);
-        lc.grid_y = (u32)ARG(3);
-        lc.grid_z = (u32)ARG(4);
-        lc.block_x = (u32)ARG(5);
-        lc.block_y = (u32)ARG(6);
+        lc.dims.grid_x = (u32)ARG(2);
+        lc.dims.grid_y = (u32)ARG(3);
+        lc.dims.grid_z = (u32)ARG(4);
+        lc.dims.block_x = (u32)ARG(5);
+        lc.dims.block_y = (u32)ARG(6);
         u64 slots[3] = {};  // bz, sharedMemBytes, hStream
         if (bpf_probe_read_user(slots, sizeof(slots), (void *)(PT_REGS_SP(ctx) + 8)) == 0) {
-            lc.block_z = (u32)slots[0];
+            lc.dims.block_z = (u32)slots[0];
             lc.shared_mem = (u32)slots[1];
             lc.stream = slots[2];
         } else {
-            lc.grid_x = lc.grid_y = lc.grid_z = lc.block_x = lc.block_y = 0;
+            __builtin_memset(&lc.dims, 0, sizeof(lc.dims));
         }
     } else {
         f = ARG(2);
@@ -68,12 +68,7 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode, struct gw
             __builtin_memset(&lc, 0, sizeof(lc));
     }
     c->ptr = f;
-    c->grid_x = lc.grid_x;
-    c->grid_y = lc.grid_y;
-    c->grid_z = lc.grid_z;
-    c->block_x = lc.block_x;
-    c->block_y = lc.block_y;
-    c->block_z = lc.block_z;
+    c->dims = lc.dims;
     struct gw_kernel_key kk = {};
     kk.pid = bpf_get_current_pid_tgid() >> 32;
     kk.handle = f;
@@ -84,16 +79,11 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode, struct gw
         return;
     }
     __sync_fetch_and_add(&kv->launches, 1);
-    if (lc.grid_x == 1 && lc.grid_y == 1 && lc.grid_z == 1)
+    if (lc.dims.grid_x == 1 && lc.dims.grid_y == 1 && lc.dims.grid_z == 1)
         __sync_fetch_and_add(&kv->degenerate, 1);
     // The last launch's configuration: plain stores (two threads launching the same kernel at the
     // same instant may leave a mix of both; each field is still one of theirs).
-    kv->grid_x = lc.grid_x;
-    kv->grid_y = lc.grid_y;
-    kv->grid_z = lc.grid_z;
-    kv->block_x = lc.block_x;
-    kv->block_y = lc.block_y;
-    kv->block_z = lc.block_z;
+    kv->dims = lc.dims;
     kv->shared_mem = lc.shared_mem;
     kv->stream = lc.stream;
 }
@@ -315,12 +305,7 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
     ev->tid = (u32)k.pid_tgid;
     ev->api = api;
     ev->rc = rc;
-    ev->grid_x = c.grid_x;
-    ev->grid_y = c.grid_y;
-    ev->grid_z = c.grid_z;
-    ev->block_x = c.block_x;
-    ev->block_y = c.block_y;
-    ev->block_z = c.block_z;
+    ev->dims = c.dims;
     events.ringbuf_submit(ev, 0);
 #endif
     return 0;

@@ -438,7 +438,8 @@ class Loader:
             if pid is None or k.pid == pid:
                 out[(k.pid, k.handle)] = {
                     "launches": v.launches, "degenerate_launches": v.degenerate,
-                    "grid": [v.grid_x, v.grid_y, v.grid_z], "block": [v.block_x, v.block_y, v.block_z],
+                    "grid": [v.dims.grid_x, v.dims.grid_y, v.dims.grid_z],
+                    "block": [v.dims.block_x, v.dims.block_y, v.dims.block_z],
                     "shared_mem_bytes": v.shared_mem, "stream": v.stream}
         return out
 
@@ -462,8 +463,8 @@ class Loader:
         """Remove every map entry of these processes (they exited)."""
         if not pids:
             return
-        for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("errors", lambda k: k.pid), ("live", lambda k: k.pid),
-                             ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
+        for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("errors", lambda k: k.pid),
+                             ("live", lambda k: k.pid), ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
                              ("kernels", lambda k: k.pid), ("names", lambda k: k.pid)):
             table = self.bpf[name.encode()]
             doomed = [k for k in table.keys() if pid_of(k) in pids]

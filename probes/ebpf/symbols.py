@@ -206,24 +206,24 @@ assert len(API_IDS) == len(HOOKS), "duplicate hook names"
 
 # Struct layouts shared with cuda.bpf.c: (C type, field) in declaration order.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
+    # a launch's grid and block (the head of CUlaunchConfig), carried whole from the launch
+    # configuration to the per-kernel map, the call record and the event
+    "gw_dims": (("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
+                ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z")),
     # per (process, API) counters
     "gw_api_key": (("u32", "pid"), ("u32", "api")),
     "gw_api_stats": (("u64", "calls"), ("u64", "errors"), ("u64", "ns"), ("u64", "bytes")),
     # entry -> return scratch, per thread and API (a hooked function may call another)
     "gw_call_key": (("u64", "pid_tgid"), ("u32", "api"), ("u32", "pad")),
     # (launches: ptr = the kernel handle, and the grid and block, for the per-call events)
-    "gw_call": (("u64", "ts"), ("u64", "bytes"), ("u64", "ptr"), ("u64", "aux"),
-                ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
-                ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
+    "gw_call": (("u64", "ts"), ("u64", "bytes"), ("u64", "ptr"), ("u64", "aux"), ("struct gw_dims", "dims"),
                 # allocations: the user stack id (else -1) and the return address, which a
                 # frame-pointer walk from a function's first instruction skips
                 ("s32", "stack"), ("u32", "pad"), ("u64", "caller")),
     # one call, in the ring buffer (events on): entry time and duration in ns, bytes, the pointer
     # or handle the call produced or took (allocations: the device pointer; launches: the kernel)
     "gw_event": (("u64", "ts"), ("u64", "ns"), ("u64", "bytes"), ("u64", "ptr"),
-                 ("u32", "pid"), ("u32", "tid"), ("u32", "api"), ("s32", "rc"),
-                 ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
-                 ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z")),
+                 ("u32", "pid"), ("u32", "tid"), ("u32", "api"), ("s32", "rc"), ("struct gw_dims", "dims")),
     # live allocations: (process, kind, device pointer or handle) -> size
     "gw_live_key": (("u32", "pid"), ("u32", "kind"), ("u64", "ptr")),
     "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("s32", "stack"), ("u64", "caller")),
@@ -233,18 +233,14 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "gw_hist_key": (("u32", "pid"), ("u32", "api"), ("u64", "slot")),
     # per kernel: (process, CUfunction handle) -> launches and the configuration of the last launch
     "gw_kernel_key": (("u32", "pid"), ("u32", "pad"), ("u64", "handle")),
-    "gw_kernel": (("u64", "launches"), ("u64", "degenerate"), ("u64", "stream"),
-                  ("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
-                  ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
+    "gw_kernel": (("u64", "launches"), ("u64", "degenerate"), ("u64", "stream"), ("struct gw_dims", "dims"),
                   ("u32", "shared_mem"), ("u32", "pad")),
     # kernel names: (process, NAME_FUNCTION or NAME_KERNEL, handle) -> the first len bytes of name,
     # truncated = 1 when the name was longer than NAME_LEN - 1 bytes
     "gw_name_key": (("u32", "pid"), ("u32", "kind"), ("u64", "handle")),
     "gw_name": (("u32", "len"), ("u32", "truncated"), ("char", f"name[{NAME_LEN}]")),
     # the head of CUlaunchConfig (cuda.h), read from user memory at cuLaunchKernelEx entry
-    "gw_launch_config": (("u32", "grid_x"), ("u32", "grid_y"), ("u32", "grid_z"),
-                         ("u32", "block_x"), ("u32", "block_y"), ("u32", "block_z"),
-                         ("u32", "shared_mem"), ("u32", "pad"), ("u64", "stream")),
+    "gw_launch_config": (("struct gw_dims", "dims"), ("u32", "shared_mem"), ("u32", "pad"), ("u64", "stream")),
 }
 
 # Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
