@@ -31,15 +31,13 @@ ALLOCATIONS = 307 + 3 + 2 + 4 + 2
 FREES = 211 + 4 + 1
 
 
-class Trace:
-    """`python -m gpuwatch.agent.cli trace ARGS` with stdout and stderr collected as they come."""
+class Collected:
+    """A command run as a subprocess, its stdout and stderr collected line by line as they come."""
 
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "trace", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    def __init__(self, cmd: list[str], **popen) -> None:
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
         self.out: list[str] = []
         self.err: list[str] = []
-        self.attached = threading.Event()
         self._threads = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
                          threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True)]
         for t in self._threads:
@@ -48,14 +46,6 @@ class Trace:
     def _read(self, stream, lines: list[str]) -> None:
         for line in stream:
             lines.append(line)
-            if line.startswith("tracing PID"):
-                self.attached.set()
-
-    def wait_attached(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.attached.wait(0.05):
-            assert self.proc.poll() is None, self.stderr
-            assert time.monotonic() < deadline, self.stderr
 
     def wait(self, timeout: float = 60) -> int:
         try:
@@ -74,6 +64,30 @@ class Trace:
     @property
     def stderr(self) -> str:
         return "".join(self.err)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+class Trace(Collected):
+    """`python -m gpuwatch.agent.cli trace ARGS`."""
+
+    def __init__(self, *args: str) -> None:
+        self.attached = threading.Event()
+        super().__init__([sys.executable, "-m", "gpuwatch.agent.cli", "trace", *args])
+
+    def _read(self, stream, lines: list[str]) -> None:
+        for line in stream:
+            lines.append(line)
+            if line.startswith("tracing PID"):
+                self.attached.set()
+
+    def wait_attached(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.attached.wait(0.05):
+            assert self.proc.poll() is None, self.stderr
+            assert time.monotonic() < deadline, self.stderr
 
 
 def _run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -342,3 +356,4 @@ def test_output_writes_a_perfetto_trace_with_every_call(fake_cuda, drivers, tmp_
     assert f"trace written to {trace_path}: {total} calls" in t.stderr
     # the live view and summary show the stacks holding live bytes
     assert "live bytes by allocating call stack:" in t.stdout
+

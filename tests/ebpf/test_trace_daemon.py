@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +27,7 @@ from tests.conftest import Agent
 from . import test_ebpf_cuda as _base
 from .conftest import _build
 from .test_ebpf_cuda import EXPECTED, LIVE_ALLOCATIONS, LIVE_BYTES
-from .test_trace_cli import ALLOCATIONS, FREES, _assert_exact
+from .test_trace_cli import ALLOCATIONS, FREES, Collected, _assert_exact
 
 pytestmark = pytest.mark.root
 
@@ -39,23 +38,11 @@ ERRORS_BY_CODE = getattr(_base, "ERRORS_BY_CODE", None)
 TOTAL_CALLS = sum(c for c, _, _ in EXPECTED.values())
 
 
-class AsNobody:
-    """A command run as nobody, its stdout and stderr collected line by line as they come."""
+class AsNobody(Collected):
+    """A command run as nobody."""
 
     def __init__(self, *cmd: str) -> None:
-        self.proc = subprocess.Popen([*NOBODY, *cmd], cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._threads = [threading.Thread(target=self._read, args=(s, lines), daemon=True)
-                         for s, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
-        for t in self._threads:
-            t.start()
-
-    @staticmethod
-    def _read(stream, lines: list[str]) -> None:
-        for line in stream:
-            lines.append(line)
+        super().__init__([*NOBODY, *cmd], cwd="/", stdin=subprocess.DEVNULL)
 
     def wait_for(self, text: str, lines: list[str], timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -67,28 +54,6 @@ class AsNobody:
                 return
             assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output}"
             time.sleep(0.05)
-
-    def wait(self, timeout: float = 60) -> int:
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        for t in self._threads:
-            t.join(5)
-        return rc
-
-    @property
-    def stdout(self) -> str:
-        return "".join(self.out)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.err)
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
 
 
 @pytest.fixture(scope="module")
