@@ -163,16 +163,17 @@ def validate_library(library: str | None) -> None:
         raise TraceError(f"--library {library}: no such file")
 
 
-def validate_summary_path(path: str | None) -> None:
+def validate_output_path(path: str | None, option: str) -> None:
+    """A file the trace will write at the end (option: the flag that named it, for the error)."""
     if path is None:
         return
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
-        raise TraceError(f"--summary-json {path} is a directory")
+        raise TraceError(f"{option} {path} is a directory")
     if not os.path.isdir(parent):
-        raise TraceError(f"--summary-json {path}: the directory {parent} does not exist")
+        raise TraceError(f"{option} {path}: the directory {parent} does not exist")
     if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise TraceError(f"--summary-json {path}: not writable")
+        raise TraceError(f"{option} {path}: not writable")
 
 
 def validate(pid: int, library: str | None = None, wait: bool = False, proc: str = "/proc",
@@ -626,8 +627,8 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     Raises TraceError for everything that stops the trace from starting."""
     from gpuwatch.agent.api import ProbeUnavailable
 
-    validate_summary_path(summary_json)
-    validate_summary_path(output)
+    validate_output_path(summary_json, "--summary-json")
+    validate_output_path(output, "--output")
     target = validate(pid, library, wait)
     agent = None if probe_factory is not None or _privileged() else \
         _agent_socket(pid, library, socket_path, config_path)

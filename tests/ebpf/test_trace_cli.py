@@ -357,3 +357,9 @@ def test_output_writes_a_perfetto_trace_with_every_call(fake_cuda, drivers, tmp_
     # the live view and summary show the stacks holding live bytes
     assert "live bytes by allocating call stack:" in t.stdout
 
+
+def test_output_in_a_missing_directory_is_refused_by_name(drivers, tmp_path):
+    d = drivers()
+    r = _run("--pid", str(d.pid), "--output", str(tmp_path / "nope" / "trace.json"))
+    assert r.returncode == 1
+    assert f"--output {tmp_path / 'nope' / 'trace.json'}: the directory {tmp_path / 'nope'} does not exist" in r.stderr
