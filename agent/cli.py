@@ -157,7 +157,9 @@ def doctor(config_path: str | None, as_json: bool) -> None:
     from gpuwatch.probes.nvml.doctor import nvml_checks
 
     cfg = _load(config_path, {})
-    checks = doctor_mod.run_checks(cfg.agent.state_dir, nvml_checks, cfg.control.socket)
+    from gpuwatch.probes.cupti.doctor import cupti_checks
+    checks = doctor_mod.run_checks(cfg.agent.state_dir, nvml_checks, cfg.control.socket,
+                                   cupti_checks=lambda: cupti_checks(cfg.agent.state_dir))
     if as_json:
         _echo_json([dataclasses.asdict(c) for c in checks])
     else:
@@ -206,6 +208,18 @@ def _print_status(st: dict) -> None:
     if st.get("gpus"):
         console.print()
         _print_gpus(st["gpus"])
+    agents = st.get("inprocess_agents") or []
+    if agents:
+        from rich.markup import escape
+        console.print()
+        t = Table(box=None, pad_edge=False, title="in-process agents (gpuwatch run)", title_justify="left")
+        for col in ("PID", "Process", "CUPTI", "Activity", "Records", "Dropped", "Report age (s)"):
+            t.add_column(col)
+        for a in agents:
+            state = a["state"] + (f": {a['reason']}" if a.get("reason") else "")
+            t.add_row(str(a["pid"]), escape(a["process"]), escape(state), a.get("mode") or "off", str(a["records"]),
+                      str(a["dropped"]), f"{a['report_age_seconds']:.1f}")
+        console.print(t)
     store = st.get("store", {})
     if store.get("error"):
         console.print(f"[red]store unavailable, nothing is kept across restarts: {store['error']}[/red]")
@@ -258,6 +272,88 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
                   interval=interval, socket_path=socket_path, config_path=config_path)
     except TraceError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _run_finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a number")
+    return value
+
+
+def _run_report_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    import os
+
+    if value is None:
+        return None
+    if not value:
+        raise click.BadParameter("expected a directory, got ''")
+    value = os.path.abspath(value)  # the job may chdir
+    try:
+        os.makedirs(value, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"cannot create {value}: {e.strerror or e}") from None
+    if not os.access(value, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"{value} is not writable")
+    return value
+
+
+@main.command(context_settings={**CONTEXT, "allow_interspersed_args": False})
+@click.option("--socket", "socket_path", metavar="PATH", type=click.Path(dir_okay=False),
+              envvar=["GPUWATCH_RUN_SOCKET", "GPUWATCH_SOCKET"], show_envvar=True,
+              help="Control socket of the daemon to report to (default: control.socket from the config).")
+@click.option("--report-dir", metavar="DIR", type=click.Path(file_okay=False), callback=_run_report_dir,
+              envvar="GPUWATCH_RUN_REPORT_DIR", show_envvar=True,
+              help="Where each process writes gpuwatch-run-PID.json when no daemon answers "
+                   "(default: $XDG_RUNTIME_DIR/gpuwatch, else /tmp/gpuwatch-UID).")
+@click.option("--interval", metavar="SECONDS", type=click.FloatRange(0.05, 3600), callback=_run_finite,
+              envvar="GPUWATCH_RUN_INTERVAL", show_envvar=True,
+              help="Seconds between reports (default: 1).")
+@click.option("--kernels", type=click.Choice(["sampled", "continuous", "off"], case_sensitive=False),
+              envvar="GPUWATCH_RUN_KERNELS", show_envvar=True,
+              help="Kernel activity: on for a duty cycle (sampled, the default), always, or never.")
+@click.option("--duty-cycle", metavar="FRACTION", type=click.FloatRange(0, 1, min_open=True),
+              callback=_run_finite, envvar="GPUWATCH_RUN_DUTY_CYCLE", show_envvar=True,
+              help="With --kernels sampled: the fraction of time kernel activity is on (default: 0.1).")
+@click.option("-q", "--quiet", is_flag=True, envvar="GPUWATCH_RUN_QUIET", show_envvar=True,
+              help="No 'gpuwatch: ...' notes on stderr from the in-process agent.")
+@config_option
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED, metavar="-- CMD [ARGS]...")
+@click.pass_context
+def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, interval: float | None,
+        kernels: str | None, duty_cycle: float | None, quiet: bool, config_path: str | None,
+        command: tuple[str, ...]) -> None:
+    """Run CMD with gpuwatch's in-process CUPTI agent in every Python process it starts.
+
+    CMD replaces gpuwatch (same pid); its exit status, signals, stdin, stdout and terminal are its
+    own. Each Python process below it (CMD itself, torchrun's workers, multiprocessing children)
+    loads the agent at start-up through a sitecustomize on PYTHONPATH, which also runs the
+    sitecustomize that would have run without gpuwatch. The agent reports kernels and allocator
+    memory to the daemon's control socket, or, when no daemon answers, to
+    REPORT_DIR/gpuwatch-run-PID.json. A CMD that is not Python runs unchanged. See docs/run.md.
+
+    Exit status: CMD's own; 127 when CMD is not found, 126 when it cannot be executed, 2 for usage.
+    """
+    import os
+
+    from gpuwatch.agent import run as run_mod
+
+    src = ctx.get_parameter_source
+    if (duty_cycle is not None and src("duty_cycle") == click.core.ParameterSource.COMMANDLINE
+            and kernels is not None and kernels.lower() != "sampled"):
+        raise click.UsageError(f"--duty-cycle applies to --kernels sampled, not --kernels {kernels.lower()}")
+    if socket_path is None:
+        socket_path = _load(config_path, {}).control.socket
+    elif not socket_path:
+        raise click.BadParameter("expected a path, got ''", param_hint="'--socket'")
+    try:
+        env = run_mod.build_env(os.environ, socket=os.path.abspath(socket_path), report_dir=report_dir,
+                                interval=interval, kernels=kernels.lower() if kernels else None,
+                                duty_cycle=duty_cycle, quiet=quiet)
+    except run_mod.RunError as e:
+        raise click.ClickException(str(e)) from None
+    run_mod.exec_command(command, env)
 
 
 @main.group(context_settings=CONTEXT)
