@@ -22,6 +22,7 @@ from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.store import Store, StoreError
+from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -91,6 +92,17 @@ def build_probes(cfg: Config) -> list[Probe]:
                           max_processes=cfg.ebpf.max_processes)
         e.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
         probes.append(LockedProbe(e))  # read by trace.snapshot from the control socket's threads
+    # Counters of the real GPUs would not match recorded ones: no sampling while replaying NVML.
+    if cfg.cupti.sampling and not cfg.nvml.replay:
+        from gpuwatch.probes.cupti.arbitration import parse_names
+        from gpuwatch.probes.cupti.devicewide import STATUS_FILE, CuptiSamplerProbe
+
+        # Starts a child process and returns: unavailable (no cupti-python, no permission) is
+        # reported by the probe, the daemon goes on.
+        probes.append(CuptiSamplerProbe(sample_interval=cfg.cupti.sample_interval,
+                                        group_seconds=cfg.cupti.group_seconds,
+                                        yield_to=parse_names(cfg.cupti.yield_to),
+                                        status_path=os.path.join(cfg.agent.state_dir, STATUS_FILE)))
     return probes
 
 
@@ -116,12 +128,18 @@ class Daemon:
             self.exporters.append(PrometheusExporter(cfg.prometheus.listen))
         probes = build_probes(cfg)
         self.ebpf: LockedProbe | None = next((p for p in probes if isinstance(p, LockedProbe)), None)
+        # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
+        # only reads what processes send.
+        self.inprocess = InProcessReports()
+        probes.append(InProcessProbe(self.inprocess))
         self.runner = Runner(probes, exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",
             "status": self._status,
             "trace.snapshot": self._trace_snapshot,
+            "cupti.report": self._cupti_report,
+            "cupti.process": self._cupti_process,
         }, group=cfg.control.group or None)
 
     # -- control socket handlers -----------------------------------------------------------
@@ -155,6 +173,10 @@ class Daemon:
             "state_dir": self.cfg.agent.state_dir,
             "store": {"path": self.store.path, "write_errors": self.store.write_errors} if self.store
                      else {"error": self.store_error},
+            "inprocess_agents": [{"pid": r.pid, "process": r.process, "state": r.state, "reason": r.reason,
+                                  "mode": r.mode, "records": r.records, "dropped": r.dropped,
+                                  "report_age_seconds": round(time.time() - r.received, 1)}
+                                 for r in sorted(self.inprocess.current(), key=lambda r: r.pid)],
             "recent_events": [{"ts": e.ts, "kind": e.kind, "resource": e.resource, "attrs": dict(e.attrs)}
                               for e in snap.events[-20:]],
         }
@@ -208,6 +230,31 @@ class Daemon:
                                    f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
         return snap
 
+    def _cupti_report(self, params: dict, peer: PeerCred) -> dict:
+        """cupti.report {report}: an in-process agent's report about its own process (the kernel
+        names the caller; see probes/cupti/reports.py). The reply asks for continuous kernel
+        activity while a trace watches the process."""
+        try:
+            return self.inprocess.accept(params, peer.pid)
+        except ReportError as e:
+            raise ControlError(f"report refused: {e}") from None
+
+    def _cupti_process(self, params: dict, peer: PeerCred) -> dict | None:
+        """cupti.process {"pid": N}: the last in-process agent report of N (None when it has not
+        reported), for root or N's owner; asks N for continuous kernel activity for a while."""
+        pid = params.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+            raise ControlError(f'cupti.process needs {{"pid": N}} with N a process ID, got {pid!r}')
+        report = self.inprocess.get(pid)
+        if report is None:
+            return None
+        if not peer.owns(pid):
+            from gpuwatch.agent import trace
+
+            raise ControlError(trace.not_yours_message(pid, peer.uid))
+        self.inprocess.watch(pid)
+        return report.as_dict()
+
     def _ebpf_down_reason(self) -> str:
         st = self.runner.snapshot.probes.get("ebpf")
         if st is None or st.state == "starting" or not st.reason:
@@ -228,7 +275,7 @@ class Daemon:
             log.error("config reload rejected, keeping the running config: %s", e)
             return
         setup_logging(new.agent.log_level, new.agent.log_format)
-        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "ebpf", "history")
+        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "ebpf", "history", "cupti")
                    if getattr(new, sec) != getattr(self.cfg, sec)]
         self.cfg = new
         if changed:

@@ -177,6 +177,39 @@ METRICS: tuple[Metric, ...] = (
            ("pid", "process")),
     Metric("gpuwatch.ebpf.attached", "", Kind.GAUGE,
            "CUDA driver libraries the eBPF probe has attached to, and the uprobes on them.", ("what",)),
+    # --- CUPTI, from in-process agents (`gpuwatch run`) ---------------------------------------
+    # Kernel series count only while activity was on in that process (a duty cycle by default):
+    # divide by gpuwatch.cupti.observed for the fraction of time. The busiest kernels
+    # of the busiest processes are kept, the rest folded into kernel="other" / pid="other".
+    Metric("gpuwatch.process.gpu.memory.allocated", "By", Kind.GAUGE,
+           "Bytes in live tensors (torch.cuda.memory_allocated), from the in-process agent: the "
+           "'white' color of the leak detector.", ("gpu", "pid", "process")),
+    Metric("gpuwatch.process.gpu.memory.reserved", "By", Kind.GAUGE,
+           "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved), "
+           "from the in-process agent: the 'grey' color.", ("gpu", "pid", "process")),
+    Metric("gpuwatch.process.kernel.duration", "s", Kind.COUNTER,
+           "GPU time of the kernel (CUPTI kernel activity, start to end on the GPU) while kernel "
+           "activity was on.", ("pid", "process", "kernel")),
+    Metric("gpuwatch.process.kernel.launches", "", Kind.COUNTER,
+           "Kernel executions seen by CUPTI while kernel activity was on.", ("pid", "process", "kernel")),
+    Metric("gpuwatch.process.kernel.mean_duration", "s", Kind.GAUGE,
+           "Mean GPU time per execution of the kernel.", ("pid", "process", "kernel")),
+    Metric("gpuwatch.process.kernel.theoretical_occupancy", "1", Kind.GAUGE,
+           "Theoretical occupancy of the kernel's launch configuration (warps that fit on an SM as a "
+           "fraction of the maximum; the lowest of its configurations).", ("pid", "process", "kernel")),
+    Metric("gpuwatch.cupti.state", "", Kind.GAUGE,
+           "1 for the in-process agent's current CUPTI state: idle (no CUDA yet), on, yielded (another "
+           "profiler has CUPTI), unavailable, failed.", ("pid", "process", "state")),
+    Metric("gpuwatch.cupti.observed", "s", Kind.COUNTER,
+           "Time kernel, copy and set activity was on in the process (the denominator of the kernel series).",
+           ("pid", "process")),
+    Metric("gpuwatch.cupti.records", "", Kind.COUNTER,
+           "CUPTI activity records the in-process agent decoded.", ("pid", "process")),
+    Metric("gpuwatch.cupti.records.dropped", "", Kind.COUNTER,
+           "CUPTI activity records dropped for want of buffer space.", ("pid", "process")),
+    Metric("gpuwatch.cupti.decode.duration", "s", Kind.COUNTER,
+           "CPU time the in-process agent spent decoding records (its main cost to the program).",
+           ("pid", "process")),
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),
@@ -186,6 +219,35 @@ METRICS: tuple[Metric, ...] = (
            "GPM: fraction of cycles a pipe was active (tensor, fp16, fp32, fp64).", ("gpu", "pipe")),
     Metric("gpuwatch.gpu.dram.activity", "1", Kind.GAUGE,
            "GPM: DRAM bandwidth utilisation as a fraction of peak.", _G),
+    # --- CUPTI PM sampling, device-wide (a supervised child of the daemon) ----------------------
+    # One metric at a time (GH100 takes no two in one pass): each value is the mean over the last
+    # window of its group (cupti.group_seconds), refreshed once per rotation; withdrawn after three
+    # rotations without one, and while another profiler has the counters.
+    Metric("gpuwatch.gpu.achieved_occupancy", "1", Kind.GAUGE,
+           "CUPTI PM sampling: warps active per active SM cycle as a fraction of the SM's maximum "
+           "(sm__warps_active.avg.pct_of_peak_sustained_active, Nsight Compute's achieved occupancy), "
+           "device-wide. Only cycles with work count, so idle time does not lower it; "
+           "gpuwatch.gpu.sm.occupancy (GPM) averages over all cycles.", _G),
+    Metric("gpuwatch.gpu.cache.hit_ratio", "1", Kind.GAUGE,
+           "CUPTI PM sampling: fraction of sector requests that hit, device-wide: cache=l1 "
+           "(l1tex__t_sector_hit_rate), cache=l2 (lts__average_t_sector_hit_rate_realtime). Absent "
+           "when the window saw no traffic.", ("gpu", "cache")),
+    Metric("gpuwatch.gpu.dram.throughput.utilization", "1", Kind.GAUGE,
+           "CUPTI PM sampling: DRAM throughput as a fraction of its peak sustained rate "
+           "(dram__throughput.avg.pct_of_peak_sustained_elapsed, the busiest of the DRAM unit's "
+           "throughput sub-metrics, so it can read higher than bytes moved / peak bandwidth), over its "
+           "window in the rotation. gpuwatch.gpu.dram.activity (GPM) is bytes-based, over every "
+           "interval.", _G),
+    Metric("gpuwatch.profiling.state", "", Kind.GAUGE,
+           "1 for the device-wide counter sampler's current state: sampling (or starting), yielded "
+           "(another profiler - ncu, nsys, DCGM, an injected tool - has or may have the counters), "
+           "backoff (restarting after the sampler hung or crashed), unavailable (CUPTI cannot run "
+           "here; then the probe is down, gpuwatch_probe_up{probe=\"cupti_sampler\"} 0).", ("state",)),
+    Metric("gpuwatch.cupti.sampler.restarts", "", Kind.COUNTER,
+           "Restarts of the CUPTI PM sampling child: reason=hang (silent past its timeout, killed) or "
+           "crash (exited unexpectedly).", ("reason",)),
+    Metric("gpuwatch.cupti.sampler.invalid_lines", "", Kind.COUNTER,
+           "Lines the CUPTI PM sampling child printed that are not its JSON protocol (ignored).", ()),
 )
 
 REGISTRY: dict[str, Metric] = {m.name: m for m in METRICS}

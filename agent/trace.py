@@ -248,6 +248,7 @@ def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended:
                    "allocations": mem.get("allocations", 0), "frees": mem.get("frees", 0)},
         "stacks": (snapshot.get("stacks") or [])[:TOP_STACKS],
         "dropped_events": snapshot.get("dropped_events", 0),
+        "gpu": snapshot.get("gpu"),
         "latency_resolution": "log2 buckets: p50/p99 are the bucket's upper edge (true value within a factor 2 below)",
     }
 
@@ -396,6 +397,45 @@ def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
     return t
 
 
+def _gpu_table(gpu: dict, limit: int):
+    """GPU-side kernel times from the in-process agent (CUPTI), busiest first."""
+    from rich.table import Table
+    from rich.text import Text
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    cols = ["GPU kernel (CUPTI)", "launches", "GPU time", "mean", "min", "max", "grid", "block", "regs",
+            "shared mem", "occupancy"]
+    for c in cols:
+        t.add_column(c, justify="left" if c.startswith("GPU kernel") else "right")
+    kernels = gpu.get("kernels") or []
+    for k in kernels[:limit]:
+        launches = k.get("launches", 0)
+        occ = k.get("occupancy")
+        smem = k.get("static_shared_memory", 0) + k.get("dynamic_shared_memory", 0)
+        t.add_row(Text(k.get("display_name") or k.get("name", "")), str(launches), fmt_seconds(k.get("gpu_seconds")),
+                  fmt_seconds(k["gpu_seconds"] / launches) if launches else "—",
+                  fmt_seconds(k.get("min_seconds")), fmt_seconds(k.get("max_seconds")), fmt_dims(k.get("grid")),
+                  fmt_dims(k.get("block")), str(k.get("registers", "")), fmt_bytes(smem) if smem else "0",
+                  f"{occ:.0%}" + (f" ({k.get('occupancy_limiter')})" if k.get("occupancy_limiter") else "")
+                  if occ is not None else "—")
+    if len(kernels) > limit:
+        t.add_row(f"… {len(kernels) - limit} more", *[""] * (len(cols) - 1))
+    return t
+
+
+def _gpu_text(gpu: dict | None) -> str:
+    if gpu is None:
+        return GPU_HINT
+    line = f"GPU side (in-process agent): CUPTI {gpu.get('state')}, kernel activity {gpu.get('mode') or 'off'}"
+    if gpu.get("reason"):
+        line += f" — {gpu['reason']}"
+    if gpu.get("dropped"):
+        line += f" · [red]{gpu['dropped']} records dropped[/red]"
+    return line
+
+
+GPU_HINT = ("GPU-side kernel times: start the program with `gpuwatch run -- CMD` (the in-process CUPTI agent) "
+            "and this trace shows them")
+
 TOP_STACKS = 3
 
 
@@ -433,8 +473,19 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0)))]
     if _stacks_text(snapshot.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(snapshot["stacks"])))
+    parts += _gpu_parts(snapshot.get("gpu"))
     parts.append(Text(LATENCY_NOTE, style="dim"))
     return Group(*parts)
+
+
+def _gpu_parts(gpu: dict | None) -> list:
+    from rich.text import Text
+    if gpu is None:
+        return [Text(""), Text(GPU_HINT, style="dim")]
+    parts: list[Any] = [Text(""), Text.from_markup(_gpu_text(gpu))]
+    if gpu.get("kernels"):
+        parts.append(_gpu_table(gpu, TOP_KERNELS))
+    return parts
 
 
 def render_summary(summary: dict):
@@ -464,6 +515,7 @@ def render_summary(summary: dict):
     parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
     if _stacks_text(summary.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(summary["stacks"])))
+    parts += _gpu_parts(summary.get("gpu"))
     if any(a["p50_latency_s"] is not None for a in summary["apis"].values()):
         parts.append(Text(LATENCY_NOTE, style="dim"))
     return Group(*parts)
@@ -605,6 +657,71 @@ class AgentTrace:
         return self._last
 
 
+class GpuKernels:
+    """Wraps a trace probe: each snapshot gets "gpu", what the in-process agent of the process
+    (`gpuwatch run`) reported to the gpuwatch agent, kernels counted from the trace's start. Asking
+    also tells the process to keep kernel activity on while the trace runs. No agent, or a process
+    without the in-process agent: "gpu" is None and the trace goes on as before."""
+
+    KEY = ("name", "device", "block", "registers", "static_shared_memory", "dynamic_shared_memory")
+
+    def __init__(self, probe: Any, socket_path: str | None) -> None:
+        self.probe = probe
+        self.socket_path = socket_path
+        self._start: dict[tuple, dict] | None = None
+        self._names: dict[str, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.probe, name)
+
+    def _fetch(self, pid: int) -> dict | None:
+        if not self.socket_path:
+            return None
+        try:
+            return call(self.socket_path, "cupti.process", {"pid": pid}, timeout=2.0)
+        except ControlError:
+            return None
+
+    def _key(self, k: dict) -> tuple:
+        return tuple(tuple(v) if isinstance(v, list) else v for v in (k.get(f) for f in self.KEY))
+
+    def gpu(self, pid: int) -> dict | None:
+        report = self._fetch(pid)
+        if not isinstance(report, dict):
+            return None
+        kernels = [k for k in report.get("kernels") or [] if isinstance(k, dict)]
+        if self._start is None:
+            self._start = {self._key(k): k for k in kernels}
+        out = []
+        for k in kernels:
+            before = self._start.get(self._key(k), {})
+            launches = k.get("launches", 0) - before.get("launches", 0)
+            if launches > 0:
+                out.append(dict(k, launches=launches, gpu_seconds=k.get("gpu_seconds", 0.0) - before.get("gpu_seconds", 0.0)))
+        out.sort(key=lambda k: -k["gpu_seconds"])
+        todo = [k["name"] for k in out if k["name"] not in self._names]
+        if todo:
+            from gpuwatch.probes.ebpf.driver_names import demangle
+            self._names.update(demangle(todo))
+        for k in out:
+            k["display_name"] = self._names.get(k["name"], k["name"])
+        return dict(report, kernels=out)
+
+    def snapshot(self, pid: int) -> dict:
+        snap = self.probe.snapshot(pid)
+        return dict(snap, gpu=self.gpu(pid))
+
+
+def _control_socket(socket_path: str | None, config_path: str | None) -> str | None:
+    if socket_path:
+        return socket_path
+    from gpuwatch.agent.config import ConfigError, load
+    try:
+        return load(config_path).control.socket
+    except ConfigError:
+        return None
+
+
 # ---- the loop ------------------------------------------------------------------------------------
 class _Stop(Exception):
     pass
@@ -651,6 +768,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
             probe_factory = EbpfCudaProbe
         extra = {"events_path": raw_events, "max_events": max_events} if raw_events else {}
         probe = probe_factory(libraries=target.libraries, pid=pid, rescan_interval=3600, **extra)
+    probe = GpuKernels(probe, agent or _control_socket(socket_path, config_path))
 
     # SIGTERM ends the trace like Ctrl-C does: summary printed, probes detached.
     def _term(signum, frame):

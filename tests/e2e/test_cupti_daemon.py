@@ -1,0 +1,184 @@
+"""In-process agents and the daemon, as they meet on a node: real agent, real control socket.
+
+On this CPU-only machine the in-process agent of a `gpuwatch run` program reports CUPTI
+unavailable to the daemon, which exports it. The GPU side of the protocol is exercised with
+records recorded on the H200 (tests/fixtures/cupti-h200.json, from tests/gpu/cupti_check.py),
+folded by the same code the agent runs and sent over the socket as the agent sends them.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuwatch.agent import control
+from gpuwatch.probes.cupti.records import ActivityTables
+from tests.conftest import ROOT, Agent
+
+FIXTURE = ROOT / "tests" / "fixtures" / "cupti-h200.json"
+NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+
+
+def h200_report(pid: int) -> dict:
+    """A report as the in-process agent built it on the H200 from these records."""
+    rec = json.loads(FIXTURE.read_text())
+    tables = ActivityTables()
+    tables.add_all(rec["records"])
+    kernels, other = tables.kernel_rows(occupancy=lambda *a: (0.5, "registers"))
+    for k in kernels:
+        k["uuid"] = rec["uuid"]
+    return {"version": 1, "pid": pid, "process": "python3", "started": time.time() - 5, "ts": time.time(),
+            "cupti": {"state": "on", "reason": "", "mode": "continuous", "observed_seconds": 5.0,
+                      "records": tables.records, "dropped": 0, "decode_seconds": 0.01},
+            "kernels": kernels, "kernels_other": other,
+            "copies": [dict(c, uuid=rec["uuid"]) for c in tables.copy_rows()],
+            "memory": [dict(m) for m in rec["memory"]]}
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels[len(name):]] = float(value)
+    return out
+
+
+def wait_for(fn, timeout=15.0):
+    end = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def agent():
+    """An agent whose control socket nobody reaches through its group, as a job's user would."""
+    top = Path(tempfile.mkdtemp(prefix="gw-cupti-"))
+    top.chmod(0o755)  # pytest's own tmp_path is private to root
+    a = Agent(top / "agent", "--no-nvml", "--no-ebpf", "--socket-group", "65534")
+    try:
+        a.metrics()
+        yield a
+    finally:
+        a.stop()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_gpuwatch_run_program_reports_cupti_unavailable_to_the_daemon(agent):
+    prog = "import sys, time; print('job output'); time.sleep(1.5); sys.exit(4)"
+    p = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "run", "--socket", str(agent.socket),
+                          "--interval", "0.2", "--", sys.executable, "-c", prog],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=60)
+    assert (p.returncode, out) == (4, "job output\n"), err
+    assert f"reporting to the gpuwatch agent on {agent.socket}" in err
+    # `gpuwatch run` execs the program: the pid the daemon saw is the one we started.
+    states = wait_for(lambda: {k: v for k, v in series(agent.metrics(), "gpuwatch_cupti_state").items()
+                               if v == 1.0 and f'pid="{p.pid}"' in k})
+    assert len(states) == 1 and 'state="unavailable"' in next(iter(states))
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="tests/fixtures/cupti-h200.json is recorded on the H200 "
+                    "by tests/gpu/cupti_check.sh")
+def test_h200_records_through_the_socket_become_metrics_and_trace_data(agent):
+    me = os.getpid()
+    reply = control.call(str(agent.socket), "cupti.report", h200_report(me))
+    assert reply == {"detail_seconds": 0}
+    def with_kernels() -> str:
+        text = agent.metrics()
+        return text if "gpuwatch_process_kernel_launches_total{" in text else ""
+    text = wait_for(with_kernels)
+    launches = series(text, "gpuwatch_process_kernel_launches_total")
+    rec = json.loads(FIXTURE.read_text())
+    kernel_records = [r for r in rec["records"] if r["kind"] in (3, 10)]
+    assert sum(launches.values()) == len(kernel_records)
+    assert all(f'pid="{me}"' in k for k in launches)
+    # Names are demangled for people: no "_Z" mangled names in labels.
+    assert not [k for k in launches if 'kernel="_Z' in k]
+    white = series(text, "gpuwatch_process_gpu_memory_allocated_bytes")
+    assert list(white.values()) == [float(rec["memory"][0]["allocated"])]
+    assert rec["uuid"] in next(iter(white))
+    # A trace asking for the process gets the report and asks the agent for continuous kernels.
+    got = control.call(str(agent.socket), "cupti.process", {"pid": me})
+    assert got["pid"] == me and len(got["kernels"]) == len(h200_report(me)["kernels"])
+    assert control.call(str(agent.socket), "cupti.report", h200_report(me))["detail_seconds"] > 5
+
+
+def test_reports_are_the_callers_own_and_bad_ones_are_refused(agent):
+    # nobody's report is stored under nobody's pid, whatever pid the report claims.
+    code = ("import json, sys; from gpuwatch.agent import control; "
+            f"r = json.loads(sys.argv[1]); print(control.call({str(agent.socket)!r}, 'cupti.report', r)); "
+            "import os; print(os.getpid())")
+    fake = {"version": 1, "pid": 1, "process": "claims-to-be-init", "started": 0, "ts": 0,
+            "cupti": {"state": "idle"}, "kernels": [], "memory": []}
+    p = subprocess.run([*NOBODY, sys.executable, "-c", code, json.dumps(fake)], capture_output=True, text=True,
+                       timeout=30, cwd="/")
+    assert p.returncode == 0, p.stderr
+    nobody_pid = int(p.stdout.split()[-1])
+    assert control.call(str(agent.socket), "cupti.process", {"pid": nobody_pid})["process"] == "claims-to-be-init"
+    assert control.call(str(agent.socket), "cupti.process", {"pid": 1}) is None
+    # A bad report: refused with the reason; the daemon goes on serving.
+    with pytest.raises(control.ControlError, match=r"report refused: report version 7 is not supported"):
+        control.call(str(agent.socket), "cupti.report", dict(fake, version=7))
+    with pytest.raises(control.ControlError, match=r'cupti.process needs \{"pid": N\}'):
+        control.call(str(agent.socket), "cupti.process", {"pid": "me"})
+    assert control.call(str(agent.socket), "ping") == "pong"
+
+
+@pytest.mark.skipif(not FIXTURE.exists(), reason="tests/fixtures/cupti-h200.json is recorded on the H200")
+def test_trace_shows_gpu_kernel_times_counted_from_its_start(agent):
+    from rich.console import Console
+
+    from gpuwatch.agent import trace
+
+    me = os.getpid()
+    first = h200_report(me)
+    control.call(str(agent.socket), "cupti.report", first)
+    gpu = trace.GpuKernels(None, str(agent.socket))
+    assert gpu.gpu(me)["kernels"] == []  # the trace counts from here
+    # The agent's counts grow (cumulative): the same records again, as if the job ran them twice.
+    later = h200_report(me)
+    for k in later["kernels"]:
+        k["launches"] *= 2
+        k["gpu_seconds"] *= 2
+    control.call(str(agent.socket), "cupti.report", later)
+    got = gpu.gpu(me)
+    assert sum(k["launches"] for k in got["kernels"]) == sum(k["launches"] for k in first["kernels"])
+    by_name = {k["name"]: k for k in got["kernels"]}
+    gemm = next(k for n, k in by_name.items() if n.startswith("nvjet"))
+    assert gemm["gpu_seconds"] == pytest.approx(next(k["gpu_seconds"] for k in first["kernels"]
+                                                     if k["name"] == gemm["name"]))
+    add = next(k for k in got["kernels"] if "CUDAFunctorOnSelf_add" in k["name"])
+    assert add["display_name"].startswith("void at::native::vectorized_elementwise_kernel<4, "
+                                          "at::native::CUDAFunctorOnSelf_add<float>")
+    # Both views render it; without a report they say how to get one.
+    console = Console(width=200, record=True)
+    console.print(trace.render_summary(trace.summarize({"gpu": got}, pid=me, process="python3", duration=1.0,
+                                                        ended="duration")))
+    text = console.export_text()
+    assert "GPU kernel (CUPTI)" in text and "CUPTI on, kernel activity continuous" in text
+    console.print(trace.render_summary(trace.summarize({}, pid=me, process="python3", duration=1.0,
+                                                        ended="duration")))
+    assert "gpuwatch run -- CMD" in console.export_text()
+
+
+def test_status_lists_the_in_process_agents(agent):
+    me = os.getpid()
+    fake = {"version": 1, "pid": me, "process": "trainer", "started": 0, "ts": 0,
+            "cupti": {"state": "unavailable", "reason": "no NVIDIA driver on this machine"}, "kernels": [],
+            "memory": []}
+    control.call(str(agent.socket), "cupti.report", fake)
+    st = control.call(str(agent.socket), "status")
+    (a,) = st["inprocess_agents"]
+    assert (a["pid"], a["process"], a["state"]) == (me, "trainer", "unavailable")
+    human = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "status", "--socket", str(agent.socket)],
+                           capture_output=True, text=True, timeout=30)
+    assert "in-process agents" in human.stdout and "unavailable: no NVIDIA driver" in human.stdout
