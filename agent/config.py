@@ -65,6 +65,22 @@ def _at_least(n: int) -> Callable[[int], int]:
     return check
 
 
+def _at_least_float(n: float) -> Callable[[float], float]:
+    def check(v: float) -> float:
+        if not (v >= n and math.isfinite(v)):
+            raise ValueError
+        return v
+    return check
+
+
+def _process_names(v: str) -> str:
+    names = [n.strip() for n in v.split(",") if n.strip()]
+    for n in names:
+        if not re.match(r"^[A-Za-z0-9._+-]{1,64}$", n):
+            raise ValueError(f"{n!r} is not a process name (letters, digits, . _ + - only)")
+    return ",".join(names)
+
+
 def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     def check(v: str) -> str:
         if v.lower() not in choices:
@@ -229,6 +245,24 @@ SETTINGS: tuple[Setting, ...] = (
             "--ebpf-max-processes", "an integer >= 1", _at_least(1)),
     Setting("history", "points", int, 720, "Points kept in memory per series for detectors.",
             "--history-points", "an integer >= 1", _at_least(1)),
+    Setting("cupti", "sampling", bool, True,
+            "Sample device-wide counters (achieved occupancy, L1/L2 hit ratio, DRAM throughput) with CUPTI "
+            "PM sampling in a supervised child process (needs cupti-python >= 13.4 and root or "
+            "NVreg_RestrictProfilingToAdminUsers=0; `gpuwatch doctor` checks).",
+            "--cupti-sampling", "true or false"),
+    Setting("cupti", "sample_interval", float, 0.01,
+            "Seconds between PM samples on the GPU (1 ms overflowed the hardware buffer on the H200).",
+            "--cupti-sample-interval", "a number of seconds >= 0.005", _at_least_float(0.005)),
+    Setting("cupti", "group_seconds", float, 1.0,
+            "Seconds each metric is sampled before the next takes its turn (the GPU cannot count them "
+            "together); each value is refreshed every 4 x this.",
+            "--cupti-group-seconds", "a number of seconds >= 0.1", _at_least_float(0.1)),
+    Setting("cupti", "yield_to", str, "ncu,nv-nsight-cu-cli,nsys,nsight-sys,dcgmi,nv-hostengine",
+            "Process names that make the sampler stop and free the counters while they run. dcgmi counts "
+            "only as `dcgmi dmon` with profiling fields; nv-hostengine (DCGM) may hold the counters for "
+            "its profiling fields: drop it if DCGM profiling is off. A process with CUDA_INJECTION64_PATH "
+            "in its environment (an injected profiler) always counts.",
+            "--cupti-yield-to", "comma-separated process names", _process_names),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -278,6 +312,14 @@ class EbpfConfig:
 
 
 @dataclass(frozen=True)
+class CuptiConfig:
+    sampling: bool
+    sample_interval: float
+    group_seconds: float
+    yield_to: str  # comma-separated process names
+
+
+@dataclass(frozen=True)
 class HistoryConfig:
     points: int
 
@@ -289,12 +331,14 @@ class Config:
     prometheus: PrometheusConfig
     nvml: NvmlConfig
     ebpf: EbpfConfig
+    cupti: CuptiConfig
     history: HistoryConfig
     path: str | None = field(default=None)  # the file that was read, None when none was
 
 
 _SECTION_TYPES = {"agent": AgentConfig, "control": ControlConfig, "prometheus": PrometheusConfig,
-                  "nvml": NvmlConfig, "ebpf": EbpfConfig, "history": HistoryConfig}
+                  "nvml": NvmlConfig, "ebpf": EbpfConfig, "history": HistoryConfig,
+                  "cupti": CuptiConfig}
 
 
 # -- loading -----------------------------------------------------------------------------------

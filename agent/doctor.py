@@ -329,9 +329,19 @@ def _nvml(nvml_checks: Callable[[], list[dict]] | None) -> list[Check]:
                       "report this as a gpuwatch bug")]
 
 
+def _probe_checks(label: str, fn: Callable[[], list[dict]]) -> list[Check]:
+    try:
+        return [Check.from_dict(d) for d in fn()]
+    except Exception as e:
+        return [Check(label, False, f"{label} checks crashed: {type(e).__name__}: {e}",
+                      "report this as a gpuwatch bug")]
+
+
 def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
-               socket_path: str = DEFAULT_SOCKET_PATH) -> list[Check]:
-    """Run every check; NVML's come from the probe's own function, first."""
+               socket_path: str = DEFAULT_SOCKET_PATH,
+               cupti_checks: Callable[[], list[dict]] | None = None) -> list[Check]:
+    """Run every check; NVML's come from the probe's own function, first. cupti_checks (the
+    CUPTI probe's, probes/cupti/doctor.py) take the place of the plain cupti-python check."""
     checks = _nvml(nvml_checks)
     for name, fn in (
         ("bcc (eBPF)", check_bcc),
@@ -346,6 +356,9 @@ def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
         ("state directory", lambda: check_state_dir(state_dir)),
         ("control socket directory", lambda: check_socket_dir(socket_path)),
     ):
+        if name == "CUPTI (cupti-python)" and cupti_checks is not None:
+            checks.extend(_probe_checks("CUPTI", cupti_checks))
+            continue
         checks.append(_guarded(name, fn))
     return checks
 
