@@ -95,6 +95,20 @@ def cupti_python_problem() -> str:
     return ""
 
 
+START_CRASHES = 3  # crashes in a row before the first hello: the probe goes down with the reason
+
+
+def crash_hint(summary: str) -> str:
+    """What to do about a sampler that crashes while starting."""
+    import importlib.util
+
+    if "Segmentation fault" in summary and importlib.util.find_spec("torch") is None:
+        return ("; on the H200 (driver 580) PM sampling crashed like this unless the sampler's CUDA context was "
+                "made by PyTorch: install torch into the agent's Python, or set cupti.sampling = false "
+                "(NVML GPM still gives SM occupancy and DRAM activity)")
+    return "; set cupti.sampling = false to stop trying (NVML GPM still gives SM occupancy and DRAM activity)"
+
+
 def crash_summary(stderr: str) -> str:
     """One line for a crashed sampler: faulthandler's "Fatal Python error: Segmentation fault" and
     the innermost Python frame (the CUPTI call it died in), else stderr's last line."""
@@ -417,6 +431,7 @@ class _Supervisor:
         self.started = 0.0
         self.last_line = 0.0
         self.hello = False
+        self.start_crashes = 0  # consecutive crashes before a hello
         self.fatal = ""
         self.busy = ""
         self.backoff = probe.backoff_start
@@ -614,6 +629,15 @@ class _Supervisor:
         tail = b"".join(self.stderr).decode(errors="replace").strip()[-STDERR_TAIL:]
         p.last_stderr = tail
         last = crash_summary(tail)
+        self.start_crashes = 0 if self.hello else self.start_crashes + 1
+        if self.start_crashes >= START_CRASHES:
+            # It will crash the same way again: say so once and retry slowly, not every minute.
+            self.start_crashes = 0
+            with p._lock:
+                p._restarts["crash"] += 1
+            p._go_unavailable(f"the CUPTI sampler crashed {START_CRASHES} times in a row while starting (status "
+                              f"{rc}" + (f": {last}" if last else "") + ")" + crash_hint(last))
+            return
         self.restart("crash", f"the sampler exited with status {rc}" + (f": {last}" if last else ""), now)
 
     def restart(self, reason: str, detail: str, now: float) -> None:

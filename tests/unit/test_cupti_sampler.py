@@ -158,6 +158,20 @@ def test_a_crash_restarts_with_backoff_and_keeps_its_last_words(make_probe):
     assert ev.attrs["reason"] == "crash" and "status 7" in ev.attrs["detail"] and "boom" in ev.attrs["detail"]
 
 
+def test_a_sampler_that_crashes_while_starting_takes_the_probe_down_with_the_reason(make_probe):
+    p, log = make_probe("segfault", backoff_start=0.05)
+    p.start()
+    assert wait_for(lambda: p.state == "unavailable", 10)
+    assert len(spawns(log)) == 3 and p.restarts()["crash"] == 3
+    assert "crashed 3 times in a row while starting (status -11: Fatal Python error: Segmentation fault at " \
+           'File "/x/cupti/pm_sampling.py", line 234 in enable)' in p.reason
+    assert "cupti.sampling = false" in p.reason
+    with pytest.raises(ProbeUnavailable, match="crashed 3 times"):
+        p.collect()
+    time.sleep(0.5)
+    assert len(spawns(log)) == 3  # not restarted every backoff: retried after fatal_retry
+
+
 def test_counters_busy_means_yielded_and_retried_later(make_probe):
     p, log = make_probe("busy", busy_retry=0.5)
     p.start()
