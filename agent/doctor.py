@@ -22,10 +22,8 @@ and never raise: an unexpected error becomes a False check that says so.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
-import importlib.util
+import importlib
 import os
-import re
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
@@ -38,7 +36,6 @@ CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
 
-CUPTI_MIN_VERSION = (13, 4)
 
 
 @dataclass(frozen=True)
@@ -213,35 +210,6 @@ def check_unprivileged_bpf() -> Check:
     return Check(name, None, f"{raw.strip()}: {meaning}; gpuwatch loads BPF with CAP_BPF, so this does not matter")
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
-    m = re.match(r"(\d+)(?:\.(\d+))?", v)
-    return tuple(int(x) for x in m.groups() if x is not None) if m else ()
-
-
-def check_cupti() -> Check:
-    name = "CUPTI (cupti-python)"
-    remedy = ".venv/bin/pip install 'gpuwatch[cupti]'  (cupti-python>=13.4 with nvidia-cuda-cupti>=13.4)"
-    try:
-        spec = importlib.util.find_spec("cupti")
-    except (ImportError, ValueError) as e:
-        return Check(name, False, f"looking up module 'cupti' failed: {e}", remedy)
-    if spec is None:
-        return Check(name, None, "not installed (optional: kernel activity in `gpuwatch run`)", remedy)
-    try:
-        version = importlib.metadata.version("cupti-python")
-    except importlib.metadata.PackageNotFoundError:
-        version = ""
-    if version and _version_tuple(version) < CUPTI_MIN_VERSION:
-        return Check(name, False, f"cupti-python {version} is older than 13.4 (activity records decode "
-                     "~80x slower before 13.4)", remedy)
-    try:
-        importlib.import_module("cupti")
-    except Exception as e:  # a missing libcupti.so surfaces here
-        return Check(name, False, f"cupti-python {version or '?'} installed but import failed: "
-                     f"{type(e).__name__}: {e}", remedy)
-    return Check(name, True, f"cupti-python {version or '(version unknown)'} importable")
-
-
 def check_profiling_permission(status_text: str | None = None, params_text: str | None = None) -> Check:
     name = "GPU profiling permission"
     params = params_text if params_text is not None else _read("/proc/driver/nvidia/params")
@@ -340,8 +308,8 @@ def _probe_checks(label: str, fn: Callable[[], list[dict]]) -> list[Check]:
 def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
                socket_path: str = DEFAULT_SOCKET_PATH,
                cupti_checks: Callable[[], list[dict]] | None = None) -> list[Check]:
-    """Run every check; NVML's come from the probe's own function, first. cupti_checks (the
-    CUPTI probe's, probes/cupti/doctor.py) take the place of the plain cupti-python check."""
+    """Run every check; NVML's come from the probe's own function, first, and CUPTI's from the
+    CUPTI probe's (probes/cupti/doctor.py; the CLI passes them) after the eBPF ones."""
     checks = _nvml(nvml_checks)
     for name, fn in (
         ("bcc (eBPF)", check_bcc),
@@ -351,13 +319,14 @@ def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
         ("BPF capability", check_bpf_caps),
         ("perf_event_paranoid", check_perf_event_paranoid),
         ("unprivileged_bpf_disabled", check_unprivileged_bpf),
-        ("CUPTI (cupti-python)", check_cupti),
+        ("CUPTI", None),
         ("GPU profiling permission", check_profiling_permission),
         ("state directory", lambda: check_state_dir(state_dir)),
         ("control socket directory", lambda: check_socket_dir(socket_path)),
     ):
-        if name == "CUPTI (cupti-python)" and cupti_checks is not None:
-            checks.extend(_probe_checks("CUPTI", cupti_checks))
+        if fn is None:
+            if cupti_checks is not None:
+                checks.extend(_probe_checks("CUPTI", cupti_checks))
             continue
         checks.append(_guarded(name, fn))
     return checks

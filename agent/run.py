@@ -27,6 +27,7 @@ import sys
 from typing import Mapping, NoReturn, Sequence
 
 import gpuwatch.probes.cupti as _cupti_pkg
+from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
 
 KERNEL_MODES = ("sampled", "continuous", "off")
 SUBPACKAGES = ("agent", "probes", "exporters", "detectors")
@@ -115,10 +116,7 @@ def cupti_lib_dir() -> str:
         dist = md.distribution("nvidia-cuda-cupti")
     except md.PackageNotFoundError:
         return ""
-    parts = []
-    for part in dist.version.split(".")[:2]:
-        parts.append(int("".join(c for c in part if c.isdigit()) or 0))
-    if tuple(parts) < (13, 4):
+    if version_tuple(dist.version)[:2] < MIN_CUPTI:
         return ""
     for f in dist.files or ():
         if f.name.startswith("libcupti.so"):

@@ -35,10 +35,11 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
 from gpuwatch.agent.api import Event, Probe, ProbeUnavailable, Sample
 from gpuwatch.probes.cupti.arbitration import DEFAULT_YIELD_TO, Arbiter, Holder
 from gpuwatch.probes.cupti.sampler import (
-    BUSY_RE, EXIT_BUSY, GROUPS, INSTALL_REMEDY, MIN_INTERVAL_MS, cupti_lib_dir, version_tuple,
+    BUSY_RE, EXIT_BUSY, GROUPS, INSTALL_REMEDY, MIN_INTERVAL_MS, cupti_lib_dir,
 )
 
 log = logging.getLogger("gpuwatch.cupti")
@@ -55,7 +56,6 @@ RESTART_REASONS = ("hang", "crash")
 MAX_LINE = 1 << 16
 STDERR_TAIL = 2048
 HEALTHY_AFTER = 60.0  # a child that lived this long resets the backoff
-MIN_CUPTI = (13, 4)
 
 
 def child_env(base: dict[str, str] | None = None) -> dict[str, str]:

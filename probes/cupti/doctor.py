@@ -14,8 +14,9 @@ import json
 import os
 import time
 
-from gpuwatch.probes.cupti.devicewide import MIN_CUPTI, STATUS_FILE
-from gpuwatch.probes.cupti.sampler import GROUPS, PRIVILEGE_RE, PRIVILEGE_REMEDY, cupti_wheels, version_tuple
+from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
+from gpuwatch.probes.cupti.devicewide import STATUS_FILE
+from gpuwatch.probes.cupti.sampler import GROUPS, PRIVILEGE_RE, PRIVILEGE_REMEDY, cupti_wheels
 
 INSTALL = "pip install 'gpuwatch[cupti]'  (cupti-python>=13.4 with nvidia-cuda-cupti>=13.4)"
 FALLBACK = "NVML GPM still gives SM occupancy, tensor and DRAM activity device-wide as the fallback"

@@ -32,10 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
 from gpuwatch.probes.cupti.records import REPORT_VERSION, TOP_KERNELS, ActivityTables, record_fields
 
 DEFAULT_SOCKET = "/run/gpuwatch/control.sock"
-MIN_CUPTI = (13, 4)  # 13.0 decoded a kernel record in ~116 µs, 13.4 in ~1.4 µs (H200)
 DUTY_PERIOD = 10.0   # seconds; sampled mode has kernel activity on for duty_cycle of each period
 BUFFER_BYTES = 4 << 20
 MAX_REPORT = 60_000  # the control socket takes requests up to 64 KiB
@@ -117,16 +117,6 @@ def cuda_in_use(maps_path: str = "/proc/self/maps") -> bool:
     return False
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    out = []
-    for part in text.split("."):
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 def _preflight() -> tuple[str, str]:
     """(state, reason) before any CUPTI is loaded: "idle" when it can start once CUDA is used."""
     injected = os.environ.get("CUDA_INJECTION64_PATH")
@@ -149,7 +139,7 @@ def _preflight() -> tuple[str, str]:
             if dist == "nvidia-cuda-cupti":
                 continue  # libcupti may come from a CUDA toolkit instead; checked when loaded
             return "unavailable", f"{dist} is not installed in {sys.executable}"
-        if _version_tuple(version)[:2] < MIN_CUPTI:
+        if version_tuple(version)[:2] < MIN_CUPTI:
             return "unavailable", (f"{dist} {version} is older than 13.4 (its records decode ~80x slower): "
                                    f"pip install '{dist}>=13.4'")
     return "idle", "waiting for the program to use CUDA"

@@ -69,14 +69,7 @@ PRIVILEGE_RE = re.compile(r"INSUFFICIENT_PRIVILEGES|Insufficient privileges|ERR_
 
 # -- helpers shared with the parent and the doctor (stdlib only) ---------------------------------
 
-def version_tuple(text: str) -> tuple[int, ...]:
-    out = []
-    for part in (text or "").split("."):
-        digits = re.match(r"\d+", part)
-        if not digits:
-            break
-        out.append(int(digits.group()))
-    return tuple(out)
+from gpuwatch.probes.cupti import version_tuple  # noqa: E402  (re-exported for the parent and doctor)
 
 
 def cupti_wheels() -> list[tuple[str, str]]:

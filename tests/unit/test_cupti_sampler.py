@@ -324,14 +324,20 @@ def test_doctor_without_a_status_file_points_at_gpm(tmp_path):
     assert c["ok"] is None and "has not reported" in c["detail"] and "NVML GPM" in c["detail"]
 
 
-def test_run_checks_puts_the_cupti_checks_in_place_of_the_plain_one(tmp_path):
+def test_run_checks_puts_the_cupti_checks_after_the_ebpf_ones(tmp_path):
     from gpuwatch.agent import doctor
 
     plain = [c.name for c in doctor.run_checks(str(tmp_path), None)]
     with_cupti = [c.name for c in doctor.run_checks(str(tmp_path), None,
                                                     cupti_checks=lambda: cupti_doctor.cupti_checks(str(tmp_path)))]
-    i = plain.index("CUPTI (cupti-python)")
-    assert with_cupti == plain[:i] + ["CUPTI (cupti-python)", "libcupti", "CUPTI PM sampling"] + plain[i + 1:]
+    i = plain.index("unprivileged_bpf_disabled") + 1
+    assert with_cupti == plain[:i] + ["CUPTI (cupti-python)", "libcupti", "CUPTI PM sampling"] + plain[i:]
+
+
+def test_cupti_absent_is_not_a_failure_and_names_the_extra():
+    c = cupti_doctor.check_cupti_python()
+    if importlib.util.find_spec("cupti") is None:
+        assert c["ok"] is None and "gpuwatch[cupti]" in c["remedy"]
 
 
 def test_child_env_numbers_devices_like_nvml():
