@@ -203,6 +203,7 @@ class InProcessAgent:
         self._devices: dict[int, Any] = {}  # CUDA ordinal -> occupancy.Device, or None when unknown
         self._uuids: dict[int, str] = {}
         self._memory_devices: set[int] = set()
+        self._occupancies: dict[tuple, tuple[float, str] | None] = {}
         self._lock = threading.RLock()  # CUPTI state changes: agent thread vs the profiler hooks
         self._stop = threading.Event()
         self._final_done = threading.Event()
@@ -461,16 +462,22 @@ class InProcessAgent:
     # -- occupancy of kernel variants -------------------------------------------------------------
     def _occupancy(self, device: int, threads: int, registers: int, static: int, dynamic: int,
                    carveout: int | None) -> tuple[float, str] | None:
+        """Theoretical occupancy of a kernel variant, computed once (reports ask every second)."""
+        key = (device, threads, registers, static, dynamic, carveout)
+        if key in self._occupancies:
+            return self._occupancies[key]
         from gpuwatch.probes.cupti import occupancy
 
         dev = self._device(device)
-        if dev is None:
-            return None
-        try:
-            occ = occupancy.theoretical(dev, occupancy.Launch(threads, registers, static, dynamic, carveout))
-        except ValueError:
-            return None
-        return round(occ.ratio, 4), occ.limiter
+        result = None
+        if dev is not None:
+            try:
+                occ = occupancy.theoretical(dev, occupancy.Launch(threads, registers, static, dynamic, carveout))
+                result = (round(occ.ratio, 4), occ.limiter)
+            except ValueError:
+                pass
+        self._occupancies[key] = result
+        return result
 
     def _device(self, ordinal: int) -> Any:
         if ordinal in self._devices:
