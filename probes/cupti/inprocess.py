@@ -320,9 +320,9 @@ class InProcessAgent:
         return (c.ActivityKind.CONCURRENT_KERNEL, c.ActivityKind.MEMCPY, c.ActivityKind.MEMSET)
 
     def _kernels(self, on: bool) -> None:
-        """Kernel, copy and set activity on or off together. With any kind enabled CUPTI costs
-        every launch (measured on the H200: copies alone cost a tiny-op loop ~20 %), so outside
-        the duty window nothing is enabled and the program runs at full speed."""
+        """Kernel, copy and set activity on or off together: outside the duty window nothing is
+        enabled. (Even so, on the H200 a tiny-op loop ran ~18 % slower between windows than
+        without the agent: CUPTI keeps a per-launch cost once attached; docs/benchmarks.md.)"""
         now = time.monotonic()
         if on and self.kernels_on_since is None:
             for kind in self._kinds():
