@@ -253,9 +253,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cupti", "sample_interval", float, 0.01,
             "Seconds between PM samples on the GPU (1 ms overflowed the hardware buffer on the H200).",
             "--cupti-sample-interval", "a number of seconds >= 0.005", _at_least_float(0.005)),
-    Setting("cupti", "group_seconds", float, 1.0,
+    Setting("cupti", "group_seconds", float, 5.0,
             "Seconds each metric is sampled before the next takes its turn (the GPU cannot count them "
-            "together); each value is refreshed every 4 x this.",
+            "together); each value is refreshed every 4 x this. Each turn sets up a new PM sampling session: "
+            "with 1 s turns the sampler used 16 % of a core on the H200, so the default is longer.",
             "--cupti-group-seconds", "a number of seconds >= 0.1", _at_least_float(0.1)),
     Setting("cupti", "yield_to", str, "ncu,nv-nsight-cu-cli,nsys,nsight-sys,dcgmi,nv-hostengine",
             "Process names that make the sampler stop and free the counters while they run. dcgmi counts "

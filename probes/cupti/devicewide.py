@@ -128,7 +128,7 @@ class CuptiSamplerProbe(Probe):
         self,
         devices: str = "all",
         sample_interval: float = 0.01,
-        group_seconds: float = 1.0,
+        group_seconds: float = 5.0,
         groups: Sequence[str] = tuple(GROUPS),
         yield_to: Sequence[str] = DEFAULT_YIELD_TO,
         *,

@@ -349,7 +349,7 @@ def test_child_env_numbers_devices_like_nvml():
 def test_cupti_config(tmp_path, monkeypatch):
     monkeypatch.setattr(config_mod, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
     c = load(None, {})
-    assert (c.cupti.sampling, c.cupti.sample_interval, c.cupti.group_seconds) == (True, 0.01, 1.0)
+    assert (c.cupti.sampling, c.cupti.sample_interval, c.cupti.group_seconds) == (True, 0.01, 5.0)
     assert "ncu" in c.cupti.yield_to and "nv-hostengine" in c.cupti.yield_to
     f = tmp_path / "g.toml"
     f.write_text("[cupti]\nsample_interval = 0.001\n")
