@@ -235,20 +235,21 @@ class Daemon:
         names the caller; see probes/cupti/reports.py). The reply asks for continuous kernel
         activity while a trace watches the process."""
         try:
-            return self.inprocess.accept(params, peer.pid)
+            return self.inprocess.accept(params, peer.pid, peer.uid)
         except ReportError as e:
             raise ControlError(f"report refused: {e}") from None
 
     def _cupti_process(self, params: dict, peer: PeerCred) -> dict | None:
         """cupti.process {"pid": N}: the last in-process agent report of N (None when it has not
-        reported), for root or N's owner; asks N for continuous kernel activity for a while."""
+        reported), for root or the user N reported as (so it stays readable for a while after N
+        exits); asks N for continuous kernel activity for a while."""
         pid = params.get("pid")
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
             raise ControlError(f'cupti.process needs {{"pid": N}} with N a process ID, got {pid!r}')
         report = self.inprocess.get(pid)
         if report is None:
             return None
-        if not peer.owns(pid):
+        if not (peer.is_root or peer.uid == report.uid):
             from gpuwatch.agent import trace
 
             raise ControlError(trace.not_yours_message(pid, peer.uid))

@@ -84,6 +84,7 @@ class Kernel:
 class Report:
     pid: int
     process: str
+    uid: int  # the reporting process's user as the kernel said: who may read the report
     received: float
     started: float
     state: str
@@ -100,7 +101,7 @@ class Report:
     memory: tuple[dict, ...]
 
     @classmethod
-    def parse(cls, raw: Any, pid: int, received: float) -> "Report":
+    def parse(cls, raw: Any, pid: int, received: float, uid: int = 0) -> "Report":
         if not isinstance(raw, dict):
             raise ReportError("a report must be a JSON object")
         if raw.get("version") != 1:
@@ -141,7 +142,7 @@ class Report:
                         "allocated": int(_num(m, "allocated", "memory", True)),
                         "reserved": int(_num(m, "reserved", "memory", True)), "ts": _num(m, "ts", "memory")}
                        for m in _list(raw, "memory", 64))
-        return cls(pid=pid, process=_str(raw, "process", "report", 64) or "unknown", received=received,
+        return cls(pid=pid, uid=uid, process=_str(raw, "process", "report", 64) or "unknown", received=received,
                    started=_num(raw, "started", "report"), state=state, reason=_str(cupti, "reason", "cupti", 1024),
                    mode=_str(cupti, "mode", "cupti", 64), observed_seconds=_num(cupti, "observed_seconds", "cupti"),
                    records=int(_num(cupti, "records", "cupti", True)),
@@ -176,10 +177,11 @@ class InProcessReports:
         self._alive = alive
         self.refused = 0
 
-    def accept(self, raw: Any, pid: int) -> dict:
-        """Store a report from process `pid` (as the kernel named the caller). ReportError if bad."""
+    def accept(self, raw: Any, pid: int, uid: int = 0) -> dict:
+        """Store a report from process `pid` of user `uid` (as the kernel named the caller).
+        ReportError if bad."""
         try:
-            report = Report.parse(raw, pid, time.time())
+            report = Report.parse(raw, pid, time.time(), uid)
         except ReportError:
             self.refused += 1
             raise

@@ -125,6 +125,16 @@ def test_reports_are_the_callers_own_and_bad_ones_are_refused(agent):
     nobody_pid = int(p.stdout.split()[-1])
     assert control.call(str(agent.socket), "cupti.process", {"pid": nobody_pid})["process"] == "claims-to-be-init"
     assert control.call(str(agent.socket), "cupti.process", {"pid": 1}) is None
+    # nobody reads its own (exited) process's report, not root's.
+    control.call(str(agent.socket), "cupti.report", dict(fake, process="root-job"))
+    ask = ("import sys; from gpuwatch.agent.control import ControlError, call\n"
+           f"for pid in ({nobody_pid}, {os.getpid()}):\n"
+           f"    try: print(call({str(agent.socket)!r}, 'cupti.process', {{'pid': pid}})['process'])\n"
+           "    except ControlError as e: print(e)")
+    p = subprocess.run([*NOBODY, sys.executable, "-c", ask], capture_output=True, text=True, timeout=30, cwd="/")
+    mine, roots = p.stdout.strip().splitlines()
+    assert mine == "claims-to-be-init"
+    assert roots.startswith(f"process {os.getpid()} belongs to user root")
     # A bad report: refused with the reason; the daemon goes on serving.
     with pytest.raises(control.ControlError, match=r"report refused: report version 7 is not supported"):
         control.call(str(agent.socket), "cupti.report", dict(fake, version=7))
