@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.history import History
@@ -92,10 +92,15 @@ class Finding:
 
 class Detector(abc.ABC):
     name: str = "detector"
+    interval: float = 0.0  # seconds between judgements; 0: every tick
 
     @abc.abstractmethod
     def observe(self, history: "History") -> Iterable[Finding]:
         """Pure: read series from history, return the findings that hold now."""
+
+    def samples(self, findings: "Sequence[Finding]") -> Iterable[Sample]:
+        """The findings as registered metrics (for alert rules). Default: none."""
+        return []
 
 
 class Exporter(abc.ABC):

@@ -188,6 +188,84 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     _print_status(st)
 
 
+def _ask_findings(config_path: str | None, socket_path: str | None, kind: str | None) -> dict:
+    from gpuwatch.agent.control import ControlError, call
+
+    if not socket_path:
+        socket_path = _load(config_path, {}).control.socket
+    try:
+        return call(socket_path, "findings", {"kind": kind} if kind else {})
+    except ControlError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _when(ts: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _print_findings(found: dict, what: str) -> None:
+    from rich.markup import escape
+
+    console = _console()
+    if not found["open"]:
+        console.print(f"no open {what}")
+    for f in found["open"]:
+        color = "red" if f["severity"] == "critical" else "yellow"
+        console.print(f"[{color}]{f['severity'].upper()}[/{color}] {escape(f['summary'])}")
+        if f.get("kind") == "memory_leak":
+            tto = f.get("time_to_oom_seconds")
+            console.print(f"    color {f['color']}, {f['rate_bytes_per_second'] * 60 / 2**20:.0f} MiB/min over "
+                          f"{f['window_seconds']:.0f} s, confidence {f['confidence']:.2f}, grey from "
+                          f"{f['grey_source']}" + (f", time to OOM {tto / 60:.1f} min" if tto is not None else ""))
+    if found["recent"]:
+        console.print()
+        console.print("recent:")
+        for e in found["recent"][-10:]:
+            console.print(f"  {_when(e['ts'])}  {e['event'].removeprefix('finding.'):7}  {escape(e['summary'])}")
+
+
+_FINDINGS_OPTIONS = [
+    config_option,
+    click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
+                 help="Control socket of the running agent (default: from the config)."),
+    click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts."),
+]
+
+
+def _findings_options(fn):
+    for opt in reversed(_FINDINGS_OPTIONS):
+        fn = opt(fn)
+    return fn
+
+
+@main.command(context_settings=CONTEXT)
+@_findings_options
+def leaks(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
+    """GPU memory leaks the running agent sees now, and recent ones.
+
+    Per process and GPU: which color grows (white: tensors, grey: the allocator's pool, black:
+    memory outside the allocator), how fast, and when the GPU runs out at that rate."""
+    found = _ask_findings(config_path, socket_path, "memory_leak")
+    if as_json:
+        _echo_json(found)
+        return
+    _print_findings(found, "memory leaks")
+
+
+@main.command(context_settings=CONTEXT)
+@_findings_options
+@click.option("--kind", metavar="KIND", help="Only findings of this kind (e.g. memory_leak).")
+def findings(config_path: str | None, socket_path: str | None, as_json: bool, kind: str | None) -> None:
+    """Everything the running agent's detectors report now, and what opened and closed recently."""
+    found = _ask_findings(config_path, socket_path, kind)
+    if as_json:
+        _echo_json(found)
+        return
+    _print_findings(found, f"{kind} findings" if kind else "findings")
+
+
 def _print_status(st: dict) -> None:
     from rich.table import Table
 

@@ -20,7 +20,7 @@ from gpuwatch.agent.config import Config, ConfigError, load
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
-from gpuwatch.agent.runner import Runner
+from gpuwatch.agent.runner import Runner, finding_attrs
 from gpuwatch.agent.store import Store, StoreError
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
 
@@ -132,7 +132,9 @@ class Daemon:
         # only reads what processes send.
         self.inprocess = InProcessReports()
         probes.append(InProcessProbe(self.inprocess))
-        self.runner = Runner(probes, exporters=self.exporters,
+        from gpuwatch.detectors.leak import LeakDetector
+
+        self.runner = Runner(probes, detectors=[LeakDetector()], exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",
@@ -140,6 +142,7 @@ class Daemon:
             "trace.snapshot": self._trace_snapshot,
             "cupti.report": self._cupti_report,
             "cupti.process": self._cupti_process,
+            "findings": self._findings,
         }, group=cfg.control.group or None)
 
     # -- control socket handlers -----------------------------------------------------------
@@ -255,6 +258,20 @@ class Daemon:
             raise ControlError(trace.not_yours_message(pid, peer.uid))
         self.inprocess.watch(pid)
         return report.as_dict()
+
+    def _findings(self, params: dict, peer: PeerCred) -> dict:
+        """findings {"kind": K?}: the detectors' open findings (of kind K) and the recent opened,
+        updated and closed events. Anyone who may use the socket sees them, as on /metrics."""
+        kind = params.get("kind")
+        if kind is not None and not isinstance(kind, str):
+            raise ControlError(f'findings takes {{"kind": "memory_leak"}} or nothing, got kind={kind!r}')
+        snap = self.runner.snapshot
+        return {
+            "open": [dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in snap.findings
+                     if kind is None or f.kind == kind],
+            "recent": [{"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs} for e in snap.events
+                       if e.kind.startswith("finding.") and (kind is None or e.attrs.get("kind") == kind)][-50:],
+        }
 
     def _ebpf_down_reason(self) -> str:
         st = self.runner.snapshot.probes.get("ebpf")

@@ -210,6 +210,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.cupti.decode.duration", "s", Kind.COUNTER,
            "CPU time the in-process agent spent decoding records (its main cost to the program).",
            ("pid", "process")),
+    # --- detectors ---------------------------------------------------------------------------
+    Metric("gpuwatch.leak.suspected", "", Kind.GAUGE,
+           "1 while the leak detector sees the process's memory of this color grow steadily: white "
+           "(tensors), grey (the allocator's pool), black (outside the allocator).",
+           ("gpu", "pid", "process", "color")),
+    Metric("gpuwatch.leak.growth.rate", "By/s", Kind.GAUGE,
+           "How fast the leaking color grows (slope of its floor over the detector's window).",
+           ("gpu", "pid", "process", "color")),
+    Metric("gpuwatch.leak.time_to_oom", "s", Kind.GAUGE,
+           "Seconds until the GPU runs out of memory at the leak's rate (free memory, other processes "
+           "included, over the growth rate).", ("gpu", "pid", "process", "color")),
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),

@@ -73,6 +73,16 @@ class _ProbeSlot:
             self.wake.set()
 
 
+def finding_key(f: Finding) -> tuple:
+    """What makes a finding the same one from one judgement to the next: its kind, resource and
+    the identity attributes a detector gives (process, color)."""
+    return (f.kind, f.resource, str(f.attrs.get("pid", "")), str(f.attrs.get("color", "")))
+
+
+def finding_attrs(f: Finding) -> dict:
+    return {"kind": f.kind, "severity": f.severity, "summary": f.summary, **f.attrs}
+
+
 class Runner:
     def __init__(
         self,
@@ -93,6 +103,10 @@ class Runner:
         self._wake = threading.Event()
         self.slots = [_ProbeSlot(p, self._wake) for p in probes]
         self.detectors = list(detectors)
+        # Each detector judges on its own interval; between judgements its last findings stand.
+        self._detector_due = [0.0] * len(self.detectors)
+        self._detector_out: list[tuple[list[Finding], list[Sample]]] = [([], []) for _ in self.detectors]
+        self._open_findings: dict[tuple, Finding] = {}
         self.exporters = list(exporters)
         self.history = history or History()
         self.events: deque[Event] = deque(maxlen=max_events)
@@ -272,11 +286,18 @@ class Runner:
                 samples.extend(slot.samples)
         samples.extend(self._agent_samples(wall))
         findings: list[Finding] = []
-        for det in self.detectors:
-            try:
-                findings.extend(det.observe(self.history))
-            except Exception:
-                log.exception("detector %s failed", det.name)
+        for i, det in enumerate(self.detectors):
+            if now_mono >= self._detector_due[i]:
+                self._detector_due[i] = now_mono + det.interval
+                try:
+                    found = list(det.observe(self.history))
+                    self._detector_out[i] = (found, list(det.samples(found)))
+                except Exception:
+                    log.exception("detector %s failed", det.name)
+            found, det_samples = self._detector_out[i]
+            findings.extend(found)
+            samples.extend(det_samples)
+        self._track_findings(findings, wall)
         self.ticks += 1
         if self.ticks % 100 == 0:
             self.history.expire(wall)
@@ -289,6 +310,20 @@ class Runner:
                 exp.publish(snap)
             except Exception:
                 log.exception("exporter %s failed to publish", exp.name)
+
+    def _track_findings(self, findings: list[Finding], wall: float) -> None:
+        """A finding opens the first time a detector reports it and closes when it no longer does
+        (the growth stopped, the process exited): both are events, so the store keeps its history."""
+        current = {finding_key(f): f for f in findings}
+        for key, f in current.items():
+            before = self._open_findings.get(key)
+            if before is None or before.severity != f.severity:
+                self._add_event(Event("finding.opened" if before is None else "finding.updated", f.resource,
+                                      finding_attrs(f), wall))
+        for key, f in self._open_findings.items():
+            if key not in current:
+                self._add_event(Event("finding.closed", f.resource, finding_attrs(f), wall))
+        self._open_findings = current
 
     def _agent_samples(self, wall: float) -> Iterable[Sample]:
         yield Sample("gpuwatch.build", 1.0, labels={"version": __version__,

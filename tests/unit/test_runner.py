@@ -143,3 +143,48 @@ def test_snapshot_is_replaced_not_mutated():
     second = r.tick_once()
     assert first is not second and first.samples and second.samples
     assert first.ts <= second.ts
+
+
+class MemorySeriesProbe(Probe):
+    """Plays back one process's NVML memory, one point (a second apart) per collection."""
+
+    name = "mem"
+    interval = 1.0
+
+    def __init__(self, values, t0=1_800_000_000.0):
+        self.values = list(values)
+        self.t0 = t0
+        self.i = 0
+
+    def collect(self):
+        t, v = self.t0 + self.i, self.values[min(self.i, len(self.values) - 1)]
+        self.i += 1
+        gpu, limit = "GPU-leak", 141 * 2**30
+        return [Sample("gpuwatch.process.gpu.memory.usage", v, gpu, {"pid": "4242", "process": "python3"}, t),
+                Sample("hw.gpu.memory.limit", float(limit), gpu, {}, t),
+                Sample("hw.gpu.memory.usage", v, gpu, {}, t)]
+
+
+def test_findings_open_update_and_close_as_events_and_export_their_metrics():
+    from gpuwatch.detectors.leak import LeakDetector
+
+    leak = [8 * 2**30 + i * 500 * 2**20 / 60 for i in range(400)]  # 500 MiB a minute for 400 s...
+    values = leak + [leak[-1]] * 300  # ... then it stops
+    now = [0.0]
+    events = []
+    r = Runner([MemorySeriesProbe(values)], detectors=[LeakDetector()], clock=lambda: now[0],
+               on_event=events.append)
+    judged_open, exported = [], set()
+    for tick in range(len(values)):
+        now[0] = float(tick)
+        snap = r.tick_once()
+        if snap.findings:
+            judged_open.append(tick)
+            exported |= {s.metric for s in snap.samples if s.metric.startswith("gpuwatch.leak.")}
+    kinds = [e.kind for e in events if e.kind.startswith("finding.")]
+    assert kinds[0] == "finding.opened" and kinds[-1] == "finding.closed"
+    opened = next(e for e in events if e.kind == "finding.opened")
+    assert opened.attrs["color"] == "black" and opened.attrs["pid"] == "4242" and opened.resource == "GPU-leak"
+    assert 60 <= judged_open[0] <= 150  # judged every 10 s, seen once 90 s of growth is in view
+    assert 400 < judged_open[-1] < 400 + 120  # closes once the growth has stopped
+    assert exported == {"gpuwatch.leak.suspected", "gpuwatch.leak.growth.rate", "gpuwatch.leak.time_to_oom"}

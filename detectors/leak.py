@@ -1,0 +1,278 @@
+"""Three-color GPU memory leak detection, with time to out-of-memory.
+
+Per GPU and process, three series (ARCHITECTURE.md, "Three-color memory"):
+
+  white  bytes in live tensors          gpuwatch.process.gpu.memory.allocated (in-process agent)
+  grey   bytes the allocator holds      gpuwatch.process.gpu.memory.reserved  (in-process agent),
+                                        else gpuwatch.process.cuda.memory.live (eBPF: driver
+                                        allocations seen since it attached)
+  black  bytes the driver charges       gpuwatch.process.gpu.memory.usage     (NVML)
+
+A color *grows* when, over a window, the floor of its series rises steadily: the window is cut
+into buckets, each bucket keeps its minimum (the floor: PyTorch's allocations rise and fall with
+every step, its floor does not), and the floors must rise from bucket to bucket, fit a line well,
+add up to a real amount, and not slow down towards the end (warm-up growth flattens; a leak does
+not). A drop — `torch.cuda.empty_cache()`, the end of an epoch — breaks the rise and clears the
+window. Several windows are judged (90 s for fast leaks, 5 and 10 min for slow ones).
+
+What grows says what leaks: white → tensors kept alive (an application leak); grey with white
+flat → the allocator's pool grows (fragmentation, caching); black with grey flat → memory taken
+outside the allocator (raw cudaMalloc without free, library workspaces, contexts). The forecast
+divides the headroom (the GPU's free memory, other processes included, plus for white the
+allocator's unused reserve) by the growth rate.
+
+Pure: observe(history) reads series and returns findings; nothing here does I/O.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from gpuwatch.agent.api import Detector, Finding, Sample
+from gpuwatch.agent.history import History
+
+WHITE, GREY, BLACK = "white", "grey", "black"
+KIND = "memory_leak"
+MIB = 1 << 20
+
+WHAT_LEAKS = {
+    WHITE: "tensors kept alive (white: allocated bytes grow)",
+    GREY: "the allocator's pool (grey: reserved bytes grow while allocated bytes do not)",
+    BLACK: "memory outside the allocator (black: the driver's charge grows while the allocator's does not)",
+}
+
+
+@dataclass(frozen=True)
+class Trend:
+    """A steady rise of a series' floor over a window."""
+
+    rate: float          # bytes per second (Theil-Sen slope of the bucket floors)
+    growth: float        # bytes the floor rose over the window
+    window: float        # seconds the points span
+    r2: float            # how well a line fits the floors (0..1)
+    rising: float        # fraction of bucket-to-bucket steps that rose
+    latest: float        # the newest value
+
+
+@dataclass
+class LeakSettings:
+    windows: Sequence[float] = (90.0, 300.0, 600.0)
+    buckets: int = 6
+    min_points: int = 12
+    min_growth: float = 128 * MIB   # less than this over a window is noise, whatever the rate
+    min_rate: float = 256 * 1024    # bytes/s (15 MiB a minute)
+    min_r2: float = 0.8
+    min_rising: float = 0.75        # of the bucket-to-bucket steps
+    min_late_ratio: float = 0.5     # the second half's slope over the first half's: warm-up flattens
+    step_epsilon: float = 1 * MIB   # a floor must rise by more than this to count as rising
+    critical_seconds: float = 900.0 # time to OOM under this is critical
+    lookback: float = 600.0         # a drop this recent, as large as half the rise, means a sawtooth
+    stale: float = 15.0             # a process not reported for this long has gone: no finding
+    recent: float = 30.0            # seconds: the floor must still be rising over the last of these
+
+
+def _theil_sen(xs: Sequence[float], ys: Sequence[float]) -> float:
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+def _r2(xs: Sequence[float], ys: Sequence[float]) -> float:
+    if len(xs) < 3:
+        return 0.0
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx == 0 or syy == 0:
+        return 0.0
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    return sxy * sxy / (sxx * syy)
+
+
+def trend(points: Sequence[tuple[float, float]], window: float, now: float,
+          s: LeakSettings = LeakSettings()) -> Trend | None:
+    """The rise of the series' floor over [now - window, now], or None when it does not rise steadily."""
+    pts = [(t, v) for t, v in points if now - window <= t <= now]
+    if len(pts) < s.min_points:
+        return None
+    t0, t1 = pts[0][0], pts[-1][0]
+    span = t1 - t0
+    if span < 0.8 * window:  # the series is younger than the window: a shorter window judges it
+        return None
+    width = span / s.buckets
+    floors: list[tuple[float, float]] = []
+    for b in range(s.buckets):
+        lo, hi = t0 + b * width, t0 + (b + 1) * width
+        vals = [v for t, v in pts if lo <= t < hi or (b == s.buckets - 1 and t == hi)]
+        if vals:
+            floors.append(((lo + hi) / 2, min(vals)))
+    if len(floors) < s.buckets - 1:
+        return None
+    xs, ys = [x for x, _ in floors], [y for _, y in floors]
+    steps = [b - a for a, b in zip(ys, ys[1:])]
+    rising = sum(1 for d in steps if d > s.step_epsilon) / len(steps)
+    if any(d < -s.step_epsilon for d in steps):
+        return None  # memory was given back in the window: not a leak (empty_cache, a phase ending)
+    rate = _theil_sen(xs, ys)
+    growth = ys[-1] - ys[0]
+    half = len(xs) // 2
+    early, late = _theil_sen(xs[:half + 1], ys[:half + 1]), _theil_sen(xs[half:], ys[half:])
+    r2 = _r2(xs, ys)
+    if (rate < s.min_rate or growth < s.min_growth or rising < s.min_rising or r2 < s.min_r2
+            or early <= 0 or late < s.min_late_ratio * early):
+        return None
+    # Still growing now: the floor of the last 30 s above that of the 30 s before. Bucket floors lag
+    # by a bucket (100 s in a 10-minute window); this closes a finding soon after the growth stops.
+    last = [v for t, v in pts if t > t1 - s.recent]
+    before = [v for t, v in pts if t1 - 2 * s.recent < t <= t1 - s.recent]
+    if not last or not before or min(last) - min(before) <= s.step_epsilon:
+        return None
+    # The recent slope when it is the steeper: a leak that began inside the window grows at that rate now.
+    return Trend(rate=max(rate, late), growth=growth, window=span, r2=r2, rising=rising, latest=pts[-1][1])
+
+
+SAW_BUCKET = 15.0  # seconds: longer than a training step, so a step's own rise and fall is inside one
+
+
+def sawtooth(points: Sequence[tuple[float, float]], now: float, rise: float, s: LeakSettings) -> bool:
+    """Did the series' floor give back at least half of `rise` within the lookback? Then its rise is
+    one tooth of a saw (a cache emptied now and then, epochs), not a leak. Floors of 15 s buckets,
+    so the fall at the end of every training step does not count."""
+    floors: dict[int, float] = {}
+    for t, v in points:
+        if now - s.lookback <= t <= now:
+            b = int((t - now + s.lookback) // SAW_BUCKET)
+            floors[b] = min(v, floors.get(b, v))
+    seq = [floors[b] for b in sorted(floors)]
+    return any(a - b >= 0.5 * rise for a, b in zip(seq, seq[1:]))
+
+
+def best_trend(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
+    """The longest window that shows a steady rise (longer windows estimate the rate better),
+    unless the series is a sawtooth."""
+    for w in sorted(s.windows, reverse=True):
+        tr = trend(points, w, now, s)
+        if tr is not None:
+            return None if sawtooth(points, now, tr.growth, s) else tr
+    return None
+
+
+@dataclass
+class _Process:
+    gpu: str
+    pid: str
+    process: str
+    colors: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    grey_from_ebpf: bool = False
+
+
+def _latest(points: list[tuple[float, float]]) -> float | None:
+    return points[-1][1] if points else None
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 90:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
+class LeakDetector(Detector):
+    """Three-color leak findings per GPU and process (see the module docstring)."""
+
+    name = "leak"
+    interval = 10.0  # seconds between judgements: trends over minutes need no faster look
+
+    def __init__(self, settings: LeakSettings | None = None) -> None:
+        self.settings = settings or LeakSettings()
+
+    def _processes(self, history: History) -> list[_Process]:
+        procs: dict[tuple[str, str], _Process] = {}
+        for metric, color in (("gpuwatch.process.gpu.memory.usage", BLACK),
+                              ("gpuwatch.process.gpu.memory.allocated", WHITE),
+                              ("gpuwatch.process.gpu.memory.reserved", GREY)):
+            for (_, gpu, labels), points in history.series(metric):
+                lab = dict(labels)
+                pid = lab.get("pid", "")
+                if not gpu or not pid or pid == "other":
+                    continue
+                p = procs.setdefault((gpu, pid), _Process(gpu, pid, lab.get("process", "")))
+                p.colors[color] = points
+        # Grey from eBPF's live driver allocations when no in-process agent reports it; eBPF counts a
+        # process on all its GPUs together, so only for a process on one GPU.
+        gpus_of: dict[str, list[_Process]] = {}
+        for p in procs.values():
+            gpus_of.setdefault(p.pid, []).append(p)
+        for (_, _, labels), points in history.series("gpuwatch.process.cuda.memory.live"):
+            on = gpus_of.get(dict(labels).get("pid", ""), [])
+            if len(on) == 1 and GREY not in on[0].colors:
+                on[0].colors[GREY] = points
+                on[0].grey_from_ebpf = True
+        return list(procs.values())
+
+    def observe(self, history: History) -> Iterable[Finding]:
+        s = self.settings
+        now = max((pts[-1][0] for _, pts in history.series("gpuwatch.process.gpu.memory.usage") if pts),
+                  default=None)
+        if now is None:
+            return []
+        limits = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("hw.gpu.memory.limit")}
+        used = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("hw.gpu.memory.usage")}
+        findings = []
+        for p in self._processes(history):
+            newest = max((pts[-1][0] for pts in p.colors.values() if pts), default=0.0)
+            if now - newest > s.stale:
+                continue  # the process exited (or its GPU went away): its last trend is history
+            trends = {c: best_trend(p.colors[c], now, s) for c in (WHITE, GREY, BLACK) if c in p.colors}
+            color = next((c for c in (WHITE, GREY, BLACK) if trends.get(c) is not None), None)
+            if color is None:
+                continue
+            tr = trends[color]
+            free = None
+            if limits.get(p.gpu) is not None and used.get(p.gpu) is not None:
+                free = max(0.0, limits[p.gpu] - used[p.gpu])
+            headroom = free
+            if color == WHITE and free is not None and GREY in p.colors and p.colors[GREY]:
+                headroom = free + max(0.0, p.colors[GREY][-1][1] - tr.latest)  # the pool's unused part first
+            tto = headroom / tr.rate if headroom is not None else None
+            confidence = round(min(1.0, tr.r2) * tr.rising * min(1.0, tr.window / 300.0) ** 0.5, 2)
+            grey_source = "ebpf" if p.grey_from_ebpf else ("agent" if GREY in p.colors else "none")
+            severity = "critical" if tto is not None and tto < s.critical_seconds else "warning"
+            summary = (f"process {p.pid} ({p.process}) on GPU {p.gpu} is leaking "
+                       f"{fmt_bytes(tr.rate * 60)}/min: {WHAT_LEAKS[color]}")
+            if tto is not None:
+                summary += f"; out of memory in {fmt_duration(tto)} at this rate ({fmt_bytes(headroom)} left)"
+            if color == BLACK and GREY not in p.colors:
+                summary += " (no in-process agent or eBPF: which part of the process grows is unknown)"
+            findings.append(Finding(KIND, p.gpu, severity, summary, {
+                "pid": p.pid, "process": p.process, "color": color, "rate_bytes_per_second": tr.rate,
+                "growth_bytes": tr.growth, "window_seconds": tr.window, "time_to_oom_seconds": tto,
+                "headroom_bytes": headroom, "confidence": confidence, "grey_source": grey_source,
+                "colors": {c: (None if t is None else round(t.rate, 1)) for c, t in trends.items()},
+            }, ts=now))
+        return findings
+
+    @staticmethod
+    def samples(findings: Sequence[Finding]) -> list[Sample]:
+        """The findings as metrics, for alert rules."""
+        out = []
+        for f in findings:
+            if f.kind != KIND:
+                continue
+            labels = {"pid": f.attrs["pid"], "process": f.attrs["process"], "color": f.attrs["color"]}
+            out.append(Sample("gpuwatch.leak.suspected", 1.0, f.resource, labels, f.ts))
+            out.append(Sample("gpuwatch.leak.growth.rate", f.attrs["rate_bytes_per_second"], f.resource, labels,
+                              f.ts))
+            if f.attrs["time_to_oom_seconds"] is not None:
+                out.append(Sample("gpuwatch.leak.time_to_oom", f.attrs["time_to_oom_seconds"], f.resource, labels,
+                                  f.ts))
+        return out
