@@ -75,8 +75,9 @@ class _ProbeSlot:
 
 def finding_key(f: Finding) -> tuple:
     """What makes a finding the same one from one judgement to the next: its kind, resource and
-    the identity attributes a detector gives (process, color)."""
-    return (f.kind, f.resource, str(f.attrs.get("pid", "")), str(f.attrs.get("color", "")))
+    the identity attributes a detector gives (process and color; or an id: a reason, an XID)."""
+    return (f.kind, f.resource, str(f.attrs.get("id", "")), str(f.attrs.get("pid", "")),
+            str(f.attrs.get("color", "")))
 
 
 def finding_attrs(f: Finding) -> dict:

@@ -1,0 +1,154 @@
+"""Thermal and error findings per GPU: throttling, temperature margin, XIDs, ECC, row remapping,
+a GPU lost.
+
+All from the NVML probe's series. Counters (throttle time, XIDs, ECC errors) are read as their
+increase over a recent window, counting each rise and ignoring drops (a driver or agent restart
+resets them), so a restart never looks like an event. Each finding has an `id` attribute (the
+reason, the XID code, ...) so that the runner can tell one finding from the next.
+
+Pure: observe(history) reads series and returns findings.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from gpuwatch.agent.api import Detector, Finding
+from gpuwatch.agent.history import History
+
+# Clock-event reasons that cost performance (idle, application clocks, sync boost do not).
+THROTTLE_REASONS = {
+    "sw_thermal_slowdown": "software thermal slowdown (the driver keeps the GPU under its temperature target)",
+    "hw_thermal_slowdown": "hardware thermal slowdown (the GPU is too hot: clocks cut hard)",
+    "hw_power_brake_slowdown": "hardware power brake (an external power-brake signal: the PSU or the chassis)",
+    "hw_slowdown": "hardware slowdown (thermal or power brake asserted by the board)",
+}
+HW_REASONS = {"hw_thermal_slowdown", "hw_power_brake_slowdown", "hw_slowdown"}
+
+
+def increase(points: Sequence[tuple[float, float]], since: float) -> float:
+    """A counter's increase since `since`: the sum of its rises (a reset to a lower value is not one)."""
+    pts = [(t, v) for t, v in points if t >= since]
+    before = [v for t, v in points if t < since]
+    if before:
+        pts.insert(0, (since, before[-1]))
+    return sum(max(0.0, b - a) for (_, a), (_, b) in zip(pts, pts[1:]))
+
+
+def first_rise(points: Sequence[tuple[float, float]], since: float) -> float | None:
+    prev = None
+    for t, v in points:
+        if prev is not None and v > prev and t >= since:
+            return t
+        prev = v
+    return None
+
+
+class ThermalDetector(Detector):
+    name = "thermal"
+    interval = 10.0
+
+    def __init__(self, window: float = 300.0, event_window: float = 600.0, margin_celsius: float = 5.0,
+                 min_throttle_seconds: float = 10.0) -> None:
+        self.window = window                      # throttling: time throttled over this
+        self.event_window = event_window          # XIDs and ECC errors stay findings this long
+        self.margin_celsius = margin_celsius
+        self.min_throttle_seconds = min_throttle_seconds
+
+    def observe(self, history: History) -> Iterable[Finding]:
+        now = max((pts[-1][0] for _, pts in history.series("gpuwatch.gpu.up") if pts), default=None)
+        if now is None:
+            return []
+        out: list[Finding] = []
+        for (_, gpu, _), pts in history.series("gpuwatch.gpu.up"):
+            if pts and pts[-1][1] == 0:
+                out.append(Finding("gpu_lost", gpu, "critical",
+                                   f"GPU {gpu} does not answer (fell off the bus, or the driver lost it); its "
+                                   f"work is gone: drain the node and check the kernel log for XID 79",
+                                   {"id": "lost"}, ts=pts[-1][0]))
+        out += self._throttling(history, now)
+        out += self._temperature(history)
+        out += self._xids(history, now)
+        out += self._ecc_and_rows(history, now)
+        return out
+
+    def _throttling(self, history: History, now: float) -> list[Finding]:
+        out = []
+        for (_, gpu, labels), pts in history.series("gpuwatch.gpu.clock_event.duration"):
+            reason = dict(labels).get("reason", "")
+            if reason not in THROTTLE_REASONS:
+                continue
+            span = min(self.window, now - pts[0][0]) if pts else 0.0
+            throttled = increase(pts, now - self.window)
+            if span <= 0 or throttled < self.min_throttle_seconds:
+                continue
+            share = min(1.0, throttled / span)
+            severity = "critical" if reason in HW_REASONS and share >= 0.5 else "warning"
+            out.append(Finding("throttling", gpu, severity,
+                               f"GPU {gpu} ran with clocks cut by {THROTTLE_REASONS[reason]} for {throttled:.0f} s "
+                               f"of the last {span:.0f} s ({share:.0%})",
+                               {"id": reason, "reason": reason, "seconds": throttled, "share": share,
+                                "window_seconds": span}, ts=now))
+        return out
+
+    def _temperature(self, history: History) -> list[Finding]:
+        limits = {gpu: pts[-1][1] for (_, gpu, labels), pts in history.series("hw.temperature.limit")
+                  if pts and dict(labels).get("threshold") == "slowdown"}
+        out = []
+        for (_, gpu, labels), pts in history.series("hw.temperature"):
+            if not pts or dict(labels).get("sensor") != "gpu" or gpu not in limits:
+                continue
+            temp, limit = pts[-1][1], limits[gpu]
+            if limit - temp < self.margin_celsius:
+                out.append(Finding("thermal_margin", gpu, "critical" if temp >= limit else "warning",
+                                   f"GPU {gpu} is at {temp:.0f} °C, {limit - temp:.0f} °C from its slowdown "
+                                   f"threshold ({limit:.0f} °C): check its cooling and airflow",
+                                   {"id": "slowdown", "celsius": temp, "slowdown_celsius": limit,
+                                    "margin_celsius": limit - temp}, ts=pts[-1][0]))
+        return out
+
+    def _processes_at(self, history: History, gpu: str, t: float) -> list[dict]:
+        """The processes that had memory on `gpu` around time t (the XID's likely victims)."""
+        out = []
+        for (_, g, labels), pts in history.series("gpuwatch.process.gpu.memory.usage", gpu):
+            lab = dict(labels)
+            if lab.get("pid") not in (None, "other") and any(abs(pt - t) <= 10 for pt, _ in pts):
+                out.append({"pid": lab["pid"], "process": lab.get("process", "")})
+        return sorted(out, key=lambda p: p["pid"])
+
+    def _xids(self, history: History, now: float) -> list[Finding]:
+        out = []
+        for (_, gpu, labels), pts in history.series("gpuwatch.gpu.xid"):
+            xid = dict(labels).get("xid", "")
+            n = increase(pts, now - self.event_window)
+            if n <= 0:
+                continue
+            t = first_rise(pts, now - self.event_window) or now
+            procs = self._processes_at(history, gpu, t)
+            who = ", ".join(f"{p['pid']} ({p['process']})" for p in procs) or "no process seen"
+            out.append(Finding("xid", gpu, "critical",
+                               f"GPU {gpu} reported XID {xid} ({n:.0f}x in the last {self.event_window / 60:.0f} "
+                               f"min); processes on it then: {who}",
+                               {"id": xid, "xid": xid, "count": n, "first_seen": t, "processes": procs}, ts=now))
+        return out
+
+    def _ecc_and_rows(self, history: History, now: float) -> list[Finding]:
+        out = []
+        for (_, gpu, labels), pts in history.series("hw.errors"):
+            lab = dict(labels)
+            if lab.get("type") != "uncorrected" or lab.get("counter") != "volatile":
+                continue
+            n = increase(pts, now - self.event_window)
+            if n > 0:
+                out.append(Finding("ecc_uncorrected", gpu, "critical",
+                                   f"GPU {gpu} had {n:.0f} uncorrectable ECC errors in the last "
+                                   f"{self.event_window / 60:.0f} min: the work on it may have read corrupt "
+                                   f"memory; drain it", {"id": "uncorrected", "count": n}, ts=now))
+        for metric, kind, severity, text in (
+                ("gpuwatch.gpu.remapped_rows.failure", "row_remap_failure", "critical",
+                 "could not remap a faulty memory row: drain it and RMA"),
+                ("gpuwatch.gpu.remapped_rows.pending", "row_remap_pending", "warning",
+                 "has a memory row remap waiting for a GPU reset: drain and reset it")):
+            for (_, gpu, _), pts in history.series(metric):
+                if pts and pts[-1][1] == 1:
+                    out.append(Finding(kind, gpu, severity, f"GPU {gpu} {text}", {"id": kind}, ts=pts[-1][0]))
+        return out
