@@ -132,10 +132,12 @@ class Daemon:
         # only reads what processes send.
         self.inprocess = InProcessReports()
         probes.append(InProcessProbe(self.inprocess))
+        from gpuwatch.detectors.launch import LaunchDetector
         from gpuwatch.detectors.leak import LeakDetector
         from gpuwatch.detectors.thermal import ThermalDetector
 
-        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector()], exporters=self.exporters,
+        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector()],
+                             exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",

@@ -197,6 +197,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.process.kernel.theoretical_occupancy", "1", Kind.GAUGE,
            "Theoretical occupancy of the kernel's launch configuration (warps that fit on an SM as a "
            "fraction of the maximum; the lowest of its configurations).", ("pid", "process", "kernel")),
+    Metric("gpuwatch.process.kernel.grid_blocks", "", Kind.GAUGE,
+           "Blocks in the kernel's last grid (the smallest over its configurations): 1 is a degenerate "
+           "launch that uses one SM.", ("pid", "process", "kernel")),
     Metric("gpuwatch.cupti.state", "", Kind.GAUGE,
            "1 for the in-process agent's current CUPTI state: idle (no CUDA yet), on, yielded (another "
            "profiler has CUPTI), unavailable, failed.", ("pid", "process", "state")),

@@ -259,19 +259,25 @@ class InProcessProbe(Probe):
             # One series per kernel name (variants of a name are summed), busiest first.
             by_name: dict[str, list] = {}
             for k in r.kernels:
-                acc = by_name.setdefault(_label(names.get(k.name, k.name)), [0.0, 0, None])
+                acc = by_name.setdefault(_label(names.get(k.name, k.name)), [0.0, 0, None, None])
                 acc[0] += k.gpu_seconds
                 acc[1] += k.launches
                 if k.occupancy is not None and (acc[2] is None or k.gpu_seconds > 0):
                     acc[2] = k.occupancy if acc[2] is None else min(acc[2], k.occupancy)
+                blocks = k.grid[0] * k.grid[1] * k.grid[2]
+                if blocks:
+                    acc[3] = blocks if acc[3] is None else min(acc[3], blocks)
             ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
             rest = [r.other_gpu_seconds, r.other_launches]
-            for i, (name, (secs, launches, occ)) in enumerate(ranked):
+            for i, (name, (secs, launches, occ, blocks)) in enumerate(ranked):
                 if i >= KERNELS_PER_PROCESS:
                     rest[0] += secs
                     rest[1] += launches
                     continue
                 out += self._kernel_samples(dict(proc, kernel=name), secs, launches, occ, wall)
+                if blocks is not None:
+                    out.append(Sample("gpuwatch.process.kernel.grid_blocks", float(blocks), "",
+                                      dict(proc, kernel=name), wall))
             if rest[1]:
                 out += self._kernel_samples(dict(proc, kernel="other"), rest[0], rest[1], None, wall)
         if other[1]:
