@@ -36,6 +36,13 @@ WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"
 MIB = 1 << 20
 
+# Per-GPU, per-process series of each color (grey's eBPF fallback is handled on its own).
+COLOR_METRICS = {
+    "gpuwatch.process.gpu.memory.usage": BLACK,
+    "gpuwatch.process.gpu.memory.allocated": WHITE,
+    "gpuwatch.process.gpu.memory.reserved": GREY,
+}
+
 WHAT_LEAKS = {
     WHITE: "tensors kept alive (white: allocated bytes grow)",
     GREY: "the allocator's pool (grey: reserved bytes grow while allocated bytes do not)",
@@ -197,9 +204,7 @@ class LeakDetector(Detector):
 
     def _processes(self, history: History) -> list[_Process]:
         procs: dict[tuple[str, str], _Process] = {}
-        for metric, color in (("gpuwatch.process.gpu.memory.usage", BLACK),
-                              ("gpuwatch.process.gpu.memory.allocated", WHITE),
-                              ("gpuwatch.process.gpu.memory.reserved", GREY)):
+        for metric, color in COLOR_METRICS.items():
             for (_, gpu, labels), points in history.series(metric):
                 lab = dict(labels)
                 pid = lab.get("pid", "")
@@ -221,7 +226,7 @@ class LeakDetector(Detector):
 
     def observe(self, history: History) -> Iterable[Finding]:
         s = self.settings
-        now = max((pts[-1][0] for _, pts in history.series("gpuwatch.process.gpu.memory.usage") if pts),
+        now = max((pts[-1][0] for metric in COLOR_METRICS for _, pts in history.series(metric) if pts),
                   default=None)
         if now is None:
             return []

@@ -177,3 +177,10 @@ def test_trend_needs_a_full_window_and_steady_floors():
     assert trend(pts[:50], 90, T0 + 49, s) is None  # younger than the window
     dip = [(t, v - (5e8 if 40 <= t - T0 < 45 else 0)) for t, v in pts]
     assert trend(dip, 90, T0 + 99, s) is None  # memory given back in the window
+
+
+def test_without_nvml_the_in_process_colors_still_judge():
+    rate = 400 * MIB / 60
+    h = build(300, white=lambda i: 10 * GIB + rate * i, grey=lambda i: 12 * GIB + rate * i)
+    f = one(LeakDetector().observe(h))
+    assert f.attrs["color"] == WHITE and f.attrs["rate_bytes_per_second"] == pytest.approx(rate, rel=0.05)
