@@ -219,6 +219,10 @@ def _print_findings(found: dict, what: str) -> None:
             console.print(f"    color {f['color']}, {f['rate_bytes_per_second'] * 60 / 2**20:.0f} MiB/min over "
                           f"{f['window_seconds']:.0f} s, confidence {f['confidence']:.2f}, grey from "
                           f"{f['grey_source']}" + (f", time to OOM {tto / 60:.1f} min" if tto is not None else ""))
+            for st in (f.get("stacks") or [])[:3]:
+                frames = " ← ".join(st.get("frames", [])[1:4]) or "(no stack)"
+                console.print(f"    {st['bytes'] / 2**20:,.0f} MiB live in {st['allocations']} allocations ← "
+                              f"{escape(frames)}")
     if found["recent"]:
         console.print()
         console.print("recent:")

@@ -12,7 +12,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent.api import Event, Probe
@@ -104,6 +104,16 @@ def build_probes(cfg: Config) -> list[Probe]:
                                         yield_to=parse_names(cfg.cupti.yield_to),
                                         status_path=os.path.join(cfg.agent.state_dir, STATUS_FILE)))
     return probes
+
+
+def attach_stacks(findings: list[dict], stacks_of: Callable[[int], list[dict]]) -> list[dict]:
+    """Leak findings get the call stacks holding the process's live driver allocations (eBPF), where
+    they say something: for memory taken outside the allocator, or the allocator's pool seen through
+    eBPF. White leaks are tensors: the allocator's stacks would only show its own growth."""
+    for f in findings:
+        if f.get("kind") == "memory_leak" and f.get("color") in ("black", "grey") and str(f.get("pid", "")).isdigit():
+            f["stacks"] = stacks_of(int(f["pid"]))
+    return findings
 
 
 class Daemon:
@@ -270,11 +280,20 @@ class Daemon:
             raise ControlError(f'findings takes {{"kind": "memory_leak"}} or nothing, got kind={kind!r}')
         snap = self.runner.snapshot
         return {
-            "open": [dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in snap.findings
-                     if kind is None or f.kind == kind],
+            "open": attach_stacks([dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in snap.findings
+                                   if kind is None or f.kind == kind], self._live_stacks),
             "recent": [{"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs} for e in snap.events
                        if e.kind.startswith("finding.") and (kind is None or e.attrs.get("kind") == kind)][-50:],
         }
+
+    def _live_stacks(self, pid: int) -> list[dict]:
+        """The eBPF probe's allocation stacks for pid; [] when it does not run or is busy."""
+        if self.ebpf is None or not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
+            return []
+        try:
+            return self.ebpf.probe.live_stacks(pid)
+        finally:
+            self.ebpf.lock.release()
 
     def _ebpf_down_reason(self) -> str:
         st = self.runner.snapshot.probes.get("ebpf")

@@ -333,6 +333,12 @@ class EbpfCudaProbe(Probe):
         out.sort(key=lambda e: (-e["launches"], e.get("pid", 0), int(e["handle"], 16)))
         return out
 
+    def live_stacks(self, pid: int, top: int = 3) -> list[dict]:
+        """The allocating call stacks holding the most live device bytes of `pid` now ([] when the
+        probe is not running): what a leak finding points at."""
+        ld = self._loader
+        return self._stacks(ld, pid, top) if ld is not None else []
+
     @staticmethod
     def _stacks(ld: _loader.Loader, pid: int, top: int = TOP_STACKS) -> list[dict]:
         """The user stacks holding the most live bytes: [{"bytes", "allocations", "frames"}]."""

@@ -188,3 +188,20 @@ def test_findings_open_update_and_close_as_events_and_export_their_metrics():
     assert 60 <= judged_open[0] <= 150  # judged every 10 s, seen once 90 s of growth is in view
     assert 400 < judged_open[-1] < 400 + 120  # closes once the growth has stopped
     assert exported == {"gpuwatch.leak.suspected", "gpuwatch.leak.growth.rate", "gpuwatch.leak.time_to_oom"}
+
+
+def test_leak_findings_get_the_stacks_that_hold_their_bytes_where_they_tell_something():
+    from gpuwatch.agent.daemon import attach_stacks
+
+    asked = []
+
+    def stacks_of(pid):
+        asked.append(pid)
+        return [{"bytes": 2**30, "allocations": 3, "frames": ["cuMemAlloc_v2+0x0", "leaky+0x10"]}]
+
+    found = attach_stacks([{"kind": "memory_leak", "color": "black", "pid": "4242"},
+                           {"kind": "memory_leak", "color": "white", "pid": "7"},
+                           {"kind": "xid", "pid": "9"},
+                           {"kind": "memory_leak", "color": "grey", "pid": "other"}], stacks_of)
+    assert asked == [4242]
+    assert found[0]["stacks"][0]["frames"][1] == "leaky+0x10" and all("stacks" not in f for f in found[1:])
