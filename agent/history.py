@@ -42,11 +42,27 @@ class History:
                 del self._series[k]
             return len(old)
 
-    def series(self, metric: str, resource: str | None = None) -> Iterator[tuple[tuple, list[tuple[float, float]]]]:
-        """(key, points) for every series of `metric` (optionally of one resource); points are copies."""
+    def series(self, metric: str, resource: str | None = None,
+               since: float | None = None) -> Iterator[tuple[tuple, list[tuple[float, float]]]]:
+        """(key, points) for every series of `metric` (optionally of one resource); points are copies.
+        With `since`: only the points from then on, and the one before (a counter's increase over
+        the window needs its value at the start), read from the newest back."""
         with self._lock:
-            items = [(k, list(buf)) for k, buf in self._series.items()
-                     if k[0] == metric and (resource is None or k[1] == resource)]
+            if since is None:
+                items = [(k, list(buf)) for k, buf in self._series.items()
+                         if k[0] == metric and (resource is None or k[1] == resource)]
+            else:
+                items = []
+                for k, buf in self._series.items():
+                    if k[0] != metric or (resource is not None and k[1] != resource):
+                        continue
+                    recent = []
+                    for pt in reversed(buf):
+                        recent.append(pt)
+                        if pt[0] < since:
+                            break
+                    recent.reverse()
+                    items.append((k, recent))
         yield from items
 
     def __len__(self) -> int:

@@ -22,6 +22,15 @@ from gpuwatch.detectors.thermal import increase
 KERNEL_LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
 
 
+def _window_increase(pts: list[tuple[float, float]], since: float) -> float:
+    """A counter's increase over the window, for points read with History.series(since=...): the
+    newest minus the value at the window's start when it did not go down (the usual case, O(1)),
+    else the sum of its rises."""
+    if len(pts) >= 2 and pts[-1][1] >= pts[0][1]:
+        return pts[-1][1] - pts[0][1]
+    return increase(pts, since)
+
+
 def _launch_api(api: str) -> bool:
     return api.removesuffix("_ptsz") in KERNEL_LAUNCH_APIS
 
@@ -42,14 +51,15 @@ class LaunchDetector(Detector):
         self.degenerate_share = degenerate_share
 
     def observe(self, history: History) -> Iterable[Finding]:
+        # The newest point of any input says what "now" is (history holds the probes' timestamps).
         ends = [pts[-1][0] for metric in ("gpuwatch.cuda.calls", "gpuwatch.process.kernel.duration")
-                for _, pts in history.series(metric) if pts]
+                for _, pts in history.series(metric, since=float("inf")) if pts]
         if not ends:
             return []
         now = max(ends)
         since = now - self.window
         procs: dict[tuple[str, str], dict] = defaultdict(lambda: {"launches": 0.0, "span": 0.0, "kernels": {}})
-        for (_, _, labels), pts in history.series("gpuwatch.cuda.calls"):
+        for (_, _, labels), pts in history.series("gpuwatch.cuda.calls", since=since):
             lab = dict(labels)
             if lab.get("pid") in (None, "other") or not _launch_api(lab.get("api", "")) or now - pts[-1][0] > 15:
                 continue
@@ -57,22 +67,23 @@ class LaunchDetector(Detector):
             if len(recent) < 2:
                 continue
             p = procs[(lab["pid"], lab.get("process", ""))]
-            p["launches"] += increase(recent, since)
+            p["launches"] += _window_increase(recent, since)
             p["span"] = max(p["span"], recent[-1][0] - recent[0][0])
         busy: dict[tuple[str, str], list[float]] = defaultdict(list)
-        for (_, _, labels), pts in history.series("gpuwatch.process.gpu.utilization"):
+        for (_, _, labels), pts in history.series("gpuwatch.process.gpu.utilization", since=since):
             lab = dict(labels)
             busy[(lab.get("pid", ""), lab.get("process", ""))] += [v for t, v in pts if t >= since]
         for metric, field in (("gpuwatch.process.kernel.duration", "seconds"),
                               ("gpuwatch.process.kernel.launches", "launches"),
                               ("gpuwatch.process.kernel.theoretical_occupancy", "occupancy"),
                               ("gpuwatch.process.kernel.grid_blocks", "blocks")):
-            for (_, _, labels), pts in history.series(metric):
+            counter = field in ("seconds", "launches")  # else a gauge: its newest value is enough
+            for (_, _, labels), pts in history.series(metric, since=since if counter else float("inf")):
                 lab = dict(labels)
                 if lab.get("pid") in (None, "other") or lab.get("kernel") == "other" or now - pts[-1][0] > 15:
                     continue
                 k = procs[(lab["pid"], lab.get("process", ""))]["kernels"].setdefault(lab["kernel"], {})
-                k[field] = increase(pts, since) if field in ("seconds", "launches") else pts[-1][1]
+                k[field] = _window_increase(pts, since) if counter else pts[-1][1]
         out: list[Finding] = []
         for (pid, process), p in procs.items():
             out += self._launch_bound(pid, process, p, busy.get((pid, process)), now)

@@ -25,6 +25,7 @@ Pure: observe(history) reads series and returns findings; nothing here does I/O.
 """
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -97,10 +98,29 @@ def _r2(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sxy * sxy / (sxx * syy)
 
 
+def still_rising(points: Sequence[tuple[float, float]], s: LeakSettings) -> bool:
+    """Is the floor of the last `recent` seconds above that of the `recent` seconds before? Bucket
+    floors lag by a bucket (100 s in a 10-minute window): this closes a finding soon after the growth
+    stops, and, checked first on the newest points only, turns most series away cheaply."""
+    if not points:
+        return False
+    t1 = points[-1][0]
+    last = before = None
+    for t, v in reversed(points):
+        if t > t1 - s.recent:
+            last = v if last is None else min(last, v)
+        elif t > t1 - 2 * s.recent:
+            before = v if before is None else min(before, v)
+        else:
+            break
+    return last is not None and before is not None and last - before > s.step_epsilon
+
+
 def trend(points: Sequence[tuple[float, float]], window: float, now: float,
-          s: LeakSettings = LeakSettings()) -> Trend | None:
+          s: LeakSettings = LeakSettings(), times: Sequence[float] | None = None) -> Trend | None:
     """The rise of the series' floor over [now - window, now], or None when it does not rise steadily."""
-    pts = [(t, v) for t, v in points if now - window <= t <= now]
+    times = times if times is not None else [t for t, _ in points]
+    pts = points[bisect.bisect_left(times, now - window):bisect.bisect_right(times, now)]
     if len(pts) < s.min_points:
         return None
     t0, t1 = pts[0][0], pts[-1][0]
@@ -108,15 +128,15 @@ def trend(points: Sequence[tuple[float, float]], window: float, now: float,
     if span < 0.8 * window:  # the series is younger than the window: a shorter window judges it
         return None
     width = span / s.buckets
-    floors: list[tuple[float, float]] = []
-    for b in range(s.buckets):
-        lo, hi = t0 + b * width, t0 + (b + 1) * width
-        vals = [v for t, v in pts if lo <= t < hi or (b == s.buckets - 1 and t == hi)]
-        if vals:
-            floors.append(((lo + hi) / 2, min(vals)))
-    if len(floors) < s.buckets - 1:
+    lows: dict[int, float] = {}
+    for t, v in pts:
+        b = min(s.buckets - 1, int((t - t0) / width))
+        if b not in lows or v < lows[b]:
+            lows[b] = v
+    if len(lows) < s.buckets - 1:
         return None
-    xs, ys = [x for x, _ in floors], [y for _, y in floors]
+    xs = [t0 + (b + 0.5) * width for b in sorted(lows)]
+    ys = [lows[b] for b in sorted(lows)]
     steps = [b - a for a, b in zip(ys, ys[1:])]
     rising = sum(1 for d in steps if d > s.step_epsilon) / len(steps)
     if any(d < -s.step_epsilon for d in steps):
@@ -127,13 +147,7 @@ def trend(points: Sequence[tuple[float, float]], window: float, now: float,
     early, late = _theil_sen(xs[:half + 1], ys[:half + 1]), _theil_sen(xs[half:], ys[half:])
     r2 = _r2(xs, ys)
     if (rate < s.min_rate or growth < s.min_growth or rising < s.min_rising or r2 < s.min_r2
-            or early <= 0 or late < s.min_late_ratio * early):
-        return None
-    # Still growing now: the floor of the last 30 s above that of the 30 s before. Bucket floors lag
-    # by a bucket (100 s in a 10-minute window); this closes a finding soon after the growth stops.
-    last = [v for t, v in pts if t > t1 - s.recent]
-    before = [v for t, v in pts if t1 - 2 * s.recent < t <= t1 - s.recent]
-    if not last or not before or min(last) - min(before) <= s.step_epsilon:
+            or early <= 0 or late < s.min_late_ratio * early or not still_rising(pts, s)):
         return None
     # The recent slope when it is the steeper: a leak that began inside the window grows at that rate now.
     return Trend(rate=max(rate, late), growth=growth, window=span, r2=r2, rising=rising, latest=pts[-1][1])
@@ -158,8 +172,11 @@ def sawtooth(points: Sequence[tuple[float, float]], now: float, rise: float, s: 
 def best_trend(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
     """The longest window that shows a steady rise (longer windows estimate the rate better),
     unless the series is a sawtooth."""
+    if not still_rising(points, s):
+        return None
+    times = [t for t, _ in points]
     for w in sorted(s.windows, reverse=True):
-        tr = trend(points, w, now, s)
+        tr = trend(points, w, now, s, times)
         if tr is not None:
             return None if sawtooth(points, now, tr.growth, s) else tr
     return None
@@ -226,8 +243,8 @@ class LeakDetector(Detector):
 
     def observe(self, history: History) -> Iterable[Finding]:
         s = self.settings
-        now = max((pts[-1][0] for metric in COLOR_METRICS for _, pts in history.series(metric) if pts),
-                  default=None)
+        now = max((pts[-1][0] for metric in COLOR_METRICS for _, pts in history.series(metric, since=float("inf"))
+                   if pts), default=None)
         if now is None:
             return []
         limits = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("hw.gpu.memory.limit")}
