@@ -274,16 +274,24 @@ class Daemon:
 
     def _findings(self, params: dict, peer: PeerCred) -> dict:
         """findings {"kind": K?}: the detectors' open findings (of kind K) and the recent opened,
-        updated and closed events. Anyone who may use the socket sees them, as on /metrics."""
+        updated and closed events, from the store across restarts. Anyone who may use the socket
+        sees them, as on /metrics."""
         kind = params.get("kind")
         if kind is not None and not isinstance(kind, str):
             raise ControlError(f'findings takes {{"kind": "memory_leak"}} or nothing, got kind={kind!r}')
         snap = self.runner.snapshot
+        # History from the store (it outlives restarts); the agent's own memory when there is none.
+        events = [e for e in snap.events if e.kind.startswith("finding.")]
+        if self.store is not None:
+            try:
+                events = list(reversed(self.store.recent_events(500, prefix="finding.")))
+            except StoreError as e:
+                log.warning("findings: %s; showing this run's only", e)
         return {
             "open": attach_stacks([dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in snap.findings
                                    if kind is None or f.kind == kind], self._live_stacks),
-            "recent": [{"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs} for e in snap.events
-                       if e.kind.startswith("finding.") and (kind is None or e.attrs.get("kind") == kind)][-50:],
+            "recent": [{"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs} for e in events
+                       if kind is None or e.attrs.get("kind") == kind][-50:],
         }
 
     def _live_stacks(self, pid: int) -> list[dict]:

@@ -137,13 +137,17 @@ class Store:
                 self._failing.clear()
 
     # -- reads --------------------------------------------------------------------------------
-    def recent_events(self, limit: int = 100, kind: str | None = None) -> list[Event]:
-        """The newest `limit` events, newest first, optionally of one kind. Raises StoreError."""
+    def recent_events(self, limit: int = 100, kind: str | None = None, prefix: str | None = None) -> list[Event]:
+        """The newest `limit` events, newest first, optionally of one kind or of kinds starting with
+        `prefix` ("finding."). Raises StoreError."""
         sql = "SELECT ts, kind, resource, attrs FROM events"
         args: list[object] = []
         if kind is not None:
             sql += " WHERE kind = ?"
             args.append(kind)
+        elif prefix is not None:
+            sql += " WHERE substr(kind, 1, ?) = ?"
+            args += [len(prefix), prefix]
         sql += " ORDER BY id DESC LIMIT ?"
         args.append(limit)
         with self._lock:

@@ -1,5 +1,5 @@
-"""Thermal and error findings per GPU: throttling, temperature margin, XIDs, ECC, row remapping,
-a GPU lost.
+"""Thermal and error findings per GPU: throttling, temperature margin, XIDs, ECC, rows remapped
+and row remapping pending or failed, a GPU lost.
 
 All from the NVML probe's series. Counters (throttle time, XIDs, ECC errors) are read as their
 increase over a recent window, counting each rise and ignoring drops (a driver or agent restart
@@ -143,6 +143,14 @@ class ThermalDetector(Detector):
                                    f"GPU {gpu} had {n:.0f} uncorrectable ECC errors in the last "
                                    f"{self.event_window / 60:.0f} min: the work on it may have read corrupt "
                                    f"memory; drain it", {"id": "uncorrected", "count": n}, ts=now))
+        for (_, gpu, labels), pts in history.series("gpuwatch.gpu.remapped_rows"):
+            cause = dict(labels).get("cause", "")
+            n = increase(pts, now - self.event_window)
+            if n > 0:
+                out.append(Finding("rows_remapped", gpu, "warning",
+                                   f"GPU {gpu} remapped {n:.0f} memory row(s) ({cause} errors) in the last "
+                                   f"{self.event_window / 60:.0f} min: the new mapping takes effect after a reset",
+                                   {"id": cause, "cause": cause, "count": n}, ts=now))
         for metric, kind, severity, text in (
                 ("gpuwatch.gpu.remapped_rows.failure", "row_remap_failure", "critical",
                  "could not remap a faulty memory row: drain it and RMA"),

@@ -204,3 +204,17 @@ def test_read_only_state_dir_is_a_clear_error():
         assert f"cannot create {d}/{DB_NAME}: Permission denied" in out.stdout
     finally:
         shutil.rmtree(base)
+
+
+def test_finding_history_outlives_a_reopen(tmp_path):
+    s = Store.open(str(tmp_path / "state"))
+    s.record_event(Event("finding.opened", "GPU-a", {"kind": "memory_leak", "pid": "4242", "color": "black"}, 1.0))
+    s.record_event(Event("probe.down", "", {"probe": "nvml"}, 2.0))
+    s.record_event(Event("finding.closed", "GPU-a", {"kind": "memory_leak", "pid": "4242", "color": "black"}, 3.0))
+    s.record_event(Event("findingsX", "", {}, 4.0))  # a prefix is a prefix of the kind, not a pattern
+    s.close()
+    s = Store.open(str(tmp_path / "state"))
+    got = s.recent_events(10, prefix="finding.")
+    s.close()
+    assert [(e.kind, e.ts) for e in got] == [("finding.closed", 3.0), ("finding.opened", 1.0)]
+    assert got[0].attrs == {"kind": "memory_leak", "pid": "4242", "color": "black"}

@@ -60,9 +60,12 @@ def test_xid_names_the_processes_on_the_gpu_then_and_expires():
 
 def test_ecc_rows_and_a_lost_gpu():
     h = history(60, hw__errors=({"type": "uncorrected", "counter": "volatile"}, lambda i: 0 if i < 30 else 2),
+                gpuwatch__gpu__remapped_rows=[({"cause": "uncorrectable"}, lambda i: 3 if i < 30 else 4),
+                                              ({"cause": "correctable"}, lambda i: 1)],
                 gpuwatch__gpu__remapped_rows__pending=({}, lambda i: 1))
     assert kinds(ThermalDetector().observe(h)) == [("ecc_uncorrected", "uncorrected", "critical"),
-                                                   ("row_remap_pending", "row_remap_pending", "warning")]
+                                                   ("row_remap_pending", "row_remap_pending", "warning"),
+                                                   ("rows_remapped", "uncorrectable", "warning")]
     h.append([Sample("gpuwatch.gpu.up", 0.0, GPU, {}, T0 + 61)])
     assert ("gpu_lost", "lost", "critical") in kinds(ThermalDetector().observe(h))
 
