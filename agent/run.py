@@ -28,6 +28,7 @@ from typing import Mapping, NoReturn, Sequence
 
 import gpuwatch.probes.cupti as _cupti_pkg
 from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
+from gpuwatch.probes.cupti import cupti_lib_dir as _newest_cupti
 
 KERNEL_MODES = ("sampled", "continuous", "off")
 SUBPACKAGES = ("agent", "probes", "exporters", "detectors")
@@ -110,18 +111,8 @@ def build_env(environ: Mapping[str, str], *, socket: str, report_dir: str | None
 
 def cupti_lib_dir() -> str:
     """The lib directory of nvidia-cuda-cupti ≥ 13.4 in this Python's environment, or ""."""
-    import importlib.metadata as md
-
-    try:
-        dist = md.distribution("nvidia-cuda-cupti")
-    except md.PackageNotFoundError:
-        return ""
-    if version_tuple(dist.version)[:2] < MIN_CUPTI:
-        return ""
-    for f in dist.files or ():
-        if f.name.startswith("libcupti.so"):
-            return os.path.dirname(os.path.abspath(str(f.locate())))
-    return ""
+    found = _newest_cupti()
+    return found[1] if found and version_tuple(found[0])[:2] >= MIN_CUPTI else ""
 
 
 def _restore_signals() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import glob
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
+from gpuwatch.probes.cupti import MIN_CUPTI, cupti_lib_dir, loaded_libcupti, uuid_string, version_tuple
 from gpuwatch.probes.cupti.records import REPORT_VERSION, TOP_KERNELS, ActivityTables, record_fields
 
 DEFAULT_SOCKET = "/run/gpuwatch/control.sock"
@@ -145,41 +146,21 @@ def _preflight() -> tuple[str, str]:
     return "idle", "waiting for the program to use CUDA"
 
 
-def _mapped_libcupti(maps_path: str = "/proc/self/maps") -> str:
-    try:
-        with open(maps_path) as f:
-            for line in f:
-                if "libcupti.so" in line:
-                    return line.split(None, 5)[-1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def _preload_libcupti() -> str:
-    """Load the nvidia-cuda-cupti wheel's libcupti first, so an older one elsewhere on the
+    """Load the newest nvidia-cuda-cupti wheel's libcupti first, so an older one elsewhere on the
     library path (CUDA images often carry one) is not what cupti-python gets. When the program
     already loaded one (PyTorch links its profiler against libcupti), a second copy would split
     CUPTI's state: that one is used (`gpuwatch run` puts a new enough one first on
     LD_LIBRARY_PATH when it knows one)."""
-    import importlib.util
-
-    loaded = _mapped_libcupti()
+    loaded = loaded_libcupti()
     if loaded:
         return loaded
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        for rel in ("cu13/lib/libcupti.so.13", "cuda_cupti/lib/libcupti.so.13", "cuda_cupti/lib/libcupti.so.12"):
-            path = os.path.join(root, rel)
-            if os.path.exists(path):
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                return path
+    found = cupti_lib_dir()
+    libs = sorted(glob.glob(os.path.join(found[1], "libcupti.so.*"))) if found else []
+    if libs:
+        ctypes.CDLL(libs[-1], mode=ctypes.RTLD_GLOBAL)
+        return libs[-1]
     return ""
-
-
-def _gpu_uuid(raw: bytes) -> str:
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 class InProcessAgent:
@@ -500,7 +481,7 @@ class InProcessAgent:
                 dev = occupancy.Device.from_attributes(attrs)
                 err, uuid = driver.cuDeviceGetUuid(handle)
                 if err == driver.CUresult.CUDA_SUCCESS:
-                    self._uuids.setdefault(ordinal, _gpu_uuid(bytes(uuid.bytes)))
+                    self._uuids.setdefault(ordinal, uuid_string(bytes(uuid.bytes)))
         except Exception as e:
             self._once(f"theoretical occupancy unavailable for device {ordinal}: {type(e).__name__}: {e}")
         self._devices[ordinal] = dev

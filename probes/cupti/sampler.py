@@ -54,7 +54,6 @@ HEARTBEAT_S = 0.5
 DECODE_S = 0.25  # decode this often while a window runs, so the hardware buffer never fills
 BUFFER_MAX_MB = 1024
 MAX_CONSECUTIVE_ERRORS = 5  # windows in a row that failed on one GPU before the child gives up (exit 1)
-CUPTI_DISTS = ("nvidia-cuda-cupti", "nvidia-cuda-cupti-cu13", "nvidia-cuda-cupti-cu12")
 PRIVILEGE_REMEDY = ("run the gpuwatch agent as root, or let every user read GPU performance counters: "
                     "echo 'options nvidia NVreg_RestrictProfilingToAdminUsers=0' > "
                     "/etc/modprobe.d/nvidia-profiling.conf, then reload the nvidia module or reboot")
@@ -69,61 +68,9 @@ PRIVILEGE_RE = re.compile(r"INSUFFICIENT_PRIVILEGES|Insufficient privileges|ERR_
 
 # -- helpers shared with the parent and the doctor (stdlib only) ---------------------------------
 
-from gpuwatch.probes.cupti import version_tuple  # noqa: E402  (re-exported for the parent and doctor)
-
-
-def cupti_wheels() -> list[tuple[str, str]]:
-    """(version, lib dir) of each installed nvidia-cuda-cupti wheel's libcupti, newest first."""
-    import importlib.metadata as md
-
-    found: dict[str, str] = {}
-    for name in CUPTI_DISTS:
-        try:
-            dists = list(md.distributions(name=name))
-        except Exception:
-            continue
-        for d in dists:
-            for f in d.files or ():
-                if f.name.startswith("libcupti.so"):
-                    path = os.path.realpath(str(d.locate_file(f)))
-                    if os.path.exists(path):
-                        found.setdefault(os.path.dirname(path), d.version)
-    return sorted(((v, lib) for lib, v in found.items()), key=lambda t: version_tuple(t[0]), reverse=True)
-
-
-def cupti_lib_dir() -> tuple[str, str] | None:
-    """(version or "", lib dir) of the newest libcupti from a wheel, or None.
-
-    An image may carry an older libcupti (torch's nvidia-cuda-cupti 13.0) beside the 13.4 that
-    cupti-python needs; the newest wheel's dir goes first on the child's LD_LIBRARY_PATH."""
-    wheels = cupti_wheels()
-    if wheels:
-        return wheels[0]
-    import importlib.util
-
-    for mod in ("nvidia.cu13", "nvidia.cuda_cupti"):  # a copied tree without metadata
-        try:
-            spec = importlib.util.find_spec(mod)
-        except (ImportError, ValueError):
-            continue
-        for loc in (spec.submodule_search_locations or []) if spec else []:
-            lib = os.path.join(loc, "lib")
-            if glob.glob(os.path.join(lib, "libcupti.so*")):
-                return "", os.path.realpath(lib)
-    return None
-
-
-def loaded_libcupti() -> str:
-    """Path of the libcupti this process has mapped ("" before CUPTI is loaded)."""
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
-                if "/libcupti.so" in path:
-                    return path.strip()
-    except OSError:
-        pass
-    return ""
+from gpuwatch.probes.cupti import (  # noqa: E402,F401  (re-exported for the parent and the doctor)
+    cupti_lib_dir, cupti_wheels, loaded_libcupti, uuid_string, version_tuple,
+)
 
 
 def wheel_version_of(lib_path: str) -> str:
@@ -191,16 +138,6 @@ def _die_with_parent() -> None:
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except Exception:
         pass
-
-
-def uuid_string(raw) -> str:
-    """cudaUUID_t bytes -> NVML's form, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx (the daemon's GPU id)."""
-    if isinstance(raw, str):
-        raw = raw.encode("latin-1")
-    elif not isinstance(raw, (bytes, bytearray)):
-        raw = bytes(int(x) & 0xFF for x in raw)  # a char[16] may come back as signed ints
-    u = bytes(raw)[:16].ljust(16, b"\0").hex()
-    return f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}"
 
 
 def window_stats(values: list[float]) -> dict:
