@@ -18,7 +18,7 @@ window. Several windows are judged (90 s for fast leaks, 5 and 10 min for slow o
 What grows says what leaks: white → tensors kept alive (an application leak); grey with white
 flat → the allocator's pool grows (fragmentation, caching); black with grey flat → memory taken
 outside the allocator (raw cudaMalloc without free, library workspaces, contexts). The forecast
-divides the headroom (the GPU's free memory, other processes included, plus for white the
+divides the headroom (the GPU's free memory as NVML reports it, other processes included, plus for white the
 allocator's unused reserve) by the growth rate.
 
 Pure: observe(history) reads series and returns findings; nothing here does I/O.
@@ -65,7 +65,7 @@ class Trend:
 
 @dataclass
 class LeakSettings:
-    windows: Sequence[float] = (90.0, 300.0, 600.0)
+    windows: Sequence[float] = (60.0, 90.0, 300.0, 600.0)
     buckets: int = 6
     min_points: int = 12
     min_growth: float = 128 * MIB   # less than this over a window is noise, whatever the rate
@@ -169,6 +169,19 @@ def sawtooth(points: Sequence[tuple[float, float]], now: float, rise: float, s: 
     return any(a - b >= 0.5 * rise for a, b in zip(seq, seq[1:]))
 
 
+def gave_back(points: Sequence[tuple[float, float]], amount: float, s: LeakSettings) -> bool:
+    """Did the series fall by at least half of `amount` within its last 2 x `recent` seconds?"""
+    if not points:
+        return False
+    t1, latest = points[-1]
+    peak = latest
+    for t, v in reversed(points):
+        if t <= t1 - 2 * s.recent:
+            break
+        peak = max(peak, v)
+    return peak - latest >= 0.5 * amount
+
+
 def best_trend(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
     """The longest window that shows a steady rise (longer windows estimate the rate better),
     unless the series is a sawtooth."""
@@ -249,6 +262,9 @@ class LeakDetector(Detector):
             return []
         limits = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("hw.gpu.memory.limit")}
         used = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("hw.gpu.memory.usage")}
+        # NVML's free memory when reported: limit - used overstates it by what the driver reserves
+        # for itself (645 MB on the H200), an error that grows as the OOM comes closer.
+        frees = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("gpuwatch.gpu.memory.free")}
         findings = []
         for p in self._processes(history):
             newest = max((pts[-1][0] for pts in p.colors.values() if pts), default=0.0)
@@ -259,8 +275,12 @@ class LeakDetector(Detector):
             if color is None:
                 continue
             tr = trends[color]
-            free = None
-            if limits.get(p.gpu) is not None and used.get(p.gpu) is not None:
+            if color == BLACK and GREY in p.colors and gave_back(p.colors[GREY], tr.growth, s):
+                # The allocator just emptied its pool (out of memory, empty_cache): the driver's charge
+                # lags behind by a sample, and a grey leak must not end as a black one.
+                continue
+            free = frees.get(p.gpu)
+            if free is None and limits.get(p.gpu) is not None and used.get(p.gpu) is not None:
                 free = max(0.0, limits[p.gpu] - used[p.gpu])
             headroom = free
             if color == WHITE and free is not None and GREY in p.colors and p.colors[GREY]:

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# Issue 4 on a GPU machine, in one run: CUPTI from the wheels in .whl/ (the machine reaches no
-# registry; cupti-python 13.4 + nvidia-cuda-cupti 13.4.92 + cuda-pathfinder + pyelftools, from
-# `pip download` here), occupancy cubins prebuilt in .gpu-build/occupancy (nvcc here).
+# Issue 4 on a GPU machine, in one run: CUPTI from the wheels in .whl/ (tests/gpu/env.sh),
+# occupancy cubins prebuilt in .gpu-build/occupancy (nvcc here).
 #   1. theoretical occupancy vs cuOccupancyMaxActiveBlocksPerMultiprocessor (tests/gpu/occupancy_check.py)
 #   2. the in-process agent against a job's ground truth (tests/gpu/cupti_check.py)
 #   3. device-wide PM sampling: L2/L1 hit ratios of a streaming and a cache-resident kernel (tests/gpu/cache_check.py)
@@ -15,21 +14,8 @@ mkdir -p "$OUT"
 # tarball of all the logs to $OUT (the device tool brings back at most 8 files).
 RES=$(mktemp -d)
 trap 'cp "$RES"/occupancy.json "$RES"/cupti-h200.json "$RES"/cupti.json "$RES"/cache.json "$RES"/overhead.json "$RES"/sampler_cost.json "$RES"/summary.txt "$OUT"/ 2>/dev/null; tar -C "$RES" -czf "$OUT/cupti-logs.tgz" .' EXIT
-export PYTHONUNBUFFERED=1
-export PATH="$PATH:/usr/local/cuda/bin"  # ncu, for the cache check's comparison
-shim=$(mktemp -d)/site; mkdir -p "$shim/gpuwatch"
-for d in agent probes exporters detectors; do ln -s "$PWD/$d" "$shim/gpuwatch/$d"; done
-cupti=$(mktemp -d)/cupti
-python3 - "$cupti" .whl/*.whl <<'EOF'
-import sys, zipfile
-for w in sys.argv[2:]:
-    zipfile.ZipFile(w).extractall(sys.argv[1])
-EOF
-export PYTHONPATH="$shim:$cupti${PYTHONPATH:+:$PYTHONPATH}"
-# GPU.md: the 13.4 libcupti first, or the image's older one (torch's 13.0) is what gets loaded.
-export LD_LIBRARY_PATH="$cupti/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-{ date -u; nvidia-smi --query-gpu=name,driver_version,uuid --format=csv,noheader
-  python3 -c 'import sys, torch, importlib.metadata as m; print(sys.version.split()[0], "torch", torch.__version__, "cupti-python", m.version("cupti-python"), "nvidia-cuda-cupti", m.version("nvidia-cuda-cupti"))'
+source tests/gpu/env.sh
+{ gpu_env
   echo "ncu: $(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null || echo none)"
 } 2>&1 | tee "$RES/env.txt"
 

@@ -94,6 +94,15 @@ def test_driver_level_leak_is_black():
     assert f.attrs["colors"] == {WHITE: None, GREY: None, BLACK: pytest.approx(300 * MIB / 60, rel=0.05)}
 
 
+def test_a_grey_leak_that_ends_in_an_emptied_pool_does_not_become_black():
+    # At its OOM the allocator gives its pool back; NVML's charge follows a sample later.
+    grey = lambda i: 20 * GIB + i * 2 * GIB / 60 if i < 150 else 2 * GIB  # noqa: E731
+    black = lambda i: 20 * GIB + 600 * MIB + min(i, 151) * 2 * GIB / 60  # noqa: E731
+    for seconds in (150, 152):
+        h = build(seconds, steps(GIB, 100 * MIB), grey, black)
+        assert [f.attrs["color"] for f in LeakDetector().observe(h)] == ([GREY] if seconds == 150 else [])
+
+
 def test_black_with_ebpf_grey_flat_is_driver_level():
     black = lambda i: 8 * GIB + 500 * MIB / 60 * i  # noqa: E731
     h = build(300, black=black, live=lambda i: 4 * GIB)
@@ -116,6 +125,29 @@ def test_fast_leak_is_seen_within_90_seconds_of_its_start():
             break
     assert found and seconds - start <= 90, seconds - start
     assert found[0].attrs["rate_bytes_per_second"] == pytest.approx(GIB / 60, rel=0.1)
+
+
+def test_fast_leak_right_after_a_large_allocation_is_seen_within_a_minute_and_a_bit():
+    # A job loads 120 GiB (weights, a ballast), then leaks 2 GiB a minute: the jump must not hide the
+    # rise until it leaves the 90 s window; the 60 s window sees the rise alone.
+    start = 10
+    black = lambda i: (GIB if i < 5 else 121 * GIB) + max(0, i - start) * 2 * GIB / 60  # noqa: E731
+    seen = next(s for s in range(start + 20, start + 121, 2) if list(LeakDetector().observe(build(s, black=black))))
+    assert seen - start <= 62, seen - start
+    f = one(LeakDetector().observe(build(seen, black=black)))
+    assert f.attrs["rate_bytes_per_second"] == pytest.approx(2 * GIB / 60, rel=0.05)
+
+
+def test_time_to_oom_uses_nvmls_free_memory_when_reported():
+    # limit - used overstates the free memory by what the driver reserves for itself.
+    rate = 500 * MIB / 60
+    black = lambda i: 8 * GIB + rate * i  # noqa: E731
+    h = build(300, black=black)
+    for i in range(300):
+        h.append([Sample("gpuwatch.gpu.memory.free", float(LIMIT - black(i) - 645 * MIB), GPU, {}, T0 + i)])
+    f = one(LeakDetector().observe(h))
+    assert f.attrs["headroom_bytes"] == pytest.approx(LIMIT - black(299) - 645 * MIB)
+    assert f.attrs["time_to_oom_seconds"] == pytest.approx(f.attrs["headroom_bytes"] / rate, rel=0.05)
 
 
 def test_slow_leak_is_seen_within_5_minutes():
