@@ -185,7 +185,7 @@ def test_findings_open_update_and_close_as_events_and_export_their_metrics():
     assert kinds[0] == "finding.opened" and kinds[-1] == "finding.closed"
     opened = next(e for e in events if e.kind == "finding.opened")
     assert opened.attrs["color"] == "black" and opened.attrs["pid"] == "4242" and opened.resource == "GPU-leak"
-    assert 60 <= judged_open[0] <= 150  # judged every 10 s, seen once 90 s of growth is in view
+    assert 45 <= judged_open[0] <= 90  # judged every 10 s, seen once most of a 60 s window shows growth
     assert 400 < judged_open[-1] < 400 + 120  # closes once the growth has stopped
     assert exported == {"gpuwatch.leak.suspected", "gpuwatch.leak.growth.rate", "gpuwatch.leak.time_to_oom"}
 
