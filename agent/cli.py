@@ -270,6 +270,85 @@ def findings(config_path: str | None, socket_path: str | None, as_json: bool, ki
     _print_findings(found, f"{kind} findings" if kind else "findings")
 
 
+@main.group(context_settings=CONTEXT)
+def baseline() -> None:
+    """The reference workload: is each GPU as fast and as right as it used to be?
+
+    A fused GEMM + bias + GELU (Triton) beside cuBLAS, an unfused chain and a copy kernel, about a
+    second of GPU time, checked against float64 and judged against the GPU's own history."""
+
+
+def _socket(config_path: str | None, socket_path: str | None) -> str:
+    return socket_path or _load(config_path, {}).control.socket
+
+
+@baseline.command("run", context_settings=CONTEXT)
+@_findings_options
+@click.option("--gpu", type=click.IntRange(min=0), metavar="N", help="Only GPU N (NVML's index). Default: each GPU.")
+@click.option("--force", is_flag=True, help="Run even on a GPU with compute processes (it slows them and "
+                                            "they disturb the measurement).")
+def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool, gpu: int | None,
+                 force: bool) -> None:
+    """Run the reference workload now, through the running agent (root); judged and kept."""
+    from gpuwatch.agent import baseline_view
+    from gpuwatch.agent.control import ControlError, call
+
+    cfg = _load(config_path, {})
+    if not as_json:
+        click.echo(f"running the reference workload on {'GPU %d' % gpu if gpu is not None else 'each GPU'} "
+                   "(a few seconds each; the first run compiles the kernels)...", err=True)
+    try:
+        results = call(socket_path or cfg.control.socket, "baseline.run",
+                       {"gpu": gpu, "force": force}, timeout=cfg.baseline.timeout * 2 + 60)
+    except ControlError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        _echo_json(results)
+        return
+    console = _console()
+    ran = [r for r in results if "uuid" in r]
+    for r in results:
+        if "uuid" not in r:
+            console.print(f"GPU {r['gpu']}: {r['result']}: {r.get('reason', '')}")
+    if ran:
+        console.print(baseline_view.table(ran))
+    if any(r.get("result") in ("failed", "wrong", "slower", "below_sku") for r in results):
+        raise SystemExit(1)
+
+
+@baseline.command("show", context_settings=CONTEXT)
+@_findings_options
+@click.option("--gpu", metavar="UUID", help="Only this GPU (its UUID, as `gpuwatch gpus` shows).")
+@click.option("--last", type=click.IntRange(1, 1000), default=30, show_default=True, help="How many runs.")
+def baseline_show(config_path: str | None, socket_path: str | None, as_json: bool, gpu: str | None,
+                  last: int) -> None:
+    """The kept runs of the reference workload, oldest first, with a small plot per GPU."""
+    from gpuwatch.agent import baseline_view
+    from gpuwatch.agent.control import ControlError, call
+
+    try:
+        runs = call(_socket(config_path, socket_path), "baseline.show",
+                    {"gpu": gpu, "limit": last} if gpu else {"limit": last})["runs"]
+    except ControlError as e:
+        raise click.ClickException(str(e)) from None
+    if as_json:
+        _echo_json(runs)
+        return
+    console = _console()
+    if not runs:
+        console.print("no runs kept yet: `gpuwatch baseline run` (root), or wait for the agent's schedule "
+                      "(baseline.interval)")
+        return
+    console.print(baseline_view.table(runs))
+    for uuid in dict.fromkeys(r["uuid"] for r in runs):
+        lines = baseline_view.plot([r for r in runs if r["uuid"] == uuid])
+        if lines:
+            console.print()
+            console.print(f"GPU {uuid}")
+            for line in lines:
+                console.print(line, markup=False)
+
+
 def _print_status(st: dict) -> None:
     from rich.table import Table
 

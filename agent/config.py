@@ -264,6 +264,24 @@ SETTINGS: tuple[Setting, ...] = (
             "its profiling fields: drop it if DCGM profiling is off. A process with CUDA_INJECTION64_PATH "
             "in its environment (an injected profiler) always counts.",
             "--cupti-yield-to", "comma-separated process names", _process_names),
+    Setting("baseline", "enabled", bool, True,
+            "Run the reference workload (fused GEMM + bias + GELU beside cuBLAS, and a copy kernel; about "
+            "1 s of GPU time) on each GPU that has no compute processes, every baseline.interval, and judge "
+            "the GPU against its own history (needs torch and triton in baseline.python: gpuwatch[baseline]).",
+            "--baseline", "true or false"),
+    Setting("baseline", "interval", float, 21600.0,
+            "Seconds between scheduled runs on a GPU (a GPU in use is tried again 10 minutes later).",
+            "--baseline-interval", "a number of seconds >= 60", _at_least_float(60.0)),
+    Setting("baseline", "python", str, "",
+            "Python interpreter that runs the workload (one with torch and triton). Empty: the agent's own.",
+            "--baseline-python", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("baseline", "timeout", float, 300.0,
+            "Seconds a run may take, Triton's first compilation included, before it is killed.",
+            "--baseline-timeout", "a number of seconds >= 10", _at_least_float(10.0)),
+    Setting("baseline", "replay", str, "",
+            "Replay runs recorded on a GPU (tests/fixtures/baseline-h200.json) instead of running the workload "
+            "(tests and demos without a GPU).",
+            "--baseline-replay", "an absolute path to an existing file, or empty", _existing_file),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -321,6 +339,15 @@ class CuptiConfig:
 
 
 @dataclass(frozen=True)
+class BaselineConfig:
+    enabled: bool
+    interval: float
+    python: str
+    timeout: float
+    replay: str
+
+
+@dataclass(frozen=True)
 class HistoryConfig:
     points: int
 
@@ -333,13 +360,14 @@ class Config:
     nvml: NvmlConfig
     ebpf: EbpfConfig
     cupti: CuptiConfig
+    baseline: BaselineConfig
     history: HistoryConfig
     path: str | None = field(default=None)  # the file that was read, None when none was
 
 
 _SECTION_TYPES = {"agent": AgentConfig, "control": ControlConfig, "prometheus": PrometheusConfig,
                   "nvml": NvmlConfig, "ebpf": EbpfConfig, "history": HistoryConfig,
-                  "cupti": CuptiConfig}
+                  "cupti": CuptiConfig, "baseline": BaselineConfig}
 
 
 # -- loading -----------------------------------------------------------------------------------

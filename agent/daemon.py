@@ -142,11 +142,25 @@ class Daemon:
         # only reads what processes send.
         self.inprocess = InProcessReports()
         probes.append(InProcessProbe(self.inprocess))
+        # The reference workload: judged runs kept in the store; unavailable without torch/triton.
+        self.baseline = None
+        if cfg.baseline.enabled:
+            from gpuwatch.probes.baseline.probe import BaselineProbe, gpu_uuids
+
+            gpus = gpu_uuids
+            if cfg.baseline.replay:
+                from gpuwatch.probes.baseline.replay import replay_uuids
+
+                gpus = functools.partial(replay_uuids, cfg.baseline.replay, cfg.nvml.replay_gpus or 1)
+            self.baseline = BaselineProbe(self.store, every=cfg.baseline.interval, python=cfg.baseline.python,
+                                          timeout=cfg.baseline.timeout, replay=cfg.baseline.replay, gpus=gpus)
+            probes.append(self.baseline)
+        from gpuwatch.detectors.health import HealthDetector
         from gpuwatch.detectors.launch import LaunchDetector
         from gpuwatch.detectors.leak import LeakDetector
         from gpuwatch.detectors.thermal import ThermalDetector
 
-        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector()],
+        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector(), HealthDetector()],
                              exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
         self.control = ControlServer(cfg.control.socket, {
@@ -156,6 +170,8 @@ class Daemon:
             "cupti.report": self._cupti_report,
             "cupti.process": self._cupti_process,
             "findings": self._findings,
+            "baseline.run": self._baseline_run,
+            "baseline.show": self._baseline_show,
         }, group=cfg.control.group or None)
 
     # -- control socket handlers -----------------------------------------------------------
@@ -271,6 +287,45 @@ class Daemon:
             raise ControlError(trace.not_yours_message(pid, peer.uid))
         self.inprocess.watch(pid)
         return report.as_dict()
+
+    def _baseline_probe(self):
+        if self.baseline is None:
+            raise ControlError("this gpuwatch agent does not run the reference workload (baseline.enabled is "
+                               "false in its config)")
+        st = self.runner.snapshot.probes.get("baseline")
+        if st is not None and st.state == "unavailable":
+            raise ControlError(f"the reference workload cannot run: {st.reason}")
+        return self.baseline
+
+    def _baseline_run(self, params: dict, peer: PeerCred) -> list[dict]:
+        """baseline.run {"gpu": N?, "force": bool?}: run the reference workload now on GPU N (each GPU
+        without one), judged and stored; the results. Root only: it takes the GPU for a second or two,
+        and force runs it beside other processes."""
+        gpu, force = params.get("gpu"), params.get("force", False)
+        if gpu is not None and (not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0):
+            raise ControlError(f'baseline.run takes {{"gpu": N}} with N a GPU index >= 0, got {gpu!r}')
+        if not isinstance(force, bool):
+            raise ControlError(f'baseline.run takes {{"force": true|false}}, got {force!r}')
+        if not peer.is_root:
+            raise ControlError("only root may run the reference workload (it takes the GPU for a while)")
+        try:
+            return self._baseline_probe().run_now(gpu, force)
+        except TimeoutError as e:
+            raise ControlError(str(e)) from None
+
+    def _baseline_show(self, params: dict, peer: PeerCred) -> dict:
+        """baseline.show {"gpu": UUID?, "limit": N?}: stored runs, oldest first, with their verdicts."""
+        gpu, limit = params.get("gpu"), params.get("limit", 30)
+        if gpu is not None and not isinstance(gpu, str):
+            raise ControlError(f'baseline.show takes {{"gpu": "GPU-..."}}, got {gpu!r}')
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise ControlError(f'baseline.show takes {{"limit": N}} with 1 <= N <= 1000, got {limit!r}')
+        if self.store is None:
+            raise ControlError(f"the agent runs without its store ({self.store_error}): no runs are kept")
+        try:
+            return {"runs": self.store.baseline_runs(gpu, limit)}
+        except StoreError as e:
+            raise ControlError(str(e)) from None
 
     def _findings(self, params: dict, peer: PeerCred) -> dict:
         """findings {"kind": K?}: the detectors' open findings (of kind K) and the recent opened,

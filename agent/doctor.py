@@ -242,6 +242,26 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
+def check_baseline() -> Check:
+    """torch and triton for the reference workload, in the agent's Python (without them the
+    baseline probe is off; baseline.python can name another interpreter that has them)."""
+    from gpuwatch.probes.baseline import INSTALL_HINT, missing
+
+    problem = missing()
+    if problem:
+        return Check("reference workload", None, problem,
+                     f"{INSTALL_HINT}, or set baseline.python to an interpreter that has them")
+    import importlib.metadata as md
+
+    versions = []
+    for dist in ("torch", "triton"):
+        try:
+            versions.append(f"{dist} {md.version(dist)}")
+        except md.PackageNotFoundError:
+            versions.append(f"{dist} (version unknown)")
+    return Check("reference workload", True, ", ".join(versions))
+
+
 def check_state_dir(state_dir: str) -> Check:
     name = "state directory"
     fix = f"mkdir -p {state_dir} && chown $(id -un) {state_dir}  (or point the state directory at a writable path)"
@@ -321,6 +341,7 @@ def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
         ("unprivileged_bpf_disabled", check_unprivileged_bpf),
         ("CUPTI", None),
         ("GPU profiling permission", check_profiling_permission),
+        ("reference workload", check_baseline),
         ("state directory", lambda: check_state_dir(state_dir)),
         ("control socket directory", lambda: check_socket_dir(socket_path)),
     ):

@@ -33,6 +33,8 @@ _UNIT_SUFFIX = {
     "Cel": "celsius",
     "Hz": "hertz",
     "1": "ratio",
+    "{flop}/s": "flops_per_second",
+    "{flop}/{cycle}": "flops_per_cycle",
     "": "",
 }
 
@@ -227,6 +229,32 @@ METRICS: tuple[Metric, ...] = (
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),
+    # --- reference workload (probes/baseline) and its judgement (detectors/health) ------------
+    # Values of each GPU's latest run; a GPU that never ran the workload has none.
+    Metric("gpuwatch.baseline.gemm.throughput", "{flop}/s", Kind.GAUGE,
+           "Reference workload, 8192^3 bf16 GEMM + bias + GELU: kernel=fused (gpuwatch's Triton kernel), "
+           "cublas (the GEMM alone, torch.matmul), cublaslt_fused (cuBLASLt's GELU epilogue), unfused "
+           "(matmul, + bias, GELU), in the same run.", ("gpu", "kernel")),
+    Metric("gpuwatch.baseline.gemm.efficiency", "{flop}/{cycle}", Kind.GAUGE,
+           "Reference workload: the fused kernel's FLOP per SM clock cycle (each timed block at the clock "
+           "NVML read during it; median of blocks). What the health judgement compares.", _G),
+    Metric("gpuwatch.baseline.memory.throughput", "By/s", Kind.GAUGE,
+           "Reference workload: a 1 GiB device-to-device copy kernel, bytes read + written per second.", _G),
+    Metric("gpuwatch.baseline.relative_throughput", "1", Kind.GAUGE,
+           "Latest run against a reference: reference=own (median of this GPU's recent normal runs of the "
+           "same shape, kernel and software) or sku (what a healthy GPU of the model reaches); "
+           "workload=gemm (per SM cycle) or memory.", ("gpu", "workload", "reference")),
+    Metric("gpuwatch.baseline.threshold", "1", Kind.GAUGE,
+           "relative_throughput{reference=\"own\"} below this is a slower GPU: 1 - max(5 x the baseline's "
+           "measured spread, 3 %).", ("gpu", "workload", "reference")),
+    Metric("gpuwatch.baseline.wrong_answers", "", Kind.GAUGE,
+           "Latest run: output elements beyond tolerance of the float64 reference, plus 1 when the output's "
+           "digest changed on unchanged inputs and software. Above 0 is silent data corruption.", _G),
+    Metric("gpuwatch.baseline.last_run.timestamp", "s", Kind.GAUGE,
+           "Unix time of the GPU's latest reference-workload run.", _G),
+    Metric("gpuwatch.baseline.runs", "", Kind.COUNTER,
+           "Reference-workload runs by result: ok, slower, below_sku, wrong (judged), skipped (the GPU had "
+           "compute processes), failed (the run did not complete; the log says why).", ("gpu", "result")),
     Metric("gpuwatch.gpu.sm.occupancy", "1", Kind.GAUGE,
            "GPM: warps resident on SMs as a fraction of the maximum, averaged over SMs.", _G),
     Metric("gpuwatch.gpu.pipe.activity", "1", Kind.GAUGE,

@@ -43,6 +43,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
                attrs TEXT NOT NULL DEFAULT '{}')""",
         "CREATE INDEX events_kind_id ON events (kind, id)",
     ),
+    (
+        # One row per run of the reference workload (probes/baseline): the run's JSON, verdict included.
+        """CREATE TABLE baseline_runs (
+               id INTEGER PRIMARY KEY,
+               ts REAL NOT NULL,
+               gpu TEXT NOT NULL,
+               run TEXT NOT NULL)""",
+        "CREATE INDEX baseline_runs_gpu_id ON baseline_runs (gpu, id)",
+    ),
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -113,6 +122,11 @@ class Store:
 
         self._write(insert)
 
+    def record_baseline(self, gpu: str, ts: float, run: dict) -> None:
+        """Keep one run of the reference workload (its JSON, verdict included)."""
+        text = json.dumps(run, default=str, sort_keys=True)
+        self._write(lambda c: c.execute("INSERT INTO baseline_runs (ts, gpu, run) VALUES (?, ?, ?)", (ts, gpu, text)))
+
     def _write(self, fn: Callable[[sqlite3.Connection], object]) -> None:
         with self._lock:
             try:
@@ -156,6 +170,21 @@ class Store:
             except sqlite3.Error as e:
                 raise StoreError(f"cannot read events from {self.path}: {e}") from None
         return [Event(kind=k, resource=r, attrs=_attrs(a), ts=ts) for ts, k, r, a in rows]
+
+    def baseline_runs(self, gpu: str | None = None, limit: int = 200) -> list[dict]:
+        """The newest `limit` runs (of one GPU, by UUID), oldest first. Raises StoreError."""
+        sql, args = "SELECT run FROM baseline_runs", []
+        if gpu is not None:
+            sql += " WHERE gpu = ?"
+            args.append(gpu)
+        sql += " ORDER BY id DESC LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            try:
+                rows = self._conn.execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot read baseline runs from {self.path}: {e}") from None
+        return [_attrs(text) for (text,) in reversed(rows)]
 
     def close(self) -> None:
         with self._lock:

@@ -52,7 +52,7 @@ def run_child(call: str, *prefix: str, python: str = os.path.realpath(sys.execut
 
 
 EXPECTED = ["bcc (eBPF)", "kernel headers", "tracefs", "uprobes", "BPF capability", "perf_event_paranoid",
-            "unprivileged_bpf_disabled", "GPU profiling permission",
+            "unprivileged_bpf_disabled", "GPU profiling permission", "reference workload",
             "state directory", "control socket directory"]
 
 
@@ -277,3 +277,11 @@ def test_render_and_exit_code():
     assert doctor.exit_code(checks) == 1
     assert doctor.exit_code([c for c in checks if c.ok is not False]) == 0
     assert doctor.exit_code([]) == 0
+
+
+def test_reference_workload_without_torch_is_not_applicable_with_the_install_hint(monkeypatch):
+    import gpuwatch.probes.baseline as baseline
+
+    monkeypatch.setattr(baseline, "missing", lambda: "torch not importable: " + baseline.INSTALL_HINT)
+    c = doctor.check_baseline()
+    assert c.ok is None and "gpuwatch[baseline]" in c.remedy and "baseline.python" in c.remedy

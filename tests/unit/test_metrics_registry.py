@@ -18,7 +18,8 @@ GEN = ROOT / "scripts" / "gen_metrics_doc.py"
 
 PROM_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
-BASE_UNITS = {"By", "By/s", "s", "W", "J", "Cel", "Hz", "1", ""}
+# {flop}/s and {flop}/{cycle}: counts of operations (UCUM annotations), unscaled.
+BASE_UNITS = {"By", "By/s", "s", "W", "J", "Cel", "Hz", "1", "", "{flop}/s", "{flop}/{cycle}"}
 # Scaled units have no place in a name: values are converted to base units at the probe.
 SCALED = re.compile(r"(^|[._])(ms|us|ns|milli\w*|micro\w*|nano\w*|[kmg]i?b|kilo\w*|mega\w*|giga\w*|"
                     r"mhz|ghz|mw|mj|percent|pct|minutes?|hours?|kelvin|fahrenheit)($|[._])")

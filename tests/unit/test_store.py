@@ -218,3 +218,32 @@ def test_finding_history_outlives_a_reopen(tmp_path):
     s.close()
     assert [(e.kind, e.ts) for e in got] == [("finding.closed", 3.0), ("finding.opened", 1.0)]
     assert got[0].attrs == {"kind": "memory_leak", "pid": "4242", "color": "black"}
+
+
+def test_baseline_runs_round_trip_per_gpu_oldest_first(tmp_path):
+    s = Store.open(str(tmp_path))
+    for i in range(5):
+        s.record_baseline("GPU-a" if i % 2 == 0 else "GPU-b", 100.0 + i, {"n": i, "check": {"ok": True}})
+    assert [r["n"] for r in s.baseline_runs("GPU-a")] == [0, 2, 4]
+    assert [r["n"] for r in s.baseline_runs(limit=2)] == [3, 4]
+    s.close()
+    assert [r["n"] for r in Store.open(str(tmp_path)).baseline_runs("GPU-b")] == [1, 3]  # outlives a restart
+
+
+def test_a_version_1_database_gains_the_baseline_table(tmp_path):
+    import sqlite3
+
+    from gpuwatch.agent.store import MIGRATIONS
+
+    path = tmp_path / DB_NAME
+    conn = sqlite3.connect(path)
+    for stmt in MIGRATIONS[0]:
+        conn.execute(stmt)
+    conn.execute("INSERT INTO events (ts, kind) VALUES (1.0, 'agent.started')")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    s = Store.open(str(tmp_path))
+    assert [e.kind for e in s.recent_events()] == ["agent.started"]  # kept across the upgrade
+    s.record_baseline("GPU-a", 1.0, {"n": 1})
+    assert s.baseline_runs() == [{"n": 1}]

@@ -1,0 +1,163 @@
+"""GPU health from the reference workload's runs: slower than its own past, below its SKU, wrong.
+
+A run (probes/baseline/workload.py) measures the fused GEMM's throughput per SM clock cycle
+(FLOP/cycle: the clock a power cap or a warm GPU sets is thermal's business, not a slower GPU)
+and the copy kernel's bytes/s, and checks the answer. Judging, per GPU:
+
+  own history   the median of the last `history` normal runs of the same shape, kernel config and
+                software (a driver or Triton upgrade starts a new baseline), spread = 1.4826 x MAD;
+                a run is slower when it falls below the median by more than max(k x spread,
+                min_drop) — noise is measured, not assumed.
+  SKU           EXPECTED[name] holds what a healthy GPU of that model reaches (measured, with
+                the date, docs/baseline.md); below floor x that is a finding from the first run.
+  wrong         any sampled element beyond tolerance, or a changed output digest on unchanged
+                software: silent data corruption, critical.
+
+Pure: judge() takes the run and the past runs; HealthDetector turns the probe's latest verdict
+samples into findings. Nothing here does I/O.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from gpuwatch.agent.api import Detector, Finding
+from gpuwatch.agent.history import History
+
+KIND_SLOWER = "gpu_slower_than_baseline"
+KIND_BELOW_SKU = "gpu_below_sku"
+KIND_WRONG = "silent_data_corruption"
+
+# What a healthy GPU of each model reaches with the default run (8192^3) and kernel config, by
+# NVML's name: medians of 130 runs on the H200, 2026-11-30 (docs/baseline.md). The config is part of
+# the expectation: another tile shape does other work per cycle.
+EXPECTED: dict[str, dict] = {
+    "NVIDIA H200": {"config": {"block_m": 128, "block_n": 256, "block_k": 64, "group_m": 8, "num_warps": 8,
+                               "num_stages": 4},
+                    "gemm_flop_per_cycle": 420_582.0, "memory_bytes_per_second": 4.011e12},
+}
+
+
+@dataclass
+class HealthSettings:
+    history: int = 20         # recent normal runs that make the baseline
+    min_history: int = 5      # runs before the own-history judgement starts
+    k_spread: float = 5.0     # slower by more than k x the robust spread...
+    min_drop: float = 0.03    # ...and by at least this fraction
+    sku_floor: float = 0.85   # below this fraction of the SKU's expectation
+
+
+@dataclass
+class Verdict:
+    metric: str               # "gemm_flop_per_cycle" or "memory_bytes_per_second"
+    value: float
+    own_median: float | None  # None: not enough history yet
+    own_spread: float | None  # relative (spread / median)
+    own_ratio: float | None   # value / own_median
+    threshold: float | None   # own_ratio below this is slower
+    sku_expected: float | None
+    sku_ratio: float | None
+    sku_floor: float
+
+    @property
+    def slower(self) -> bool:
+        return self.own_ratio is not None and self.threshold is not None and self.own_ratio < self.threshold
+
+    @property
+    def below_sku(self) -> bool:
+        return self.sku_ratio is not None and self.sku_ratio < self.sku_floor
+
+
+def software_key(run: dict) -> tuple:
+    """Runs are comparable when these match: shape, kernel config, software."""
+    v = run.get("versions", {})
+    return (tuple(run.get("shape", ())), tuple(sorted(run.get("config", {}).items())),
+            v.get("torch"), v.get("triton"), v.get("driver"))
+
+
+def is_normal(run: dict) -> bool:
+    """A run that may join the baseline: it ran, was right, and was not judged slower."""
+    return bool(run.get("check", {}).get("ok")) and not run.get("verdict", {}).get("slower")
+
+
+METRICS = ("gemm_flop_per_cycle", "memory_bytes_per_second")
+
+
+def judge(run: dict, past: Sequence[dict], s: HealthSettings | None = None,
+          expected: dict[str, dict] | None = None) -> dict:
+    """The verdict on `run` given this GPU's past runs (oldest first). JSON-able."""
+    s = s or HealthSettings()
+    expected = EXPECTED if expected is None else expected
+    key = software_key(run)
+    same = [r for r in past if software_key(r) == key and is_normal(r)][-s.history:]
+    sku = expected.get(run.get("name", ""))
+    if sku is None or tuple(run.get("shape", ())) != (8192, 8192, 8192) or sku.get("config") != run.get("config"):
+        sku = None
+    verdicts = {}
+    for metric in METRICS:
+        value = run.get(metric)
+        if value is None:
+            continue
+        values = [r[metric] for r in same if r.get(metric)]
+        median = spread = ratio = threshold = None
+        if len(values) >= s.min_history:
+            median = statistics.median(values)
+            spread = 1.4826 * statistics.median(abs(v - median) for v in values) / median
+            ratio = value / median
+            threshold = 1.0 - max(s.k_spread * spread, s.min_drop)
+        exp = sku.get(metric) if sku else None
+        verdicts[metric] = Verdict(metric, value, median, spread, ratio, threshold, exp,
+                                   value / exp if exp else None, s.sku_floor)
+    check = run.get("check", {})
+    # The same inputs (seed) on the same software give bit-identical outputs.
+    digests = {r["check"]["digest"] for r in same if "digest" in r.get("check", {}) and r.get("seed") == run.get("seed")}
+    digest_changed = bool(digests) and check.get("digest") not in digests
+    wrong = not check.get("ok", False) or digest_changed
+    return {
+        "slower": any(v.slower for v in verdicts.values()),
+        "below_sku": any(v.below_sku for v in verdicts.values()),
+        "wrong": wrong, "digest_changed": digest_changed, "baseline_runs": len(same),
+        "metrics": {m: vars(v) for m, v in verdicts.items()},
+    }
+
+
+class HealthDetector(Detector):
+    """Findings from the baseline probe's verdict samples (the latest run of each GPU)."""
+
+    name = "health"
+    interval = 10.0
+    settings = HealthSettings()
+
+    def observe(self, history: History) -> Iterable[Finding]:
+        latest = {}
+        for metric in ("gpuwatch.baseline.relative_throughput", "gpuwatch.baseline.wrong_answers",
+                       "gpuwatch.baseline.threshold"):
+            for (_, gpu, labels), pts in history.series(metric, since=float("inf")):
+                if pts:
+                    latest[(metric, gpu, tuple(sorted(labels)))] = (pts[-1][1], pts[-1][0], dict(labels))
+        findings = []
+        for (metric, gpu, _), (value, ts, labels) in latest.items():
+            if metric == "gpuwatch.baseline.wrong_answers" and value > 0:
+                findings.append(Finding(KIND_WRONG, gpu, "critical",
+                                        f"GPU {gpu} computed wrong answers in the reference workload "
+                                        f"({value:.0f} wrong elements or a changed output on unchanged software): "
+                                        "silent data corruption; drain it and run the vendor's diagnostics",
+                                        {"wrong_elements": value}, ts))
+            if metric != "gpuwatch.baseline.relative_throughput":
+                continue
+            what, ref = labels.get("workload", ""), labels.get("reference", "")
+            if ref == "own":
+                thr = latest.get(("gpuwatch.baseline.threshold", gpu, tuple(sorted(labels.items()))))
+                if thr is not None and value < thr[0]:
+                    findings.append(Finding(KIND_SLOWER, gpu, "warning",
+                                            f"GPU {gpu} is {1 - value:.1%} slower than its own baseline in the "
+                                            f"{what} workload (per SM clock cycle; noise allows "
+                                            f"{1 - thr[0]:.1%})",
+                                            {"workload": what, "ratio": value, "threshold": thr[0]}, ts))
+            elif ref == "sku" and value < self.settings.sku_floor:
+                findings.append(Finding(KIND_BELOW_SKU, gpu, "warning",
+                                        f"GPU {gpu} reaches {value:.0%} of what a healthy GPU of its model does "
+                                        f"in the {what} workload (floor {self.settings.sku_floor:.0%})",
+                                        {"workload": what, "ratio": value}, ts))
+        return findings

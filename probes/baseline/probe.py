@@ -1,0 +1,298 @@
+"""The daemon's side of the reference workload: when to run it, in a child, and what it said.
+
+One worker thread runs the workload (workload.py) as a child process per GPU, one GPU at a time:
+on its schedule (baseline.interval; a GPU with compute processes is skipped - the child checks
+and exits 3 - and tried again 10 minutes later) or when `gpuwatch baseline run` asks. A crash,
+a hang (killed after baseline.timeout) or a GPU fault in the child cannot take the agent down.
+
+Each completed run is judged against the GPU's earlier runs from the store (detectors/health.py),
+stored with its verdict, and exported as the GPU's latest values (collect() never waits on a
+child). HealthDetector turns those values into findings.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable
+
+from gpuwatch.agent.api import Event, Probe, ProbeUnavailable, Sample
+from gpuwatch.detectors import health
+from gpuwatch.probes.baseline import missing
+
+log = logging.getLogger("gpuwatch.baseline")
+
+EXIT_SKIPPED = 3  # workload.EXIT_SKIPPED (not imported: that module needs torch)
+BUSY_RETRY = 600.0
+OUTPUT_LIMIT = 1 << 20
+RESULTS = ("ok", "slower", "below_sku", "wrong", "skipped", "failed")
+
+# A Python other than the agent's (baseline.python) imports gpuwatch from the agent's installation:
+# the subpackages' directories come as JSON in argv[1]; nothing is written anywhere.
+BOOT = """import importlib.util, json, sys, types
+dirs = json.loads(sys.argv.pop(1))
+pkg = types.ModuleType("gpuwatch"); pkg.__path__ = []; sys.modules["gpuwatch"] = pkg
+for sub, d in dirs.items():
+    spec = importlib.util.spec_from_file_location("gpuwatch." + sub, d + "/__init__.py", submodule_search_locations=[d])
+    mod = importlib.util.module_from_spec(spec); sys.modules["gpuwatch." + sub] = mod; spec.loader.exec_module(mod)
+    setattr(pkg, sub, mod)
+from gpuwatch.probes.baseline import workload
+sys.exit(workload.main(sys.argv[1:]))
+"""
+
+
+def child_command(gpu: int, python: str = "", replay: str = "", nth: int = 0, force: bool = False) -> list[str]:
+    """The command that runs the workload (or replays a recorded run) on one GPU."""
+    if replay:
+        return [sys.executable, "-m", "gpuwatch.probes.baseline.replay", replay, "--gpu", str(gpu), "--nth", str(nth)]
+    args = ["--gpu", str(gpu)] + (["--force"] if force else [])
+    if not python or os.path.abspath(python) == os.path.abspath(sys.executable):  # a venv's python is a link
+        return [sys.executable, "-m", "gpuwatch.probes.baseline.workload", *args]
+    from gpuwatch.agent.run import package_dirs
+
+    return [python, "-c", BOOT, json.dumps(package_dirs()), *args]
+
+
+def gpu_uuids() -> list[str]:
+    """The GPUs' UUIDs in NVML's order (the child numbers them the same: CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    import pynvml as N
+
+    N.nvmlInit()
+    try:
+        out = []
+        for i in range(N.nvmlDeviceGetCount()):
+            u = N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByIndex(i))
+            out.append(u.decode() if isinstance(u, bytes) else u)
+        return out
+    finally:
+        N.nvmlShutdown()
+
+
+class BaselineProbe(Probe):
+    name = "baseline"
+    interval = 1.0
+    deadline = 2.0
+
+    def __init__(self, store=None, every: float = 21600.0, python: str = "", timeout: float = 300.0,
+                 replay: str = "", gpus: Callable[[], list[str]] = gpu_uuids, clock: Callable[[], float] = time.time,
+                 first_delay: float = 120.0) -> None:
+        self.store, self.every, self.python, self.timeout, self.replay = store, every, python, timeout, replay
+        self.gpus, self.clock, self.first_delay = gpus, clock, first_delay
+        self._lock = threading.Lock()
+        self._latest: dict[str, dict] = {}  # GPU UUID -> its latest judged run
+        self._counts: dict[tuple[str, str], int] = {}
+        self._events: list[Event] = []
+        self._requests: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._due: dict[int, float] = {}
+        self._uuids: list[str] = []
+        self._nth: dict[int, int] = {}
+        self._proc: subprocess.Popen | None = None
+
+    # -- probe interface ------------------------------------------------------------------
+    def start(self) -> None:
+        if not self.replay and not self.python:
+            problem = missing()
+            if problem:
+                raise ProbeUnavailable(f"reference workload: {problem}; or set baseline.python to an "
+                                       "interpreter that has them")
+        for run in self._past(None, 1000):
+            if run.get("uuid"):
+                self._latest[run["uuid"]] = run
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._work, name="baseline", daemon=True)
+            self._thread.start()
+
+    def collect(self) -> list[Sample]:
+        now = self.clock()
+        with self._lock:
+            latest = list(self._latest.values())
+            counts = dict(self._counts)
+        out = [Sample("gpuwatch.baseline.runs", float(n), gpu, {"result": result}, now)
+               for (gpu, result), n in counts.items()]
+        for run in latest:
+            out += samples_of(run, now)
+        return out
+
+    def events(self) -> list[Event]:
+        with self._lock:
+            ev, self._events = self._events, []
+        return ev
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._requests.put(None)
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if self._thread is not None:
+            self._thread.join(5.0)
+            self._thread = None
+
+    # -- on demand ------------------------------------------------------------------------
+    def run_now(self, gpu: int | None = None, force: bool = False, timeout: float | None = None) -> list[dict]:
+        """Run on one GPU (None: each GPU) now, after any run in progress; the results as stored.
+        Raises TimeoutError when the worker does not finish in time (the runs go on)."""
+        done: queue.Queue = queue.Queue()
+        self._requests.put((gpu, force, done))
+        try:
+            return done.get(timeout=timeout if timeout is not None else self.timeout * 2 + 30)
+        except queue.Empty:
+            raise TimeoutError("the reference workload did not finish in time; see `gpuwatch baseline show` "
+                               "later") from None
+
+    # -- worker ---------------------------------------------------------------------------
+    def _work(self) -> None:
+        first = self.clock() + self.first_delay  # not in the way of jobs that start with the node
+        while not self._stop.is_set():
+            now = self.clock()
+            try:
+                self._uuids = self.gpus()
+            except Exception as e:  # noqa: BLE001 - NVML gone: try again later
+                log.warning("baseline: cannot list the GPUs (%s); trying again in a minute", e)
+                self._uuids = []
+            count = len(self._uuids)
+            for g in range(count):
+                self._due.setdefault(g, first)
+            due = [g for g in range(count) if self._due.get(g, 0.0) <= now]
+            if due:
+                for g in due:
+                    if self._stop.is_set():
+                        return
+                    self._run_one(g, force=False)
+                continue
+            wait = max(1.0, min((self._due.get(g, now + 60) for g in range(count)), default=now + 60) - now)
+            try:
+                req = self._requests.get(timeout=min(wait, 60.0))
+            except queue.Empty:
+                continue
+            if req is None:
+                return
+            gpu, force, done = req
+            if gpu is not None and not 0 <= gpu < count:
+                done.put([{"gpu": gpu, "result": "failed", "reason": f"no GPU {gpu}: NVML sees {count}"}])
+                continue
+            targets = [gpu] if gpu is not None else list(range(count))
+            done.put([self._run_one(g, force=force) for g in targets])
+
+    def _run_one(self, gpu: int, force: bool) -> dict:
+        """Run, judge, store, export; returns what happened (a run or {"gpu", "result", "reason"})."""
+        nth = self._nth.get(gpu, 0)
+        self._nth[gpu] = nth + 1
+        cmd = child_command(gpu, self.python, self.replay, nth, force)
+        env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
+        started = self.clock()
+        log.info("baseline: running the reference workload on GPU %d", gpu)
+        try:
+            self._proc = proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                                 start_new_session=True)
+            try:
+                out, err = proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                return self._failed(gpu, f"killed after {self.timeout:.0f} s (baseline.timeout)", started)
+        except OSError as e:
+            return self._failed(gpu, f"cannot start {cmd[0]}: {e.strerror or e}", started)
+        finally:
+            self._proc = None
+        text = out[-OUTPUT_LIMIT:].decode("utf-8", "replace").strip().splitlines()
+        try:
+            result = json.loads(text[-1]) if text else {}
+        except ValueError:
+            result = {}
+        if proc.returncode == EXIT_SKIPPED:
+            self._due[gpu] = started + min(self.every, BUSY_RETRY)
+            self._count(self._uuid(gpu), "skipped")
+            return {"gpu": gpu, "result": "skipped", "reason": result.get("skipped", "the GPU is in use")}
+        if proc.returncode != 0 or "uuid" not in result:
+            tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+            reason = result.get("error") or f"exit status {proc.returncode}: {tail[0][:300]}"
+            return self._failed(gpu, reason, started)
+        self._due[gpu] = started + self.every
+        return self._judge_and_keep(result, started)
+
+    def _failed(self, gpu: int, reason: str, started: float) -> dict:
+        log.warning("baseline: the run on GPU %d failed: %s", gpu, reason)
+        self._due[gpu] = started + min(self.every, BUSY_RETRY)
+        self._count(self._uuid(gpu), "failed")
+        return {"gpu": gpu, "result": "failed", "reason": reason}
+
+    def _uuid(self, gpu: int) -> str:
+        return self._uuids[gpu] if 0 <= gpu < len(self._uuids) else ""
+
+    def _past(self, uuid: str | None, limit: int) -> list[dict]:
+        if self.store is None:
+            return []
+        try:
+            return self.store.baseline_runs(uuid, limit)
+        except Exception as e:  # noqa: BLE001 - StoreError: judge against what is known (nothing)
+            log.warning("baseline: cannot read past runs: %s", e)
+            return []
+
+    def _judge_and_keep(self, run: dict, started: float) -> dict:
+        uuid = run["uuid"]
+        run["ts"] = started
+        run["verdict"] = verdict = health.judge(run, self._past(uuid, 200))
+        run["result"] = result = ("wrong" if verdict["wrong"] else "slower" if verdict["slower"]
+                                  else "below_sku" if verdict["below_sku"] else "ok")
+        if self.store is not None:
+            self.store.record_baseline(uuid, started, run)
+        with self._lock:
+            self._latest[uuid] = run
+            self._events.append(Event("baseline.run", uuid, {
+                "result": result, "gpu_index": run.get("gpu"),
+                "fused_flops_per_second": run["gemm_flops_per_second"]["fused"],
+                "gemm_flop_per_cycle": run.get("gemm_flop_per_cycle"), "check_ok": run["check"]["ok"]}, started))
+        self._count(uuid, result)
+        (log.warning if result != "ok" else log.info)("baseline: GPU %s: %s", uuid, summary(run))
+        return run
+
+    def _count(self, gpu: str, result: str) -> None:
+        with self._lock:
+            self._counts[(gpu, result)] = self._counts.get((gpu, result), 0) + 1
+
+
+def summary(run: dict) -> str:
+    f = run["gemm_flops_per_second"]
+    line = (f"{run['result']}: fused {f['fused'] / 1e12:.0f} TFLOP/s ({run['fused_vs_cublas']:.0%} of cuBLAS, "
+            f"{run['fused_speedup_vs_unfused']:.2f}x unfused), copy {run['memory_bytes_per_second'] / 1e12:.2f} TB/s, "
+            f"check {'ok' if run['check']['ok'] else 'WRONG'}")
+    own = run.get("verdict", {}).get("metrics", {}).get("gemm_flop_per_cycle", {})
+    if own.get("own_ratio") is not None:
+        line += f", {own['own_ratio']:.3f} of its own baseline per SM cycle (threshold {own['threshold']:.3f})"
+    return line
+
+
+def samples_of(run: dict, ts: float) -> list[Sample]:
+    """A judged run as the GPU's latest values."""
+    gpu = run["uuid"]
+    out = [Sample("gpuwatch.baseline.gemm.throughput", v, gpu, {"kernel": k}, ts)
+           for k, v in run["gemm_flops_per_second"].items()]
+    out.append(Sample("gpuwatch.baseline.memory.throughput", run["memory_bytes_per_second"], gpu, {}, ts))
+    if run.get("gemm_flop_per_cycle"):
+        out.append(Sample("gpuwatch.baseline.gemm.efficiency", run["gemm_flop_per_cycle"], gpu, {}, ts))
+    verdict = run.get("verdict", {})
+    for metric, workload in (("gemm_flop_per_cycle", "gemm"), ("memory_bytes_per_second", "memory")):
+        v = verdict.get("metrics", {}).get(metric)
+        if not v:
+            continue
+        if v.get("own_ratio") is not None:
+            labels = {"workload": workload, "reference": "own"}
+            out.append(Sample("gpuwatch.baseline.relative_throughput", v["own_ratio"], gpu, labels, ts))
+            out.append(Sample("gpuwatch.baseline.threshold", v["threshold"], gpu, labels, ts))
+        if v.get("sku_ratio") is not None:
+            out.append(Sample("gpuwatch.baseline.relative_throughput", v["sku_ratio"], gpu,
+                              {"workload": workload, "reference": "sku"}, ts))
+    check = run.get("check", {})
+    wrong = (check.get("mismatches", 0) if not check.get("ok", True) else 0) + (1 if verdict.get("digest_changed") else 0)
+    out.append(Sample("gpuwatch.baseline.wrong_answers", float(wrong), gpu, {}, ts))
+    out.append(Sample("gpuwatch.baseline.last_run.timestamp", run.get("ts", ts), gpu, {}, ts))
+    return out

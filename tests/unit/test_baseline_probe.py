@@ -1,0 +1,164 @@
+"""The daemon's side of the reference workload (probes/baseline/probe.py): children that replay
+runs recorded on the H200 (probes/baseline/replay.py), a real store, judging and export."""
+import json
+import os
+import stat
+
+import pytest
+
+from gpuwatch.agent import metrics
+from gpuwatch.agent.api import ProbeUnavailable
+from gpuwatch.agent.store import Store
+from gpuwatch.probes.baseline import probe as baseline_probe
+from gpuwatch.probes.baseline.probe import BaselineProbe
+from gpuwatch.probes.baseline.replay import replay_uuids
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "baseline-h200.json")
+
+
+def replay_file(tmp_path, runs):
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    with open(FIXTURE) as f:
+        return json.load(f)["runs"]
+
+
+def make(tmp_path, replay, gpus=1, **kw):
+    store = Store.open(str(tmp_path / "state"))
+    p = BaselineProbe(store, replay=replay, gpus=lambda: replay_uuids(replay, gpus), first_delay=3600, **kw)
+    p.start()
+    return p, store
+
+
+def test_a_run_is_judged_stored_exported_and_survives_a_restart(tmp_path, recorded):
+    replay = replay_file(tmp_path, recorded[:8])
+    p, store = make(tmp_path, replay)
+    try:
+        results = [p.run_now(0, timeout=60)[0] for _ in range(7)]
+    finally:
+        p.shutdown()
+    assert [r["result"] for r in results] == ["ok"] * 7
+    assert results[-1]["verdict"]["metrics"]["gemm_flop_per_cycle"]["own_ratio"] is not None  # 6 runs before it
+    assert [r["gemm_flop_per_cycle"] for r in store.baseline_runs()] == [r["gemm_flop_per_cycle"] for r in recorded[:7]]
+    samples = {(s.metric, tuple(sorted(s.labels.items()))): s.value for s in p.collect()}
+    for metric, _ in samples:
+        metrics.get(metric)  # every sample is a registered metric
+    assert samples[("gpuwatch.baseline.gemm.throughput", (("kernel", "fused"),))] == \
+        recorded[6]["gemm_flops_per_second"]["fused"]
+    assert samples[("gpuwatch.baseline.runs", (("result", "ok"),))] == 7
+    assert samples[("gpuwatch.baseline.wrong_answers", ())] == 0
+    assert ("gpuwatch.baseline.threshold", (("reference", "own"), ("workload", "gemm"))) in samples
+    assert [e.kind for e in p.events()] == ["baseline.run"] * 7
+    # A restarted agent exports the latest run from the store before running again.
+    p2 = BaselineProbe(store, replay=replay, gpus=lambda: replay_uuids(replay, 1), first_delay=3600)
+    p2.start()
+    try:
+        again = {s.metric: s.value for s in p2.collect() if not s.labels}
+        assert again["gpuwatch.baseline.gemm.efficiency"] == recorded[6]["gemm_flop_per_cycle"]
+    finally:
+        p2.shutdown()
+
+
+def test_busy_failed_and_unknown_gpus_are_results_not_crashes(tmp_path, recorded):
+    replay = replay_file(tmp_path, [{"skipped": "GPU 0 has compute processes [4242]"},
+                                    {"error": "out of GPU memory: ..."}, recorded[0]])
+    p, store = make(tmp_path, replay)
+    try:
+        busy = p.run_now(0, timeout=60)[0]
+        failed = p.run_now(0, timeout=60)[0]
+        ok = p.run_now(0, timeout=60)[0]
+        unknown = p.run_now(5, timeout=60)[0]
+    finally:
+        p.shutdown()
+    assert busy == {"gpu": 0, "result": "skipped", "reason": "GPU 0 has compute processes [4242]"}
+    assert failed["result"] == "failed" and "out of GPU memory" in failed["reason"]
+    assert ok["result"] == "ok"
+    assert unknown == {"gpu": 5, "result": "failed", "reason": "no GPU 5: NVML sees 1"}
+    assert len(store.baseline_runs()) == 1  # only completed runs are kept
+    counts = {s.labels["result"]: s.value for s in p.collect() if s.metric == "gpuwatch.baseline.runs"}
+    assert counts == {"skipped": 1, "failed": 1, "ok": 1}
+
+
+def test_a_hung_run_is_killed_at_the_timeout(tmp_path):
+    hang = tmp_path / "python-that-hangs"
+    hang.write_text("#!/bin/sh\nexec sleep 30\n")
+    hang.chmod(hang.stat().st_mode | stat.S_IXUSR)
+    store = Store.open(str(tmp_path / "state"))
+    p = BaselineProbe(store, python=str(hang), timeout=1.0, gpus=lambda: ["GPU-x"], first_delay=3600)
+    p.start()
+    try:
+        (r,) = p.run_now(0, timeout=30)
+    finally:
+        p.shutdown()
+    assert r["result"] == "failed" and "killed after 1 s" in r["reason"]
+
+
+def test_each_gpu_runs_when_none_is_named(tmp_path, recorded):
+    replay = replay_file(tmp_path, recorded[:2])
+    p, _ = make(tmp_path, replay, gpus=3)
+    try:
+        results = p.run_now(None, timeout=60)
+    finally:
+        p.shutdown()
+    assert [r["gpu"] for r in results] == [0, 1, 2] and len({r["uuid"] for r in results}) == 3
+
+
+def test_without_torch_or_triton_the_probe_says_how_to_install_them(tmp_path, monkeypatch):
+    monkeypatch.setattr(baseline_probe, "missing", lambda: "torch not importable: pip install 'gpuwatch[baseline]'")
+    with pytest.raises(ProbeUnavailable, match=r"gpuwatch\[baseline\].*baseline.python"):
+        BaselineProbe(None, gpus=lambda: []).start()
+
+
+def test_another_python_imports_gpuwatch_from_this_installation(tmp_path):
+    import sys
+
+    cmd = baseline_probe.child_command(1, python="/usr/bin/python3-other", force=True)
+    assert cmd[:2] == ["/usr/bin/python3-other", "-c"] and cmd[-3:] == ["--gpu", "1", "--force"]
+    dirs = json.loads(cmd[3])
+    assert set(dirs) >= {"agent", "probes", "detectors"}
+    assert baseline_probe.child_command(0, python=sys.executable)[:3] == [sys.executable, "-m",
+                                                                          "gpuwatch.probes.baseline.workload"]
+
+
+def test_the_boot_snippet_makes_gpuwatch_importable_in_a_bare_python(tmp_path):
+    import subprocess
+    import sys
+
+    bare = "/usr/bin/python3"
+    if not os.path.exists(bare) or os.path.abspath(bare) == os.path.abspath(sys.executable):
+        pytest.skip("no separate system Python here")
+    has_torch = subprocess.run([bare, "-c", "import torch"], capture_output=True).returncode == 0
+    if has_torch:
+        pytest.skip("the system Python has torch: nothing to tell apart")
+    cmd = baseline_probe.child_command(0, python=bare)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=""))
+    # gpuwatch itself was found (the snippet worked); the workload then needs torch, which it lacks.
+    assert "No module named 'torch'" in r.stderr and "gpuwatch" not in r.stderr.splitlines()[-1], r.stderr
+
+
+def test_the_schedule_runs_each_gpu_once_per_interval_and_a_busy_one_sooner(tmp_path, recorded):
+    import time
+
+    replay = replay_file(tmp_path, [recorded[0], {"skipped": "GPU 1 has compute processes [7]"}])
+    store = Store.open(str(tmp_path / "state"))
+    # GPU N's first run replays entry N: GPU 0 gets the run, GPU 1 the busy answer.
+    p = BaselineProbe(store, replay=replay, gpus=lambda: replay_uuids(replay, 2), every=3600, first_delay=0)
+    p.start()
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and len(p._due) < 2 or any(v == 0 for v in p._due.values()):
+            time.sleep(0.1)
+        time.sleep(0.5)
+        counts = {s.labels["result"]: s.value for s in p.collect() if s.metric == "gpuwatch.baseline.runs"}
+        due = dict(p._due)
+    finally:
+        p.shutdown()
+    assert counts == {"ok": 1, "skipped": 1}
+    now = time.time()
+    assert 3500 < due[0] - now <= 3600  # next run in an interval
+    assert 500 < due[1] - now <= 600  # a busy GPU is tried again in 10 minutes
