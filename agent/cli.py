@@ -174,29 +174,25 @@ def doctor(config_path: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Ask the running agent how it is doing."""
-    from gpuwatch.agent.control import ControlError, call
-
-    if not socket_path:
-        socket_path = _load(config_path, {}).control.socket
-    try:
-        st = call(socket_path, "status")
-    except ControlError as e:
-        raise click.ClickException(str(e)) from None
+    st = _ask(config_path, socket_path, "status", {})
     if as_json:
         _echo_json(st)
         return
     _print_status(st)
 
 
-def _ask_findings(config_path: str | None, socket_path: str | None, kind: str | None) -> dict:
+def _ask(config_path: str | None, socket_path: str | None, method: str, params: dict, timeout: float = 5.0):
+    """Call the running agent; its errors become click's (one line, exit status 1)."""
     from gpuwatch.agent.control import ControlError, call
 
-    if not socket_path:
-        socket_path = _load(config_path, {}).control.socket
     try:
-        return call(socket_path, "findings", {"kind": kind} if kind else {})
+        return call(socket_path or _load(config_path, {}).control.socket, method, params, timeout=timeout)
     except ControlError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _ask_findings(config_path: str | None, socket_path: str | None, kind: str | None) -> dict:
+    return _ask(config_path, socket_path, "findings", {"kind": kind} if kind else {})
 
 
 def _when(ts: float) -> str:
@@ -278,10 +274,6 @@ def baseline() -> None:
     second of GPU time, checked against float64 and judged against the GPU's own history."""
 
 
-def _socket(config_path: str | None, socket_path: str | None) -> str:
-    return socket_path or _load(config_path, {}).control.socket
-
-
 @baseline.command("run", context_settings=CONTEXT)
 @_findings_options
 @click.option("--gpu", type=click.IntRange(min=0), metavar="N", help="Only GPU N (NVML's index). Default: each GPU.")
@@ -291,17 +283,12 @@ def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool
                  force: bool) -> None:
     """Run the reference workload now, through the running agent (root); judged and kept."""
     from gpuwatch.agent import baseline_view
-    from gpuwatch.agent.control import ControlError, call
 
-    cfg = _load(config_path, {})
+    timeout = _load(config_path, {}).baseline.timeout * 2 + 60
     if not as_json:
         click.echo(f"running the reference workload on {'GPU %d' % gpu if gpu is not None else 'each GPU'} "
                    "(a few seconds each; the first run compiles the kernels)...", err=True)
-    try:
-        results = call(socket_path or cfg.control.socket, "baseline.run",
-                       {"gpu": gpu, "force": force}, timeout=cfg.baseline.timeout * 2 + 60)
-    except ControlError as e:
-        raise click.ClickException(str(e)) from None
+    results = _ask(config_path, socket_path, "baseline.run", {"gpu": gpu, "force": force}, timeout)
     if as_json:
         _echo_json(results)
         return
@@ -324,13 +311,8 @@ def baseline_show(config_path: str | None, socket_path: str | None, as_json: boo
                   last: int) -> None:
     """The kept runs of the reference workload, oldest first, with a small plot per GPU."""
     from gpuwatch.agent import baseline_view
-    from gpuwatch.agent.control import ControlError, call
 
-    try:
-        runs = call(_socket(config_path, socket_path), "baseline.show",
-                    {"gpu": gpu, "limit": last} if gpu else {"limit": last})["runs"]
-    except ControlError as e:
-        raise click.ClickException(str(e)) from None
+    runs = _ask(config_path, socket_path, "baseline.show", {"gpu": gpu, "limit": last} if gpu else {"limit": last})["runs"]
     if as_json:
         _echo_json(runs)
         return

@@ -162,29 +162,25 @@ class Store:
         elif prefix is not None:
             sql += " WHERE substr(kind, 1, ?) = ?"
             args += [len(prefix), prefix]
-        sql += " ORDER BY id DESC LIMIT ?"
-        args.append(limit)
-        with self._lock:
-            try:
-                rows = self._conn.execute(sql, args).fetchall()
-            except sqlite3.Error as e:
-                raise StoreError(f"cannot read events from {self.path}: {e}") from None
+        rows = self._newest(sql, args, limit, "events")
         return [Event(kind=k, resource=r, attrs=_attrs(a), ts=ts) for ts, k, r, a in rows]
 
     def baseline_runs(self, gpu: str | None = None, limit: int = 200) -> list[dict]:
         """The newest `limit` runs (of one GPU, by UUID), oldest first. Raises StoreError."""
-        sql, args = "SELECT run FROM baseline_runs", []
+        sql = "SELECT run FROM baseline_runs"
+        args: list[object] = []
         if gpu is not None:
             sql += " WHERE gpu = ?"
             args.append(gpu)
-        sql += " ORDER BY id DESC LIMIT ?"
-        args.append(limit)
+        return [_attrs(text) for (text,) in reversed(self._newest(sql, args, limit, "baseline runs"))]
+
+    def _newest(self, sql: str, args: list, limit: int, what: str) -> list[tuple]:
+        """The query's newest `limit` rows, newest first. Raises StoreError naming `what`."""
         with self._lock:
             try:
-                rows = self._conn.execute(sql, args).fetchall()
+                return self._conn.execute(sql + " ORDER BY id DESC LIMIT ?", [*args, limit]).fetchall()
             except sqlite3.Error as e:
-                raise StoreError(f"cannot read baseline runs from {self.path}: {e}") from None
-        return [_attrs(text) for (text,) in reversed(rows)]
+                raise StoreError(f"cannot read {what} from {self.path}: {e}") from None
 
     def close(self) -> None:
         with self._lock:

@@ -92,6 +92,7 @@ class BaselineProbe(Probe):
         self._thread: threading.Thread | None = None
         self._due: dict[int, float] = {}
         self._uuids: list[str] = []
+        self._gpu_error = ""
         self._nth: dict[int, int] = {}
         self._proc: subprocess.Popen | None = None
 
@@ -155,8 +156,11 @@ class BaselineProbe(Probe):
             now = self.clock()
             try:
                 self._uuids = self.gpus()
-            except Exception as e:  # noqa: BLE001 - NVML gone: try again later
-                log.warning("baseline: cannot list the GPUs (%s); trying again in a minute", e)
+                self._gpu_error = ""
+            except Exception as e:  # noqa: BLE001 - no NVML here, or it went away: try again later
+                if str(e) != self._gpu_error:  # said once, not every minute
+                    log.warning("baseline: cannot list the GPUs (%s); trying again every minute", e)
+                self._gpu_error = str(e)
                 self._uuids = []
             count = len(self._uuids)
             for g in range(count):
