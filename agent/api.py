@@ -113,5 +113,8 @@ class Exporter(abc.ABC):
     def publish(self, snapshot: "Snapshot") -> None:
         """Take a new snapshot. Must not block on the network."""
 
+    def event(self, ev: Event) -> None:
+        """Something that happened (a finding, an XID). Must not block. Default: ignored."""
+
     def shutdown(self) -> None:
         """Stop. Must be idempotent."""

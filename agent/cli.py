@@ -378,8 +378,11 @@ def _print_status(st: dict) -> None:
               help="Write the summary as JSON to FILE when the trace ends.")
 @click.option("--output", "output", metavar="FILE", type=click.Path(dir_okay=False),
               help="Write every call as a Chrome/Perfetto JSON trace to FILE (root; launches timed too).")
+@click.option("--otlp", is_flag=True,
+              help="When the trace ends, send every call as an OpenTelemetry span to the receiver of the config's "
+                   "[otlp] section (endpoint, protocol, headers; root; launches timed too).")
 @click.option("--max-events", default=5_000_000, show_default=True, type=click.IntRange(min=1), metavar="N",
-              help="With --output: write at most N calls (the rest are counted).")
+              help="With --output or --otlp: record at most N calls (the rest are counted).")
 @click.option("--library", metavar="PATH", type=click.Path(dir_okay=False),
               help="Attach to this libcuda file (default: every libcuda.so the process maps).")
 @click.option("--wait", is_flag=True, help="If the process has not loaded libcuda yet, wait until it does.")
@@ -388,8 +391,8 @@ def _print_status(st: dict) -> None:
 @config_option
 @click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
               help="Control socket of the running agent, used when not root (default: from the config).")
-def trace(pid: int, duration: float | None, summary_json: str | None, output: str | None, max_events: int,
-          library: str | None, wait: bool, interval: float, config_path: str | None,
+def trace(pid: int, duration: float | None, summary_json: str | None, output: str | None, otlp: bool,
+          max_events: int, library: str | None, wait: bool, interval: float, config_path: str | None,
           socket_path: str | None) -> None:
     """Attach to a running CUDA process and watch its CUDA driver calls live.
 
@@ -398,7 +401,7 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
     grid and block and names; live device bytes, allocations and frees, and the call stacks holding
     the most; dropped events. Plain lines instead when stdout is not a terminal. Ctrl-C, --duration
     or the process exiting ends it with a summary. --output records every call (one event each, in
-    a ring buffer) and writes a Chrome/Perfetto trace at the end.
+    a ring buffer) and writes a Chrome/Perfetto trace at the end; --otlp sends them as spans.
 
     As root (eBPF uprobes) it attaches to the process itself. As an ordinary user it traces your
     own processes through the running gpuwatch agent (its control socket, which your user must be
@@ -409,10 +412,11 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
     """
     from gpuwatch.agent.trace import TraceError, run_trace
 
+    otlp_cfg = _load(config_path, {}).otlp if otlp else None
     try:
         run_trace(pid, duration=duration, summary_json=summary_json, output=output, max_events=max_events,
-                  library=library, wait=wait,
-                  interval=interval, socket_path=socket_path, config_path=config_path)
+                  library=library, wait=wait, interval=interval, socket_path=socket_path, config_path=config_path,
+                  otlp=otlp_cfg)
     except TraceError as e:
         raise click.ClickException(str(e)) from None
 

@@ -99,6 +99,19 @@ def _optional_abs_path(v: str) -> str:
     return _abs_path(v) if v else ""
 
 
+def _otlp_endpoint(v: str) -> str:
+    from gpuwatch.exporters.otlp import check_endpoint
+
+    return check_endpoint(v)
+
+
+def _otlp_headers(v: str) -> str:
+    from gpuwatch.exporters.otlp import parse_headers
+
+    parse_headers(v)
+    return v
+
+
 def _existing_file(v: str) -> str:
     if not v:
         return ""
@@ -264,6 +277,32 @@ SETTINGS: tuple[Setting, ...] = (
             "its profiling fields: drop it if DCGM profiling is off. A process with CUDA_INJECTION64_PATH "
             "in its environment (an injected profiler) always counts.",
             "--cupti-yield-to", "comma-separated process names", _process_names),
+    Setting("otlp", "enabled", bool, False,
+            "Export metrics and events (findings, XIDs, probe state changes, baseline runs, as log records) over "
+            "OTLP to an OpenTelemetry Collector or any OTLP receiver.",
+            "--otlp", "true or false"),
+    Setting("otlp", "endpoint", str, "",
+            "Receiver URL. Empty: http://localhost:4317 (grpc) or http://localhost:4318 (http; /v1/metrics and "
+            "/v1/logs are appended).",
+            "--otlp-endpoint", "http(s)://HOST:PORT, or empty", _otlp_endpoint),
+    Setting("otlp", "protocol", str, "grpc", "OTLP transport: grpc, or http (protobuf over HTTP).",
+            "--otlp-protocol", "grpc or http", _one_of(("grpc", "http"))),
+    Setting("otlp", "interval", float, 10.0, "Seconds between metric exports.",
+            "--otlp-interval", "a number of seconds >= 1", _at_least_float(1.0)),
+    Setting("otlp", "timeout", float, 5.0,
+            "Seconds an export may take, retries of retryable answers included (Retry-After is honoured); "
+            "also the bound on each signal's last export at shutdown.",
+            "--otlp-timeout", "a number of seconds > 0", _positive),
+    Setting("otlp", "headers", str, "",
+            "Extra request headers, key=value pairs separated by commas (values URL-encoded), as "
+            "OTEL_EXPORTER_OTLP_HEADERS: e.g. authorization=Bearer%20TOKEN.",
+            "--otlp-headers", "key=value,key2=value2", _otlp_headers),
+    Setting("otlp", "certificate", str, "",
+            "CA certificate (PEM) to verify an https receiver with. Empty: the system's CAs.",
+            "--otlp-certificate", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("otlp", "insecure", bool, False,
+            "grpc only: plaintext without TLS even for a non-http:// endpoint.",
+            "--otlp-insecure", "true or false"),
     Setting("baseline", "enabled", bool, True,
             "Run the reference workload (fused GEMM + bias + GELU beside cuBLAS, and a copy kernel; about "
             "1 s of GPU time) on each GPU that has no compute processes, every baseline.interval, and judge "
@@ -339,6 +378,18 @@ class CuptiConfig:
 
 
 @dataclass(frozen=True)
+class OtlpConfig:
+    enabled: bool
+    endpoint: str
+    protocol: str
+    interval: float
+    timeout: float
+    headers: str
+    certificate: str
+    insecure: bool
+
+
+@dataclass(frozen=True)
 class BaselineConfig:
     enabled: bool
     interval: float
@@ -360,6 +411,7 @@ class Config:
     nvml: NvmlConfig
     ebpf: EbpfConfig
     cupti: CuptiConfig
+    otlp: OtlpConfig
     baseline: BaselineConfig
     history: HistoryConfig
     path: str | None = field(default=None)  # the file that was read, None when none was
@@ -367,7 +419,7 @@ class Config:
 
 _SECTION_TYPES = {"agent": AgentConfig, "control": ControlConfig, "prometheus": PrometheusConfig,
                   "nvml": NvmlConfig, "ebpf": EbpfConfig, "history": HistoryConfig,
-                  "cupti": CuptiConfig, "baseline": BaselineConfig}
+                  "cupti": CuptiConfig, "otlp": OtlpConfig, "baseline": BaselineConfig}
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -137,6 +137,13 @@ class Daemon:
 
             self.exporters.append(PrometheusExporter(cfg.prometheus.listen))
         probes = build_probes(cfg)
+        if cfg.otlp.enabled:
+            from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, parse_headers
+
+            otlp = OtlpExporter(cfg.otlp.endpoint, cfg.otlp.protocol, cfg.otlp.interval, cfg.otlp.timeout,
+                                parse_headers(cfg.otlp.headers), cfg.otlp.certificate, cfg.otlp.insecure)
+            self.exporters.append(otlp)
+            probes.append(OtlpStatsProbe(otlp))
         self.ebpf: LockedProbe | None = next((p for p in probes if isinstance(p, LockedProbe)), None)
         # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
         # only reads what processes send.
@@ -368,6 +375,11 @@ class Daemon:
         log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))
         if self.store is not None:
             self.store.record_event(ev)
+        for e in self.exporters:
+            try:
+                e.event(ev)
+            except Exception as err:  # noqa: BLE001 - an exporter's trouble must not lose the event elsewhere
+                log.warning("exporter %s could not take event %s: %s", e.name, ev.kind, err)
 
     # -- lifecycle -----------------------------------------------------------------------
     def reload(self) -> None:

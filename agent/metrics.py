@@ -229,6 +229,10 @@ METRICS: tuple[Metric, ...] = (
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),
+    Metric("gpuwatch.otlp.items", "", Kind.COUNTER,
+           "OTLP export, from the OpenTelemetry SDK's own counters: signal=metrics (data points) or logs "
+           "(events); result=exported, failed (the receiver refused, was down or too slow, after retries) or "
+           "dropped_queue_full (the log queue was full: the receiver could not keep up).", ("signal", "result")),
     # --- reference workload (probes/baseline) and its judgement (detectors/health) ------------
     # Values of each GPU's latest run; a GPU that never ran the workload has none.
     Metric("gpuwatch.baseline.gemm.throughput", "{flop}/s", Kind.GAUGE,

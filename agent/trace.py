@@ -736,11 +736,12 @@ def _console(stderr: bool = False):
 def run_trace(pid: int, *, duration: float | None = None, summary_json: str | None = None,
               output: str | None = None, max_events: int = 5_000_000, library: str | None = None, wait: bool = False, interval: float = 1.0,
               probe_factory: Callable[..., Any] | None = None, socket_path: str | None = None,
-              config_path: str | None = None) -> dict:
+              config_path: str | None = None, otlp: Any = None) -> dict:
     """Validate, compile, attach, show live, and return (and print, and write) the summary.
 
     Without the privileges to attach uprobes, the gpuwatch agent's probe is read instead, through
     its control socket: socket_path, else control.socket from the configuration (config_path).
+    With otlp (the config's [otlp] section), every recorded call is sent as a span when the trace ends.
     Raises TraceError for everything that stops the trace from starting."""
     from gpuwatch.agent.api import ProbeUnavailable
 
@@ -749,10 +750,16 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     target = validate(pid, library, wait)
     agent = None if probe_factory is not None or _privileged() else \
         _agent_socket(pid, library, socket_path, config_path)
-    if agent is not None and output:
-        raise TraceError("--output needs root: it records every call in a ring buffer of the trace's own "
-                         "(the gpuwatch agent keeps counts only)")
-    raw_events = f"{output}.events" if output else None  # raw records while tracing, next to the output
+    if agent is not None and (output or otlp):
+        raise TraceError(f"{'--output' if output else '--otlp'} needs root: it records every call in a ring buffer "
+                         "of the trace's own (the gpuwatch agent keeps counts only)")
+    raw_events = None  # raw records while tracing: next to the output, or in a private directory for --otlp
+    if output:
+        raw_events = f"{output}.events"
+    elif otlp is not None:
+        import tempfile
+
+        raw_events = os.path.join(tempfile.mkdtemp(prefix="gpuwatch-trace-"), "calls.events")
     out, err = _console(), _console(stderr=True)
     live_tty = sys.stdout.isatty()
     if not target.libraries:
@@ -822,6 +829,8 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                 json.dump(summary, f, indent=2, sort_keys=True)
                 f.write("\n")
             err.print(f"summary written to {summary_json}", highlight=False)
+        if otlp is not None and events is not None:
+            _send_spans(raw_events, otlp, final, target, events, err, keep=bool(output))
         if output and events is not None:
             _write_output(raw_events, output, final, target, events, err)
         return summary
@@ -834,10 +843,41 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                     signal.signal(sig, handler)
 
 
+def _kernel_names(final: dict) -> dict[int, str]:
+    return {int(k["handle"], 16): k["name"] for k in final.get("kernels", []) if k.get("name")}
+
+
+def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, err, keep: bool) -> None:
+    """The recorded calls as OTLP spans, to the [otlp] section's receiver."""
+    from gpuwatch.exporters.otlp import DEFAULT_ENDPOINTS, export_calls_as_spans, parse_headers
+
+    endpoint = otlp.endpoint or DEFAULT_ENDPOINTS[otlp.protocol]
+    err.print(f"sending {events['recorded']} calls as spans to {endpoint} ({otlp.protocol})…", highlight=False)
+    try:
+        sent = export_calls_as_spans(raw, pid=target.pid, process=target.process, protocol=otlp.protocol,
+                                     endpoint=otlp.endpoint, headers=parse_headers(otlp.headers),
+                                     certificate=otlp.certificate, insecure=otlp.insecure, timeout=otlp.timeout,
+                                     kernel_names=_kernel_names(final))
+    except OSError as e:
+        err.print(f"[red]could not read the recorded calls: {e.strerror or e}[/red]")
+        return
+    finally:
+        if not keep:
+            try:
+                os.unlink(raw)
+                os.rmdir(os.path.dirname(raw))
+            except OSError:
+                pass
+    lost = sent["failed"] + sent["dropped"]
+    err.print(f"spans: {sent['exported']:.0f} exported (the calls and one for the trace)"
+              + (f", [red]{lost:.0f} not delivered[/red] (the receiver "
+              "refused, was down or could not keep up)" if lost else ""), highlight=False)
+
+
 def _write_output(raw: str, output: str, final: dict, target: Target, events: dict, err) -> None:
     """The recorded calls as a Chrome/Perfetto trace, kernels named as the final snapshot names them."""
     from gpuwatch.probes.ebpf.events import write_chrome_trace
-    names = {int(k["handle"], 16): k["name"] for k in final.get("kernels", []) if k.get("name")}
+    names = _kernel_names(final)
     err.print(f"writing {events['recorded']} calls to {output}…", highlight=False)
     try:
         n = write_chrome_trace(raw, output, kernel_names=names, processes={target.pid: target.process})

@@ -20,7 +20,7 @@ import pytest
 from gpuwatch.agent import trace as trace_mod
 from gpuwatch.probes.ebpf import loader
 from . import test_ebpf_cuda as _base
-from .test_ebpf_cuda import ERRORS_BY_CODE, EXPECTED, LIVE_ALLOCATIONS, LIVE_BYTES
+from .test_ebpf_cuda import ERRORS_BY_CODE, EXPECTED, EXPECTED_WITH_LAUNCH_ERRORS, LIVE_ALLOCATIONS, LIVE_BYTES
 
 KERNELS = getattr(_base, "KERNELS", None)  # per kernel handle, busiest first, where the probe has kernels
 
@@ -356,6 +356,46 @@ def test_output_writes_a_perfetto_trace_with_every_call(fake_cuda, drivers, tmp_
     assert f"trace written to {trace_path}: {total} calls" in t.stderr
     # the live view and summary show the stacks holding live bytes
     assert "live bytes by allocating call stack:" in t.stdout
+
+
+def test_otlp_sends_every_call_as_a_span(fake_cuda, drivers, tmp_path):
+    from tests.otlp_receiver import GrpcReceiver
+
+    receiver = GrpcReceiver()
+    config = tmp_path / "gpuwatch.toml"
+    config.write_text(f'[otlp]\nendpoint = "{receiver.endpoint}"\nprotocol = "grpc"\n')
+    try:
+        d = drivers()
+        t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--otlp", "--config", str(config),
+                  "--interval", "0.5")
+        t.wait_attached()
+        d.go()
+        time.sleep(1.0)
+        t.proc.send_signal(signal.SIGINT)
+        assert t.wait() == 0, t.stderr
+        total = sum(c for c, _e, _b in EXPECTED.values())
+        assert f"spans: {total + 1} exported (the calls and one for the trace)" in t.stderr
+        roots = [s for s in receiver.spans if not s["parent"]]
+        calls = [s for s in receiver.spans if s["parent"]]
+        assert len(roots) == 1 and roots[0]["attributes"]["process.pid"] == d.pid
+        per_api: dict[str, int] = {}
+        for s in calls:
+            per_api[s["name"]] = per_api.get(s["name"], 0) + 1
+        assert per_api == {api: c for api, (c, _e, _b) in EXPECTED.items()}
+        assert {s["trace_id"] for s in calls} == {roots[0]["trace_id"]}
+        assert {s["attributes"].get("gpuwatch.kernel") for s in calls if s["name"] == "cuLaunchKernelEx"} == {"gemm_bf16"}
+        errors: dict[str, int] = {}
+        for s in calls:
+            if s["status"] == 2:  # STATUS_CODE_ERROR, with the CUresult as error.type
+                errors[s["attributes"]["error.type"]] = errors.get(s["attributes"]["error.type"], 0) + 1
+        expected_errors = {api: e for api, (_c, e, _b) in EXPECTED.items() if e}
+        expected_errors.update(EXPECTED_WITH_LAUNCH_ERRORS)  # with every call recorded, launches are timed too
+        assert sum(errors.values()) == sum(expected_errors.values())
+        assert errors.get("CUDA_ERROR_OUT_OF_MEMORY") == ERRORS_BY_CODE["cuMemAlloc_v2"]["CUDA_ERROR_OUT_OF_MEMORY"]
+        assert all(roots[0]["start"] <= s["start"] <= s["end"] <= roots[0]["end"] for s in calls)
+        assert abs(roots[0]["start"] / 1e9 - time.time()) < 120  # wall clock, not the monotonic one
+    finally:
+        receiver.stop()
 
 
 def test_output_in_a_missing_directory_is_refused_by_name(drivers, tmp_path):
