@@ -78,11 +78,15 @@ def build_probes(cfg: Config) -> list[Probe]:
     probes: list[Probe] = []
     if cfg.nvml.enabled:
         from gpuwatch.probes.nvml.probe import NvmlProbe
+        from gpuwatch.probes.process.kubernetes import PodResolver
 
         p = NvmlProbe(nvml_backend_factory(cfg), interval=cfg.nvml.interval,
                       slow_interval=cfg.nvml.slow_interval,
                       max_processes_per_gpu=cfg.nvml.max_processes_per_gpu,
-                      xid_events=cfg.nvml.xid_events)
+                      xid_events=cfg.nvml.xid_events,
+                      # Recorded pids are not this host's processes. Off Kubernetes a lookup is
+                      # one read of /proc/PID/cgroup per new GPU process.
+                      pods=None if cfg.nvml.replay else PodResolver())
         p.deadline = cfg.nvml.deadline
         probes.append(p)
     if cfg.ebpf.enabled:

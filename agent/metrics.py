@@ -135,6 +135,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.process.gpu.utilization", "1", Kind.GAUGE,
            "Fraction of the last sample period the process had a kernel running (NVML process utilisation).",
            ("gpu", "pid", "process")),
+    Metric("gpuwatch.process.kubernetes", "", Kind.INFO,
+           "The Kubernetes pod and container of a GPU process (one of the processes with series of their "
+           "own), from its cgroup and the kubelet's log layout (/var/log/pods, /var/log/containers); "
+           "namespace, pod and container are empty when those are not mounted. Join on pid.",
+           ("pid", "process", "namespace", "pod", "pod_uid", "container")),
     # --- PCIe and NVLink ------------------------------------------------------------------------
     Metric("gpuwatch.gpu.pcie.throughput", "By/s", Kind.GAUGE,
            "PCIe throughput over a 20 ms NVML sample window.", ("gpu", "direction")),

@@ -22,6 +22,7 @@ from gpuwatch.probes.nvml.backend import (
     Backend, GpuLost, LibraryUnavailable, NotSupported, NoValue, NvmlError, RealBackend,
 )
 from gpuwatch.probes.nvml.events import XidWatcher
+from gpuwatch.probes.process.kubernetes import PodResolver
 
 log = logging.getLogger("gpuwatch.nvml")
 
@@ -93,12 +94,13 @@ class NvmlProbe(Probe):
     def __init__(self, backend_factory: Callable[[], Backend] = RealBackend, interval: float = 1.0,
                  slow_interval: float = 10.0, static_interval: float = 300.0,
                  max_processes_per_gpu: int = 16, xid_events: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pods: PodResolver | None = None) -> None:
         self.interval = interval
         self.slow_interval = slow_interval
         self.static_interval = static_interval
         self.max_processes_per_gpu = max_processes_per_gpu
         self.xid_events = xid_events
+        self.pods = pods  # names the Kubernetes pod of each GPU process kept; None: not asked
         self._backend_factory = backend_factory
         self._clock = clock
         self._backend: Backend | None = None
@@ -162,6 +164,8 @@ class NvmlProbe(Probe):
             raise ProbeUnavailable(str(e)) from None
         for pid in self._names.keys() - self._pids_seen:
             del self._names[pid]  # the pid may be reused by another program
+        if self.pods is not None:
+            samples.extend(self._pod_samples(wall))
         samples.extend(self._own_counters(wall))
         return samples
 
@@ -407,6 +411,19 @@ class NvmlProbe(Probe):
         if name is None:
             name = self._names[pid] = sanitise_process_name(self._ask(None, "process_name", pid) or "")
         return name
+
+    def _pod_samples(self, wall: float) -> list[Sample]:
+        """gpuwatch.process.kubernetes for each kept GPU process in a pod: one series per pid, not
+        per GPU, so that per-process series join on pid. Only new pids read files (cached)."""
+        out = []
+        for pid in sorted(self._pids_seen):
+            found = self.pods.lookup(pid)
+            if found is not None:
+                out.append(Sample("gpuwatch.process.kubernetes", 1.0, "", {
+                    "pid": str(pid), "process": self._names[pid], "namespace": found.namespace,
+                    "pod": found.pod, "pod_uid": found.pod_uid, "container": found.container}, wall))
+        self.pods.retain(self._pids_seen)
+        return out
 
     def _uuid_of(self, index: int) -> str | None:
         gpus = self._gpus

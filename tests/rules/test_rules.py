@@ -1,21 +1,34 @@
-"""The Prometheus alert rules (dashboards/prometheus): promtool accepts them, their unit tests pass,
-every alert has a runbook section and both a firing and a quiet unit test, and they use only
-metrics and labels the agent exports, so a rename in agent/metrics.py cannot silently break them."""
+"""The Prometheus rules (dashboards/prometheus): promtool accepts them, their unit tests pass,
+every alert has a runbook section and both a firing and a quiet unit test, every recorded series
+is named level:metric:operations and checked by a unit test, and the rules use only metrics and
+labels the agent exports (or that the rules record), so a rename in agent/metrics.py cannot
+silently break them.
+
+Two rule files, each with its unit tests beside it: gpuwatch.rules.yml (per-node alerts) and
+gpuwatch.fleet.rules.yml (recording rules across nodes and the peer alert).
+"""
 import re
 import subprocess
 
 import pytest
 from gpuwatch.agent.metrics import METRICS
+from gpuwatch.detectors.health import HealthSettings
 
 from tests.conftest import ROOT, need_binary
 
-RULES = ROOT / "dashboards" / "prometheus" / "gpuwatch.rules.yml"
-RULE_TESTS = ROOT / "dashboards" / "prometheus" / "gpuwatch.rules.test.yml"
+RULES_DIR = ROOT / "dashboards" / "prometheus"
+RULE_FILES = {  # rule file -> its unit tests
+    RULES_DIR / "gpuwatch.rules.yml": RULES_DIR / "gpuwatch.rules.test.yml",
+    RULES_DIR / "gpuwatch.fleet.rules.yml": RULES_DIR / "gpuwatch.fleet.rules.test.yml",
+}
+RULES = RULES_DIR / "gpuwatch.rules.yml"
 RUNBOOK = ROOT / "docs" / "alerts.md"
 SEVERITIES = {"critical", "warning", "info"}
 # Labels Prometheus adds to every scraped series; `up` is Prometheus's own, per target.
 SCRAPE_LABELS = {"job", "instance"}
 PROMETHEUS_METRICS = {"up"}
+# level:metric:operations (prometheus.io/docs/practices/rules), the metric an exported one.
+RECORD_NAME = re.compile(r"^(?P<level>[a-z_]+):(?P<metric>[a-z_][a-z0-9_]*):(?P<ops>[a-z0-9_]+)$")
 
 
 def load(path):
@@ -26,8 +39,17 @@ def load(path):
     return yaml.safe_load(path.read_text(encoding="utf-8"))
 
 
-def alert_rules() -> list[dict]:
-    return [rule for group in load(RULES)["groups"] for rule in group["rules"] if "alert" in rule]
+def rules(path=None) -> list[dict]:
+    paths = [path] if path else list(RULE_FILES)
+    return [rule for p in paths for group in load(p)["groups"] for rule in group["rules"]]
+
+
+def alert_rules(path=None) -> list[dict]:
+    return [rule for rule in rules(path) if "alert" in rule]
+
+
+def recorded() -> set[str]:
+    return {rule["record"] for rule in rules() if "record" in rule}
 
 
 def promtool(*args: str) -> str:
@@ -39,14 +61,16 @@ def promtool(*args: str) -> str:
 
 
 @pytest.mark.prometheus
-def test_promtool_check_rules():
-    output = promtool("check", "rules", "--lint=all", "--lint-fatal", str(RULES))
-    assert f"SUCCESS: {len(alert_rules())} rules found" in output, output
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_promtool_check_rules(path):
+    output = promtool("check", "rules", "--lint=all", "--lint-fatal", str(path))
+    assert f"SUCCESS: {len(rules(path))} rules found" in output, output
 
 
 @pytest.mark.prometheus
-def test_promtool_rule_unit_tests_pass():
-    output = promtool("test", "rules", str(RULE_TESTS))
+@pytest.mark.parametrize("path", RULE_FILES.values(), ids=lambda p: p.name)
+def test_promtool_rule_unit_tests_pass(path):
+    output = promtool("test", "rules", str(path))
     assert "SUCCESS" in output, output
 
 
@@ -73,17 +97,41 @@ def test_every_alert_has_severity_annotations_and_a_runbook_section():
     assert not problems, "\n".join(problems)
 
 
-def test_every_alert_has_a_firing_and_a_quiet_unit_test():
-    suite = load(RULE_TESTS)
-    assert suite["rule_files"] == [RULES.name]
+@pytest.mark.parametrize("path", RULE_FILES, ids=lambda p: p.name)
+def test_every_alert_has_a_firing_and_a_quiet_unit_test(path):
+    suite = load(RULE_FILES[path])
+    assert suite["rule_files"] == [path.name]
     fires, quiet = set(), set()
     for case in suite["tests"]:
         for check in case.get("alert_rule_test", []):
             (fires if check.get("exp_alerts") else quiet).add(check["alertname"])
-    names = {rule["alert"] for rule in alert_rules()}
+    names = {rule["alert"] for rule in alert_rules(path)}
     assert names - fires == set(), f"alerts no unit test sees firing: {sorted(names - fires)}"
     assert names - quiet == set(), f"alerts no unit test sees quiet: {sorted(names - quiet)}"
     assert (fires | quiet) - names == set(), f"unit tests of unknown alerts: {sorted((fires | quiet) - names)}"
+
+
+def test_recording_rules_are_named_by_level_metric_operations_and_unit_tested():
+    exposed = {m.prom_exposed_name for m in METRICS}
+    problems = []
+    for name in sorted(recorded()):
+        m = RECORD_NAME.match(name)
+        if not m:
+            problems.append(f"{name}: not level:metric:operations")
+        elif m["metric"] not in exposed:
+            problems.append(f"{name}: {m['metric']} is not an exported metric")
+    checked = {name for tests in RULE_FILES.values() for case in load(tests)["tests"]
+               for check in case.get("promql_expr_test", []) for name, _ in selectors(check["expr"])}
+    untested = recorded() - checked
+    assert not untested, f"recording rules no promql_expr_test queries: {sorted(untested)}"
+    assert not problems, "\n".join(problems)
+
+
+def test_the_sku_floor_is_the_health_detectors():
+    (rule,) = [r for r in alert_rules(RULES) if r["alert"] == "GpuBelowSku"]
+    floor = float(re.search(r"<\s*([0-9.]+)\s*$", rule["expr"].strip()).group(1))
+    assert floor == HealthSettings.sku_floor
+    assert f"{floor:.0%}" in rule["annotations"]["description"]
 
 
 # --- PromQL selectors ------------------------------------------------------------------------
@@ -128,13 +176,12 @@ def _labels_of(expr: str) -> set[str]:
 def _queries() -> list[tuple[str, str]]:
     """(where, PromQL) for every rule expression and every query in an annotation template."""
     out = []
-    for group in load(RULES)["groups"]:
-        for rule in group["rules"]:
-            name = rule.get("alert") or rule.get("record")
-            out.append((f"{name} expr", rule["expr"]))
-            for key, text in rule.get("annotations", {}).items():
-                for query in re.findall(r"printf\s+`([^`]*)`", text):
-                    out.append((f"{name} annotations.{key}", query.replace("%s", "x")))
+    for rule in rules():
+        name = rule.get("alert") or rule.get("record")
+        out.append((f"{name} expr", rule["expr"]))
+        for key, text in rule.get("annotations", {}).items():
+            for query in re.findall(r"printf\s+`([^`]*)`", text):
+                out.append((f"{name} annotations.{key}", query.replace("%s", "x")))
     return out
 
 
@@ -151,7 +198,7 @@ def test_rules_use_only_exported_metrics_and_labels():
     problems, used = [], set()
     for where, query in _queries():
         for name, labels in selectors(query):
-            if name in PROMETHEUS_METRICS:
+            if name in PROMETHEUS_METRICS or name in recorded():
                 continue
             metric = exposed.get(name)
             if metric is None:
