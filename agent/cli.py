@@ -338,7 +338,8 @@ def _print_status(st: dict) -> None:
     console.print(f"gpuwatch {st['version']}  pid {st['pid']}  up {st['uptime_seconds']:.0f} s  "
                   f"snapshot age {st.get('snapshot_age_seconds')} s")
     for name, info in st.get("exporters", {}).items():
-        console.print(f"{name}: {info.get('listen', '')}")
+        web = f"  ({info['scheme']}, web config {info['web_config']})" if info.get("web_config") else ""
+        console.print(f"{name}: {info.get('listen', '')}{web}")
     t = Table(box=None, pad_edge=False)
     for col in ("Probe", "State", "Last (ms)", "Late", "Errors", "Reason"):
         t.add_column(col)

@@ -219,6 +219,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prometheus", "listen", str, f"127.0.0.1:{DEFAULT_PROMETHEUS_PORT}",
             "Address for /metrics. IPv6 as [::1]:PORT; 0.0.0.0:PORT for all interfaces; port 0 picks a free one.",
             "--listen", "HOST:PORT", _listen),
+    Setting("prometheus", "web_config", str, "",
+            "Path to a web config file in Prometheus exporter-toolkit's format (the --web.config.file of "
+            "node_exporter): TLS, client certificates, basic auth users with bcrypt hashes, extra response "
+            "headers; see docs/security.md. Read at start (restart the agent after changing it); a bad file "
+            "stops the agent. Empty: plain HTTP, no auth.",
+            "--web-config", "an absolute path to an existing file, or empty", _existing_file),
     Setting("nvml", "enabled", bool, True, "Read GPU metrics through NVML.",
             "--nvml", "true or false"),
     Setting("nvml", "interval", float, 1.0, "Seconds between reads of the fast NVML metrics.",
@@ -347,6 +353,7 @@ class ControlConfig:
 class PrometheusConfig:
     enabled: bool
     listen: str
+    web_config: str  # "" means plain HTTP, no auth
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,22 @@ def build_probes(cfg: Config) -> list[Probe]:
     return probes
 
 
+def web_config(path: str):
+    """The checked web config (TLS, basic auth) for /metrics; None for plain HTTP. A bad file is a
+    DaemonError: the agent does not start rather than serve what was meant to be protected."""
+    if not path:
+        return None
+    from gpuwatch.exporters.webconfig import load_web_config
+
+    try:
+        web = load_web_config(path)
+    except ConfigError as e:
+        raise DaemonError(f"bad web config (prometheus.web_config): {e}") from None
+    for w in web.warnings:
+        log.warning("%s: %s", path, w)
+    return web
+
+
 def attach_stacks(findings: list[dict], stacks_of: Callable[[int], list[dict]]) -> list[dict]:
     """Leak findings get the call stacks holding the process's live driver allocations (eBPF), where
     they say something: for memory taken outside the allocator, or the allocator's pool seen through
@@ -127,6 +143,12 @@ class Daemon:
         self.overrides = overrides
         self.started = time.time()
         self.stop_event = threading.Event()
+        # The exporter first: a bad web config stops the agent before it opens anything.
+        self.exporters = []
+        if cfg.prometheus.enabled:
+            from gpuwatch.exporters.prometheus import PrometheusExporter
+
+            self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config)))
         # Without its database the agent still serves metrics; status says why nothing is kept.
         self.store: Store | None = None
         self.store_error = ""
@@ -135,11 +157,6 @@ class Daemon:
         except StoreError as e:
             self.store_error = str(e)
             log.error("running without the store: %s", e)
-        self.exporters = []
-        if cfg.prometheus.enabled:
-            from gpuwatch.exporters.prometheus import PrometheusExporter
-
-            self.exporters.append(PrometheusExporter(cfg.prometheus.listen))
         probes = build_probes(cfg)
         if cfg.otlp.enabled:
             from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, parse_headers
@@ -402,6 +419,9 @@ class Daemon:
                         ", ".join(changed))
         else:
             log.info("config reloaded: no changes")
+        if new.prometheus.web_config:  # read at start only: new certificates or users need a restart
+            log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
+                     new.prometheus.web_config)
 
     def _stop(self) -> None:
         self.stop_event.set()
@@ -453,4 +473,10 @@ class Daemon:
 def _exporter_info(exp) -> dict:
     port = getattr(exp, "port", None)
     host = getattr(exp, "host", None)
-    return {"listen": f"{host}:{port}"} if port is not None else {}
+    if port is None:
+        return {}
+    info = {"listen": f"{host}:{port}"}
+    web = getattr(exp, "web", None)
+    if web is not None:
+        info["scheme"], info["web_config"] = exp.scheme, web.path
+    return info

@@ -20,10 +20,14 @@ import gzip
 import logging
 import math
 import socket
+import ssl
+import sys
 import threading
+import time
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
@@ -31,6 +35,9 @@ from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Exporter, Sample
 from gpuwatch.agent.config import parse_listen
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
+
+if TYPE_CHECKING:
+    from gpuwatch.exporters.webconfig import WebConfig
 
 log = logging.getLogger("gpuwatch.prometheus")
 
@@ -209,33 +216,134 @@ class _MetricsApp:
         return [b"" if method == "HEAD" else data]
 
 
+class _Guard:
+    """WSGI app in front of _MetricsApp when there is a web config: its headers on every
+    response, and basic auth on every path. A failed check says 401 and nothing more: not
+    whether the user, the password or the header was wrong."""
+
+    def __init__(self, app, web: "WebConfig") -> None:
+        from gpuwatch.exporters.webconfig import UNAUTHORIZED_HEADER
+
+        self.app, self.web, self.challenge = app, web, UNAUTHORIZED_HEADER
+
+    def __call__(self, environ, start_response):
+        extra = list(self.web.headers)
+
+        def start(status, headers, exc_info=None):
+            return start_response(status, headers + extra, exc_info)
+
+        if self.web.auth is not None and not self.web.auth.check(environ.get("HTTP_AUTHORIZATION")):
+            start("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"), self.challenge])
+            return [b"Unauthorized\n"]
+        return self.app(environ, start)
+
+
+# A TLS handshake must finish within this many seconds, all of it (CPython's handshake keeps one
+# deadline over its reads); then a silent or trickling client is dropped.
+HANDSHAKE_TIMEOUT = 10.0
+# Each read or write of a request and its response: a client that stalls longer is dropped.
+CONNECTION_TIMEOUT = 30.0
+_PLAIN_HTTP_ANSWER = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                      b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")
+
+
 class _QuietHandler(WSGIRequestHandler):
+    timeout = CONNECTION_TIMEOUT
+
     def log_message(self, format, *args):  # noqa: A002 - scrapes are not worth a log line each
         pass
 
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    web: "WebConfig | None" = None
+    handshake_timeout = HANDSHAKE_TIMEOUT
+
+    def finish_request(self, request, client_address):
+        # Runs in the connection's own thread (ThreadingMixIn), not in the accept loop: a client
+        # that sends garbage or a byte a second holds its own thread only, never the next scrape.
+        ctx = self.web.ssl_context if self.web is not None else None
+        if ctx is None:
+            return super().finish_request(request, client_address)
+        tls = self._handshake(request, ctx, client_address)
+        if tls is None:
+            return None
+        try:
+            tls.settimeout(CONNECTION_TIMEOUT)
+            super().finish_request(tls, client_address)
+        finally:
+            self.shutdown_request(tls)  # `request` gave its descriptor to `tls`
+
+    def _handshake(self, sock: socket.socket, ctx: ssl.SSLContext, client_address) -> ssl.SSLSocket | None:
+        deadline = time.monotonic() + self.handshake_timeout
+        sock.settimeout(self.handshake_timeout)
+        try:
+            first = sock.recv(1, socket.MSG_PEEK)
+            if not first:
+                return None
+            if first != b"\x16":  # not a TLS handshake record: plain HTTP to the HTTPS port, most likely
+                self._answer_plain_http(sock)
+                return None
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            tls = ctx.wrap_socket(sock, server_side=True)
+        except (OSError, ValueError) as e:  # ssl.SSLError and timeouts are OSErrors
+            log.debug("TLS handshake with %s failed: %s", client_address[0], e)
+            return None
+        if not self.web.client_allowed(tls.getpeercert()):
+            log.debug("client certificate of %s has none of client_allowed_sans", client_address[0])
+            self.shutdown_request(tls)
+            return None
+        return tls
+
+    @staticmethod
+    def _answer_plain_http(sock: socket.socket) -> None:
+        """Say what went wrong, as Go's servers do, then read what the client sent before closing:
+        closing with unread bytes would reset the connection and lose the answer."""
+        sock.sendall(_PLAIN_HTTP_ANSWER)
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(1.0)
+        drained = 0
+        while drained < 65536:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            drained += len(chunk)
+
+    def handle_error(self, request, client_address):
+        # A client that went away or timed out is not worth a traceback on stderr.
+        err = sys.exc_info()[1]
+        if isinstance(err, OSError):
+            log.debug("connection from %s: %s", client_address[0], err)
+        else:
+            log.exception("error serving %s", client_address[0])
 
 
 class PrometheusExporter(Exporter):
     name = "prometheus"
 
-    def __init__(self, listen: str) -> None:
+    def __init__(self, listen: str, web: "WebConfig | None" = None) -> None:
         self.host, self.port = parse_listen(listen)
+        self.web = web
         self.app = _MetricsApp()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def scheme(self) -> str:
+        return "https" if self.web is not None and self.web.ssl_context is not None else "http"
+
     def start(self) -> None:
         server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) if ":" in self.host \
             else _Server
-        self._server = make_server(self.host, self.port, self.app, server_class, handler_class=_QuietHandler)
+        app = _Guard(self.app, self.web) if self.web is not None else self.app
+        self._server = make_server(self.host, self.port, app, server_class, handler_class=_QuietHandler)
+        self._server.web = self.web  # before serve_forever: no connection is handled yet
         self.port = self._server.server_address[1]  # the real port when 0 was asked for
         self._thread = threading.Thread(target=self._server.serve_forever, name="prometheus-http", daemon=True)
         self._thread.start()
-        log.info("serving Prometheus metrics on http://%s:%d/metrics",
-                 f"[{self.host}]" if ":" in self.host else self.host, self.port)
+        log.info("serving Prometheus metrics on %s://%s:%d/metrics%s", self.scheme,
+                 f"[{self.host}]" if ":" in self.host else self.host, self.port,
+                 f" ({self.web.describe()}, from {self.web.path})" if self.web is not None else "")
 
     def publish(self, snapshot: Snapshot) -> None:
         self.app.snapshot = snapshot

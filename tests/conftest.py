@@ -88,3 +88,18 @@ def need_binary(name: str) -> str:
         # CI installs Debian's prometheus package (scripts/setup --test); a missing binary is a setup bug.
         pytest.fail(f"{name} not found on PATH: run `scripts/setup --test` (installs Debian's prometheus package)")
     return path
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A CA, server and client certificates made for this test run (tests/pki.py)."""
+    from tests.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def bcrypt_hash(password: str, cost: int = 4) -> str:
+    """A bcrypt hash as `htpasswd -nB` makes; cost 4 (the least) keeps the tests fast."""
+    import bcrypt
+
+    return bcrypt.hashpw(password.encode(), bcrypt.gensalt(cost)).decode()

@@ -66,6 +66,23 @@ def test_bad_config_fails_at_start_naming_file_key_and_reason(tmp_path):
     assert out.returncode == 1 and "--nvml-interval / $GPUWATCH_NVML_INTERVAL: nvml.interval" in out.stderr
 
 
+def test_bad_web_config_stops_the_agent_naming_file_key_and_reason(tmp_path, pki):
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n")  # no key_file
+    base = ["agent", "--config", "", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"),
+            "--runtime-dir", str(tmp_path / "r"), "--nvml-replay", str(FIXTURE)]
+    out = gpuwatch(*base, "--web-config", str(web))
+    assert out.returncode == 1, out.stderr
+    assert f"bad web config (prometheus.web_config): {web}: tls_server_config.key_file: missing" in out.stderr
+    assert "Traceback" not in out.stderr
+    web.write_text("basic_auth_users:\n  alice: hunter2\n")
+    out = gpuwatch(*base, "--web-config", str(web))
+    assert out.returncode == 1 and f"{web}: basic_auth_users.alice: not a bcrypt hash" in out.stderr
+    assert "hunter2" not in out.stderr
+    out = gpuwatch(*base, "--web-config", str(tmp_path / "absent.yml"))
+    assert out.returncode == 1 and "prometheus.web_config: no such file" in out.stderr
+
+
 def test_gpus_lists_recorded_gpu_and_its_process():
     out = gpuwatch("gpus", "--config", "", "--nvml-replay", str(FIXTURE), "--json")
     assert out.returncode == 0, out.stderr

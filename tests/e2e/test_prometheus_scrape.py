@@ -1,13 +1,16 @@
 """End to end: the agent replays the recorded H200, a real Prometheus server scrapes it."""
+import base64
 import json
+import ssl
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
 import pytest
 
-from tests.conftest import FIXTURE, free_port, need_binary, wait_http
+from tests.conftest import FIXTURE, bcrypt_hash, free_port, need_binary, wait_http
 
 pytestmark = pytest.mark.prometheus
 
@@ -25,13 +28,13 @@ def prometheus(tmp_path):
     binary = need_binary("prometheus")
     procs = []
 
-    def start(target):
+    def start(target, scrape_configs=None):
         port = free_port()
         cfg = tmp_path / "prometheus.yml"
         cfg.write_text(
             "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-            "scrape_configs:\n  - job_name: gpuwatch\n"
-            f"    static_configs:\n      - targets: ['{target}']\n")
+            "scrape_configs:\n" + (scrape_configs or "  - job_name: gpuwatch\n"
+                                    f"    static_configs:\n      - targets: ['{target}']\n"))
         p = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                               f"--web.listen-address=127.0.0.1:{port}"],
                              stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "wb"))
@@ -104,3 +107,51 @@ def test_agent_without_gpu_serves_and_reports_nvml_unavailable(agent_factory):
     assert 'gpuwatch_probe_up{probe="nvml"} 0.0' in text
     assert agent.proc.poll() is None
     assert "nvml" in agent.output().lower()
+
+
+def test_prometheus_scrapes_over_tls_with_basic_auth_and_a_client_certificate(agent_factory, prometheus, pki,
+                                                                             tmp_path):
+    web = tmp_path / "web.yml"
+    web.write_text(f"""\
+tls_server_config:
+  cert_file: {pki.server_cert}
+  key_file: {pki.server_key}
+  client_auth_type: RequireAndVerifyClientCert
+  client_ca_file: {pki.ca}
+basic_auth_users:
+  prometheus: {bcrypt_hash("s3cret", cost=10)}
+http_server_config:
+  headers:
+    X-Content-Type-Options: nosniff
+""")
+    agent = agent_factory("--nvml-replay", str(FIXTURE), "--web-config", str(web))
+    ctx = ssl.create_default_context(cafile=str(pki.ca))
+    ctx.load_cert_chain(str(pki.client_cert), str(pki.client_key))
+    end = time.monotonic() + 20
+    auth = {"Authorization": "Basic " + base64.b64encode(b"prometheus:s3cret").decode()}
+    while True:  # the agent is up when it answers over TLS
+        assert agent.proc.poll() is None, agent.output()
+        req = urllib.request.Request(f"https://127.0.0.1:{agent.port}/metrics", headers=auth)
+        try:
+            with urllib.request.urlopen(req, context=ctx, timeout=2) as r:
+                assert r.headers["X-Content-Type-Options"] == "nosniff"
+                break
+        except (OSError, urllib.error.URLError):
+            assert time.monotonic() < end, agent.output()
+            time.sleep(0.2)
+    assert "TLS, client certificate required, basic auth for 1 user" in agent.output()
+
+    def job(name, password):
+        return (f"  - job_name: {name}\n    scheme: https\n"
+                f"    tls_config:\n      ca_file: {pki.ca}\n      cert_file: {pki.client_cert}\n"
+                f"      key_file: {pki.client_key}\n"
+                f"    basic_auth:\n      username: prometheus\n      password: {password}\n"
+                f"    static_configs:\n      - targets: ['127.0.0.1:{agent.port}']\n")
+
+    base = prometheus(None, job("gpuwatch", "s3cret") + job("wrong_password", "guess"))
+    assert wait_query(base, 'up{job="gpuwatch"} == 1')
+    assert wait_query(base, 'gpuwatch_gpu_up{job="gpuwatch"} == 1')
+    assert wait_query(base, 'up{job="wrong_password"} == 0')
+    targets = json.load(urllib.request.urlopen(f"{base}/api/v1/targets", timeout=5))["data"]["activeTargets"]
+    wrong = next(t for t in targets if t["labels"]["job"] == "wrong_password")
+    assert "401" in wrong["lastError"], wrong
