@@ -1,3 +1,4 @@
+import importlib.util
 import os
 import shutil
 import socket
@@ -11,6 +12,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "nvml-h200.json"
+
+
+def load_script(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package), e.g. the dashboard generator."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:
