@@ -487,21 +487,27 @@ def _suggest(name: str) -> str:
     return ""
 
 
-def _read(path: str) -> dict[str, Any]:
+def read_file(path: str, missing: str = "no such file") -> bytes:
+    """A config file's bytes (at most MAX_FILE_BYTES). ConfigError naming the file otherwise."""
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
                 raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes; "
-                                              "is this really the gpuwatch config?")
+                                              "is this really a gpuwatch config file?")
             data = f.read(MAX_FILE_BYTES + 1)
     except FileNotFoundError:
-        raise ConfigError(path, None, "no such file") from None
+        raise ConfigError(path, None, missing) from None
     except IsADirectoryError:
         raise ConfigError(path, None, "is a directory, not a file") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read: {e.strerror or e}") from None
     if len(data) > MAX_FILE_BYTES:  # grew while we read it, or a special file
         raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes")
+    return data
+
+
+def _read(path: str) -> dict[str, Any]:
+    data = read_file(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

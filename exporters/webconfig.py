@@ -25,7 +25,7 @@ from typing import Any
 import bcrypt
 import yaml
 
-from gpuwatch.agent.config import MAX_FILE_BYTES, ConfigError
+from gpuwatch.agent.config import MAX_FILE_BYTES, ConfigError, read_file
 
 REALM = "gpuwatch"
 UNAUTHORIZED_HEADER = ("WWW-Authenticate", f'Basic realm="{REALM}"')
@@ -105,17 +105,7 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _m
 
 
 def _read_yaml(path: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
-        raise ConfigError(path, None, "no such file (set by prometheus.web_config)") from None
-    except IsADirectoryError:
-        raise ConfigError(path, None, "is a directory, not a file") from None
-    except OSError as e:
-        raise ConfigError(path, None, f"cannot read: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes")
+    data = read_file(path, "no such file (set by prometheus.web_config)")
     try:
         return yaml.load(data.decode("utf-8"), Loader=_StrictLoader)  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError:
