@@ -21,7 +21,7 @@ from tests.conftest import FIXTURE, load_script
 from tests.e2e.test_baseline_cli import BASELINE, gpuwatch
 from tests.e2e.test_cupti_daemon import h200_report
 from tests.e2e.test_prometheus_scrape import prometheus, wait_query  # noqa: F401 (a fixture)
-from tests.rules.test_rules import RULES
+from tests.rules.test_rules import RULE_FILES
 
 pytestmark = pytest.mark.prometheus
 
@@ -107,7 +107,8 @@ def test_every_dashboard_query_and_rule_runs_on_prometheus(agent_factory, promet
                         with_series += 1
     assert not problems, f"{len(problems)} of {checked} dashboard queries failed:\n" + "\n".join(problems)
 
-    rules = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
+    rules = [rule for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]
+             for rule in group["rules"]]  # the node's alerts and the fleet's recording rules
     for rule in rules:
         answer = run_query(base, rule["expr"])
         assert answer.get("status") == "success", (rule.get("alert") or rule.get("record"), answer)

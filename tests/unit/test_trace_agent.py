@@ -303,8 +303,9 @@ def test_snapshots_during_restarts_are_answers_or_errors_never_a_freed_read(agen
     def restart():  # what the runner does when a collection fails: shutdown, later start again
         while not stop.is_set():
             d.ebpf.shutdown()
+            time.sleep(0.001)  # readers get in while it is down...
             d.ebpf.start()
-            time.sleep(0.001)  # readers get in between
+            time.sleep(0.001)  # ...and while it is up
 
     def read():
         while not stop.is_set():
@@ -321,7 +322,10 @@ def test_snapshots_during_restarts_are_answers_or_errors_never_a_freed_read(agen
     threads = [threading.Thread(target=restart)] + [threading.Thread(target=read) for _ in range(3)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 10  # until both answers were seen: on a loaded machine one can take a while
     time.sleep(0.5)
+    while time.monotonic() < deadline and not (answers["ok"] and answers["refused"]) and not failures:
+        time.sleep(0.05)
     stop.set()
     for t in threads:
         t.join(5)

@@ -1,0 +1,39 @@
+"""The dashboards' eBPF panels (CUDA API calls, latency, errors, launches per kernel, live driver
+bytes) through a real Prometheus scraping a real agent whose eBPF probe is attached to the fake
+libcuda.so.1 while tests/ebpf/driver.c makes its known calls: each such query must return series
+(tests/e2e/test_dashboards_prometheus.py runs the rest, where they can only parse)."""
+import pytest
+
+from tests.conftest import FIXTURE, load_script
+from tests.e2e.test_dashboards_prometheus import run_query, substitute
+from tests.e2e.test_prometheus_scrape import prometheus, wait_query  # noqa: F401 (a fixture)
+
+pytestmark = [pytest.mark.root, pytest.mark.prometheus]
+
+gen = load_script("gen_dashboards")
+
+
+def test_every_ebpf_panel_returns_series(agent_factory, prometheus, fake_cuda, drivers):  # noqa: F811
+    agent = agent_factory("--nvml-replay", str(FIXTURE), "--ebpf-library", fake_cuda["lib"])
+    agent.metrics()
+    d = drivers()
+    base = prometheus(f"127.0.0.1:{agent.port}")
+    wait_query(base, "gpuwatch_probe_up{probe=\"ebpf\"} == 1", timeout=60)
+    d.go()  # the driver's calls, then it waits (alive: its series stay)
+    wait_query(base, f'sum(gpuwatch_cuda_calls_total{{pid="{d.pid}"}}) > 0', timeout=60)
+    wait_query(base, f'count_over_time(gpuwatch_cuda_calls_total{{pid="{d.pid}"}}[1m]) >= 3', timeout=60)
+    values = {"instance": ".*", "gpu": ".*", "process": ".*", "__rate_interval": "1m", "__range": "1h"}
+    empty, checked = [], 0
+    for dash in gen.dashboards():
+        for panel in dash.panels:
+            for q in panel.queries:
+                if q.needs != "ebpf":
+                    continue
+                expr = substitute(q.expr, values)
+                answer = run_query(base, expr)
+                checked += 1
+                assert answer.get("status") == "success", (dash.uid, panel.title, expr, answer)
+                if not answer["data"]["result"]:
+                    empty.append(f"{dash.uid} {panel.title!r}: {expr}")
+    assert checked >= 10
+    assert not empty, f"{len(empty)} of {checked} eBPF queries returned no series:\n" + "\n".join(empty)
