@@ -31,7 +31,7 @@ def start_agent(work: str, port: int) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(work, "run", "control.sock")
     p = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "", "--listen",
                           f"127.0.0.1:{port}", "--state-dir", os.path.join(work, "state"), "--runtime-dir",
-                          os.path.join(work, "run"), "--no-ebpf", "--no-cupti-sampling"],
+                          os.path.join(work, "run"), "--no-ebpf", "--no-cupti-sampling", "--no-baseline"],
                          stdout=open(os.path.join(work, "agent.log"), "w"), stderr=subprocess.STDOUT)
     for _ in range(100):
         try:
