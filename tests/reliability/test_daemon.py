@@ -40,6 +40,24 @@ def test_4_baseline_child_killed_by_sigsegv_leaves_the_daemon_serving(agent_fact
     assert value(agent.metrics(), "gpuwatch_baseline_runs_total", result="failed") == 1.0
 
 
+def test_4_a_segfault_in_the_daemon_itself_is_reported_and_a_restart_finds_the_store(agent_factory, tmp_path):
+    """NVML runs in the daemon's process: a crash there ends it (systemd restarts it). What the test
+    shows is what is left: the stack of each thread in the log, and the store intact for the next
+    agent. SIGSEGV sent from outside takes the same path as one raised inside libnvidia-ml."""
+    agent = agent_factory(*replay_args())
+    agent.metrics()
+    before = make_state(agent, runs=2)
+    agent.proc.send_signal(signal.SIGSEGV)
+    assert agent.proc.wait(20) == -signal.SIGSEGV
+    out = agent.output()
+    # The stack of every thread: inside libnvidia-ml, the NVML call that crashed.
+    assert "Fatal Python error: Segmentation fault" in out and "most recent call first" in out
+    again = agent_factory(*replay_args(), "--state-dir", str(agent.state))
+    again.state = agent.state
+    again.metrics()
+    assert_kept(before, kept_state(again))
+
+
 # ---- 12: disk full, read-only state directory, truncated database ---------------------------------
 
 @pytest.fixture
