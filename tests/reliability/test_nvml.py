@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from gpuwatch.agent import control
+
 from tests.reliability.helpers import (
     Scraper, assert_kept, kept_state, make_state, replay_args, set_faults, value, wait_until,
 )
@@ -71,6 +73,8 @@ def test_3_version_mismatch_at_start_and_mid_run(agent_factory, tmp_path):
     agent, ctl = start(agent_factory, tmp_path, faults=mismatch)
     with Scraper(agent.url) as scraper:
         wait_until(lambda: metric(agent, "gpuwatch_probe_up", probe="nvml") == 0.0, what="nvml down at start")
+        reason = control.call(str(agent.socket), "status")["probes"]["nvml"]["reason"]
+        assert "version" in reason.lower(), reason  # `gpuwatch status` says why
         set_faults(ctl, [])  # the driver and library agree again: the probe comes up on a retry
         wait_until(lambda: metric(agent, "gpuwatch_probe_up", probe="nvml") == 1.0, timeout=30, what="nvml up")
     scraper.check()
