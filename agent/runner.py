@@ -122,6 +122,7 @@ class Runner:
         self._stop = threading.Event()
         self._threads_started = False
         self._wall_offset: float | None = None  # wallclock() - clock() at the last pass
+        self._stepped_at = float("-inf")  # monotonic time the last wall-clock step was seen
 
     # -- lifecycle --------------------------------------------------------------------
     def _start_threads(self) -> None:
@@ -227,6 +228,7 @@ class Runner:
         delta = offset - last
         log.warning("the wall clock stepped by %+.0f s: moving history with it so trends stay continuous", delta)
         self.history.shift(delta)
+        self._stepped_at = now
         for slot in self.slots:
             slot.appended_until += delta
 
@@ -247,6 +249,8 @@ class Runner:
     def _finish(self, slot: _ProbeSlot, now: float) -> None:
         kind, payload, events, duration = slot.result  # type: ignore[misc]
         slot.result = None
+        # Begun before a wall-clock step: its points may carry the old time line; not kept in history.
+        straddles_step = slot.busy_since is not None and slot.busy_since < self._stepped_at
         slot.busy_since = None
         st = slot.status
         wall = self.wallclock()
@@ -260,8 +264,9 @@ class Runner:
             slot.status = _replace(st, up=True, state="up", reason="", last_duration=duration,
                                    last_success=wall)
             # Probes re-emit slow and static values between reads; history only needs each point once.
-            self.history.append(payload, newer_than=slot.appended_until)
-            if payload:
+            if not straddles_step:
+                self.history.append(payload, newer_than=slot.appended_until)
+            if payload and not straddles_step:
                 slot.appended_until = max(slot.appended_until, max(s.ts for s in payload))
             for ev in events:
                 self._add_event(ev)

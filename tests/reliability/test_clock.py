@@ -86,3 +86,44 @@ def test_13_wall_clock_step_keeps_cadence_history_and_findings(jump):
     assert kinds.count("finding.opened") == 1 and "finding.closed" not in kinds, kinds
     rate = next(s.value for s in runner.snapshot.samples if s.metric == "gpuwatch.leak.growth.rate")
     assert rate == pytest.approx(500 * 2**20 / 60, rel=0.2)  # bytes a second, as before the step
+
+
+class SlowOnce(LeakingProcess):
+    """Stamps its samples when it starts, then waits for `release` once `armed`: a collection in
+    flight while the wall clock steps."""
+
+    def __init__(self, clocks: Clocks) -> None:
+        super().__init__(clocks)
+        import threading
+
+        self.armed = False
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def collect(self):
+        samples = super().collect()
+        if self.armed:
+            self.armed = False
+            self.started.set()
+            self.release.wait(5)
+        return samples
+
+
+def test_13_a_collection_in_flight_across_the_step_does_not_disorder_history():
+    clocks = Clocks()
+    probe = SlowOnce(clocks)
+    runner = Runner([probe], clock=lambda: clocks.mono, wallclock=lambda: clocks.wall)
+    drive(runner, clocks, 30)
+    probe.armed = True
+    clocks.advance(1.0)
+    runner.step()  # starts the collection, stamped on the old time line
+    assert probe.started.wait(5)
+    clocks.wall -= 3600
+    clocks.advance(0.25)
+    runner.step()  # sees the step while the collection is still running
+    probe.release.set()
+    drive(runner, clocks, 30)
+    ((_, points),) = list(runner.history.series("hw.gpu.memory.usage"))
+    times = [t for t, _ in points]
+    assert times == sorted(times) and max(b - a for a, b in zip(times, times[1:])) <= 5  # one point left out
+    assert len(points) >= 55
