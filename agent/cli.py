@@ -61,6 +61,11 @@ def agent(config_path: str | None, **params: Any) -> None:
     from gpuwatch.agent.daemon import Daemon, DaemonError
     from gpuwatch.agent.logs import setup_logging
 
+    import faulthandler
+
+    # NVML runs in this process: should libnvidia-ml crash it, the Python stack of every thread
+    # (which NVML call) reaches stderr, the journal, before systemd restarts the agent.
+    faulthandler.enable()
     overrides = config_mod.overrides_from_params(params)
     cfg = _load(config_path, overrides)
     setup_logging(cfg.agent.log_level, cfg.agent.log_format)

@@ -42,7 +42,10 @@ def nvml_backend_factory(cfg: Config):
 
         return functools.partial(ReplayBackend, cfg.nvml.replay, gpus=cfg.nvml.replay_gpus or None,
                                  processes_per_gpu=cfg.nvml.replay_processes_per_gpu or None,
-                                 event_wait_s=1.0)  # wait for XIDs as long as the real library does
+                                 event_wait_s=1.0,  # wait for XIDs as long as the real library does
+                                 # Test tooling only (tests/reliability): faults injected into a
+                                 # running agent; never read unless NVML is replayed.
+                                 control=os.environ.get("GPUWATCH_TEST_NVML_CONTROL") or None)
     from gpuwatch.probes.nvml.backend import RealBackend
 
     return RealBackend

@@ -34,6 +34,13 @@ class History:
                     continue  # a slow metric re-emitted between its reads: same point, not a new one
                 buf.append((s.ts, s.value))
 
+    def shift(self, delta: float) -> None:
+        """Move every point by `delta` seconds: the wall clock stepped (runner), and trends must
+        stay continuous rather than see an hour-long gap or points that go back in time."""
+        with self._lock:
+            for key, buf in self._series.items():
+                self._series[key] = deque(((t + delta, v) for t, v in buf), maxlen=buf.maxlen)
+
     def expire(self, now: float) -> int:
         """Forget series whose newest point is older than expire_after. Returns how many."""
         with self._lock:

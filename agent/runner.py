@@ -23,6 +23,10 @@ from gpuwatch.agent.snapshot import EMPTY, ProbeStatus, Snapshot
 
 log = logging.getLogger("gpuwatch.runner")
 
+# A change of (wall - monotonic) by more than this between two passes is a step of the wall clock
+# (NTP after a bad boot time, an admin's `date -s`), not drift: history is moved with it.
+WALL_STEP = 60.0
+
 # Backoff for probes that cannot start: 1 s, 2 s, 4 s ... capped.
 BACKOFF_START = 1.0
 BACKOFF_MAX = 300.0
@@ -117,6 +121,8 @@ class Runner:
         self.ticks = 0
         self._stop = threading.Event()
         self._threads_started = False
+        self._wall_offset: float | None = None  # wallclock() - clock() at the last pass
+        self._stepped_at = float("-inf")  # monotonic time the last wall-clock step was seen
 
     # -- lifecycle --------------------------------------------------------------------
     def _start_threads(self) -> None:
@@ -184,6 +190,7 @@ class Runner:
         """Start due probes, collect finished ones, publish if anything changed."""
         self._start_threads()
         now = self.clock()
+        self._follow_wall_clock(now)
         changed = False
         for slot in self.slots:
             if slot.busy_since is not None:
@@ -208,6 +215,23 @@ class Runner:
             self._publish()
         return changed
 
+    def _follow_wall_clock(self, now: float) -> None:
+        """Scheduling runs on the monotonic clock and does not care about a wall-clock step; the
+        history does, since points carry wall time. A step back would make every new point look
+        older than the newest kept one (skipped as a re-emitted value, for as long as the step:
+        detectors blind for an hour); a step forward would put a gap of an hour inside every
+        trend window (findings closing while the leak goes on). So history moves with the clock."""
+        offset = self.wallclock() - now
+        last, self._wall_offset = self._wall_offset, offset
+        if last is None or abs(offset - last) <= WALL_STEP:
+            return
+        delta = offset - last
+        log.warning("the wall clock stepped by %+.0f s: moving history with it so trends stay continuous", delta)
+        self.history.shift(delta)
+        self._stepped_at = now
+        for slot in self.slots:
+            slot.appended_until += delta
+
     def tick_once(self, timeout: float = 30.0) -> Snapshot:
         """Run every probe once, synchronously (CLI one-shots, tests, benchmarks)."""
         self._start_threads()
@@ -225,6 +249,8 @@ class Runner:
     def _finish(self, slot: _ProbeSlot, now: float) -> None:
         kind, payload, events, duration = slot.result  # type: ignore[misc]
         slot.result = None
+        # Begun before a wall-clock step: its points may carry the old time line; not kept in history.
+        straddles_step = slot.busy_since is not None and slot.busy_since < self._stepped_at
         slot.busy_since = None
         st = slot.status
         wall = self.wallclock()
@@ -238,8 +264,9 @@ class Runner:
             slot.status = _replace(st, up=True, state="up", reason="", last_duration=duration,
                                    last_success=wall)
             # Probes re-emit slow and static values between reads; history only needs each point once.
-            self.history.append(payload, newer_than=slot.appended_until)
-            if payload:
+            if not straddles_step:
+                self.history.append(payload, newer_than=slot.appended_until)
+            if payload and not straddles_step:
                 slot.appended_until = max(slot.appended_until, max(s.ts for s in payload))
             for ev in events:
                 self._add_event(ev)

@@ -92,6 +92,11 @@ class Store:
         except OSError as e:
             raise StoreError(f"cannot create {path}: {e.strerror or e} "
                              f"(set agent.state_dir to a writable directory)") from None
+        if not os.access(path, os.W_OK) or not os.access(state_dir, os.W_OK):
+            # Said before SQLite's "unable to open database file", whose advice (move the file
+            # aside) would be wrong here: the data is fine, the directory is not writable.
+            raise StoreError(f"{path} is not writable (read-only file system or permissions): nothing is "
+                             f"recorded until it is; make {state_dir} writable, or set agent.state_dir")
         try:
             conn = sqlite3.connect(path, timeout=1.0, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as e:

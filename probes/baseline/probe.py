@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -49,7 +50,10 @@ sys.exit(workload.main(sys.argv[1:]))
 def child_command(gpu: int, python: str = "", replay: str = "", nth: int = 0, force: bool = False) -> list[str]:
     """The command that runs the workload (or replays a recorded run) on one GPU."""
     if replay:
-        return [sys.executable, "-m", "gpuwatch.probes.baseline.replay", replay, "--gpu", str(gpu), "--nth", str(nth)]
+        # baseline.python, when set, runs the replay too (it must import gpuwatch): tests give a
+        # child that crashes (tests/reliability), as a workload dying in native code would.
+        return [python or sys.executable, "-m", "gpuwatch.probes.baseline.replay", replay, "--gpu", str(gpu),
+                "--nth", str(nth)]
     args = ["--gpu", str(gpu)] + (["--force"] if force else [])
     if not python or os.path.abspath(python) == os.path.abspath(sys.executable):  # a venv's python is a link
         return [sys.executable, "-m", "gpuwatch.probes.baseline.workload", *args]
@@ -218,7 +222,7 @@ class BaselineProbe(Probe):
             return {"gpu": gpu, "result": "skipped", "reason": result.get("skipped", "the GPU is in use")}
         if proc.returncode != 0 or "uuid" not in result:
             tail = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-            reason = result.get("error") or f"exit status {proc.returncode}: {tail[0][:300]}"
+            reason = result.get("error") or f"{_exit_text(proc.returncode)}: {tail[0][:300]}"
             return self._failed(gpu, reason, started)
         self._due[gpu] = started + self.every
         return self._judge_and_keep(result, started)
@@ -300,3 +304,13 @@ def samples_of(run: dict, ts: float) -> list[Sample]:
     out.append(Sample("gpuwatch.baseline.wrong_answers", float(wrong), gpu, {}, ts))
     out.append(Sample("gpuwatch.baseline.last_run.timestamp", run.get("ts", ts), gpu, {}, ts))
     return out
+
+
+def _exit_text(code: int) -> str:
+    """How a child ended; a crash in native code (torch, the CUDA driver) is named by its signal."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (a crash in the workload or the driver; the agent goes on)"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"

@@ -189,6 +189,13 @@ class NvmlProbe(Probe):
     # ---- one GPU -----------------------------------------------------------------------------
     def _collect_gpu(self, gpu: _Gpu, static_due: bool, slow_due: bool, wall: float) -> list[Sample]:
         try:
+            if (slow_due and not static_due and gpu.static is not None
+                    and self._ask(gpu.index, "uuid") not in (None, gpu.uuid)):
+                # Index i names another GPU now (MIG reconfigured, GPU reset or swapped): read its
+                # identity afresh, not at the next static read minutes later, so the old UUID's
+                # series go and the new one's come. Checked at the slow cadence: one cheap call.
+                log.warning("GPU %d changed UUID (was %s): reading it afresh", gpu.index, gpu.uuid)
+                gpu.static = gpu.slow = None
             if static_due or gpu.static is None:
                 self._read_static(gpu, wall)
             if gpu.uuid is None or gpu.static is None:

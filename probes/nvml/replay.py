@@ -223,10 +223,17 @@ class ReplayBackend(Backend):
     processes_per_gpu=K presents K processes per GPU cloned from the recorded ones, with distinct
     pids. `inject` lists Faults; add_fault() and send_xid() act mid-run. Calls the recording never
     saw answer NOT_SUPPORTED and are listed in `unrecorded`; `asked` counts calls by (op, gpu).
+
+    `control` (test tooling, for faults injected into a running agent process) names a JSON file
+    re-read at each tick when it changed: {"faults": [{"op", "gpu", "error", "delay"}, ...],
+    "uuid_generation": N}. Its faults hold while they are in the file, whatever the tick; a
+    uuid_generation other than 0 presents other UUIDs from then on (a MIG reconfiguration, a GPU
+    swapped). The agent passes GPUWATCH_TEST_NVML_CONTROL here, and only when replaying.
     """
 
     def __init__(self, path: str | Path, gpus: int | None = None, processes_per_gpu: int | None = None,
-                 inject: list[Fault] | tuple[Fault, ...] | None = None, event_wait_s: float = 0.05) -> None:
+                 inject: list[Fault] | tuple[Fault, ...] | None = None, event_wait_s: float = 0.05,
+                 control: str | Path | None = None) -> None:
         super().__init__()
         data = json.loads(Path(path).read_text())
         if data.get("format") != FORMAT:
@@ -251,6 +258,11 @@ class ReplayBackend(Backend):
         self._event_arrived = threading.Condition(self._lock)
         self.asked: Counter = Counter()
         self.unrecorded: set[tuple] = set()
+        self._control = Path(control) if control else None
+        self._control_stamp: tuple | None = None
+        self._control_faults: list[Fault] = []
+        self._uuid_generation = 0
+        self._read_control()
 
     # ---- test controls -----------------------------------------------------------------------
     @property
@@ -269,14 +281,34 @@ class ReplayBackend(Backend):
 
     # ---- Backend -------------------------------------------------------------------------------
     def begin_tick(self) -> None:
+        self._read_control()
         with self._lock:
             self._ticks.begin()
+
+    def _read_control(self) -> None:
+        if self._control is None:
+            return
+        try:
+            st = self._control.stat()
+            stamp: tuple | None = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if stamp == self._control_stamp:
+            return
+        data = json.loads(self._control.read_text() or "{}") if stamp else {}
+        faults = [Fault(op=f.get("op", "*"), gpu=f.get("gpu"), error=f.get("error"), delay=f.get("delay", 0.0))
+                  for f in data.get("faults", [])]
+        with self._lock:
+            self._control_stamp = stamp
+            self._control_faults = faults
+            self._uuid_generation = int(data.get("uuid_generation", 0))
 
     def _call(self, op: str, gpu: int | None, args: tuple) -> Any:
         with self._lock:
             tick = self._ticks.tick
             self.asked[(op, gpu)] += 1
             faults = [f for f in self._faults if f.matches(op, gpu, tick)]
+            faults += [f for f in self._control_faults if f.matches(op, gpu, 0)]
         for fault in faults:
             if fault.delay:
                 time.sleep(fault.delay)
@@ -346,6 +378,8 @@ class ReplayBackend(Backend):
         """Make clones look like distinct GPUs and processes."""
         if gpu is None or source is None:
             return value
+        if op == "uuid" and self._uuid_generation:
+            return "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"{value}/{gpu}/{self._uuid_generation}"))
         clone = gpu // len(self._recorded)
         if clone and op == "uuid":
             return "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_OID, f"{value}/{gpu}"))
