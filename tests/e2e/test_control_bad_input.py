@@ -28,13 +28,14 @@ def agent(tmp_path_factory):
     a = Agent(tmp_path_factory.mktemp("ctl"), "--nvml-replay", str(FIXTURE), "--no-ebpf", "--no-cupti-sampling",
               "--no-baseline", "--no-otlp")
     a.metrics()
-    end = time.monotonic() + 20
-    while time.monotonic() < end:
+    end = time.monotonic() + 30
+    while time.monotonic() < end:  # until the first snapshot with the replayed GPU is out
         try:
-            call(str(a.socket), "ping")
-            break
+            if call(str(a.socket), "status")["gpus"] and "hw_power_watts" in a.metrics(5):
+                break
         except ControlError:
-            time.sleep(0.1)
+            pass
+        time.sleep(0.1)
     yield a
     assert a.stop() == 0, a.output()
     assert "Traceback" not in a.output(), a.output()

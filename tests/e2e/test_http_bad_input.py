@@ -27,7 +27,9 @@ def agent(tmp_path_factory):
 
     a = Agent(tmp_path_factory.mktemp("http"), "--nvml-replay", str(FIXTURE), "--no-ebpf", "--no-cupti-sampling",
               "--no-baseline")
-    a.metrics()
+    end = time.monotonic() + 30
+    while "hw_power_watts" not in a.metrics() and time.monotonic() < end:
+        time.sleep(0.1)  # until the first snapshot with the replayed GPU is out
     yield a
     assert a.stop() == 0, a.output()
     assert "Traceback" not in a.output(), a.output()
