@@ -112,3 +112,25 @@ def test_usage_errors_exit_2(args):
     r = trace(*args)
     assert r.returncode == 2, r
     assert "Error:" in r.stderr or "Usage:" in r.stderr, r.stderr
+
+
+_NAMED = """
+import ctypes, sys, time
+ctypes.CDLL(None).prctl(15, ctypes.c_char_p(bytes.fromhex(sys.argv[1])), 0, 0, 0)  # PR_SET_NAME
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("name", [b"\x1b[31mred", b"two\nlines", b'q"uo\\te (x)', b"bad\xff\xfeutf8"])
+def test_a_hostile_process_name_cannot_forge_terminal_output(name):
+    p = subprocess.Popen([sys.executable, "-c", _NAMED, name.hex()], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "ready\n"
+        r = trace("--pid", str(p.pid))
+    finally:
+        p.kill()
+        p.wait()
+    assert r.returncode == 1, r
+    (line,) = r.stderr.splitlines()  # one line: no newline smuggled in
+    assert "\x1b" not in line and f"process {p.pid} (" in line and "does not use CUDA" in line, line
