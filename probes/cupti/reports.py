@@ -43,6 +43,15 @@ def _num(obj: Any, key: str, where: str, integer: bool = False) -> float:
     return int(v) if integer else float(v)
 
 
+def _process_label(name: str) -> str:
+    """The name a process gave for itself, as the NVML and eBPF probes name the same process (its
+    comm, sanitised): one `process` label value across probes, and nothing a client chose that
+    could forge terminal output in `gpuwatch status` or break a label."""
+    from gpuwatch.probes.nvml.probe import sanitise_process_name
+
+    return sanitise_process_name(name) if name else "unknown"
+
+
 def _str(obj: dict, key: str, where: str, limit: int = 512) -> str:
     v = obj.get(key, "")
     if not isinstance(v, str):
@@ -142,7 +151,7 @@ class Report:
                         "allocated": int(_num(m, "allocated", "memory", True)),
                         "reserved": int(_num(m, "reserved", "memory", True)), "ts": _num(m, "ts", "memory")}
                        for m in _list(raw, "memory", 64))
-        return cls(pid=pid, uid=uid, process=_str(raw, "process", "report", 64) or "unknown", received=received,
+        return cls(pid=pid, uid=uid, process=_process_label(_str(raw, "process", "report", 64)), received=received,
                    started=_num(raw, "started", "report"), state=state, reason=_str(cupti, "reason", "cupti", 1024),
                    mode=_str(cupti, "mode", "cupti", 64), observed_seconds=_num(cupti, "observed_seconds", "cupti"),
                    records=int(_num(cupti, "records", "cupti", True)),
