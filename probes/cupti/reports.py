@@ -52,6 +52,12 @@ def _process_label(name: str) -> str:
     return sanitise_process_name(name) if name else "unknown"
 
 
+def _printable(text: str) -> str:
+    """A kernel name as the eBPF probe shows one: what is not printable (newlines, terminal escape
+    sequences, lone surrogates) as "?", since it reaches findings and terminals."""
+    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text)
+
+
 def _str(obj: dict, key: str, where: str, limit: int = 512) -> str:
     v = obj.get(key, "")
     if not isinstance(v, str):
@@ -135,7 +141,7 @@ class Report:
                     raise ReportError(f"{where}.{key} must be three non-negative integers")
                 dims.append(tuple(v))
             kernels.append(Kernel(
-                _str(k, "name", where), int(_num(k, "device", where, True)), _str(k, "uuid", where, 64),
+                _printable(_str(k, "name", where)), int(_num(k, "device", where, True)), _str(k, "uuid", where, 64),
                 int(_num(k, "launches", where, True)), _num(k, "gpu_seconds", where),
                 _num(k, "min_seconds", where), _num(k, "max_seconds", where), dims[0], dims[1],
                 int(_num(k, "registers", where, True)), int(_num(k, "static_shared_memory", where, True)),

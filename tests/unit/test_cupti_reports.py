@@ -138,3 +138,10 @@ def test_the_process_name_a_client_sends_is_named_as_the_other_probes_name_it(na
 
     r = R.Report.parse(report(process=name), pid=7, received=2.0)
     assert r.process == label and (not name or r.process == sanitise_process_name(name))
+
+
+def test_kernel_names_from_a_client_are_made_printable():
+    bad = report()
+    bad["kernels"][0]["name"] = "void k<\"x\">(float*)\n\x1b[2J\udcff"
+    r = R.Report.parse(bad, pid=7, received=2.0)
+    assert r.kernels[0].name == 'void k<"x">(float*)??[2J?' or r.kernels[1].name == 'void k<"x">(float*)??[2J?'
