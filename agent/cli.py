@@ -376,9 +376,15 @@ def _print_status(st: dict) -> None:
         console.print(f"[red]store write errors: {store['write_errors']} (see the agent's log)[/red]")
 
 
+def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and value != value:  # FloatRange lets NaN through: every comparison is false
+        raise click.BadParameter("nan is not a number of seconds")
+    return value
+
+
 @main.command(context_settings=CONTEXT)
 @click.option("--pid", "pid", required=True, type=int, metavar="PID", help="The running process to trace.")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), callback=_not_nan, metavar="SECONDS",
               help="Stop after this long (default: until Ctrl-C or the process exits).")
 @click.option("--summary-json", "summary_json", metavar="FILE", type=click.Path(dir_okay=False),
               help="Write the summary as JSON to FILE when the trace ends.")
@@ -392,8 +398,8 @@ def _print_status(st: dict) -> None:
 @click.option("--library", metavar="PATH", type=click.Path(dir_okay=False),
               help="Attach to this libcuda file (default: every libcuda.so the process maps).")
 @click.option("--wait", is_flag=True, help="If the process has not loaded libcuda yet, wait until it does.")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), metavar="SECONDS",
-              help="Seconds between refreshes of the live view.")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), callback=_not_nan,
+              metavar="SECONDS", help="Seconds between refreshes of the live view.")
 @config_option
 @click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
               help="Control socket of the running agent, used when not root (default: from the config).")
@@ -518,7 +524,7 @@ def debug() -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False, writable=True), help="Output JSON file.")
 @click.option("--ticks", default=5, show_default=True, type=click.IntRange(1, 1000),
               help="Probe collections to record.")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.05, 60),
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.05, 60), callback=_not_nan,
               help="Seconds between collections.")
 def record_nvml(out: str, ticks: int, interval: float) -> None:
     """Record every NVML call the probe makes, with its answer or error, for replay in tests."""

@@ -519,6 +519,8 @@ def _read(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         msg = str(e).replace("(at end of document)", f"(at the end of the file, line {text.count(chr(10)) + 1})")
         raise ConfigError(path, None, f"invalid TOML: {msg}") from None
+    except RecursionError:  # tomllib recurses once per nested array or inline table
+        raise ConfigError(path, None, "invalid TOML: arrays or tables nested too deeply") from None
 
 
 def _from_file(path: str, doc: dict[str, Any]) -> dict[str, Any]:

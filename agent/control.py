@@ -317,6 +317,8 @@ class ControlServer:
             req = json.loads(line)
         except ValueError as e:
             raise ControlError(f"malformed request: not JSON ({e})") from None
+        except RecursionError:  # json recurses once per nested array or object
+            raise ControlError("malformed request: JSON nested too deeply") from None
         if not isinstance(req, dict):
             raise ControlError("malformed request: expected a JSON object")
         method = req.get("method")

@@ -446,6 +446,20 @@ class Daemon:
                 exp.shutdown()
             raise DaemonError(str(e)) from None
 
+    def _log_missing_capabilities(self) -> None:
+        """Say at start which probe, or which part of one, is off for which missing capability."""
+        from gpuwatch.agent import doctor
+
+        mask = doctor.effective_caps()
+        if mask is None:
+            return
+        wanted = {"eBPF probe": self.cfg.ebpf.enabled, "eBPF probe, other users' processes": self.cfg.ebpf.enabled,
+                  "eBPF probe, containers": self.cfg.ebpf.enabled, "control.group": bool(self.cfg.control.group),
+                  "CUPTI sampling with RmProfilingAdminOnly=1": False}  # the sampler reports this itself
+        for what, needs, effect in doctor.missing_capabilities(mask):
+            if wanted.get(what, True):
+                log.warning("missing capability %s (%s): %s", needs, what, effect)
+
     def run(self) -> int:
         # Handlers first: a SIGTERM as soon as the port answers must still stop us cleanly.
         signal.signal(signal.SIGTERM, lambda *_: self._stop())
@@ -457,6 +471,7 @@ class Daemon:
         watchdog = sdnotify.Watchdog()
         self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY
         sdnotify.ready()
+        self._log_missing_capabilities()
         log.info("gpuwatch %s started on %s (state %s, control socket %s)", __version__,
                  socket.gethostname(), self.cfg.agent.state_dir, self.cfg.control.socket)
         try:

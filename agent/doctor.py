@@ -32,9 +32,32 @@ from dataclasses import dataclass
 DEFAULT_SOCKET_PATH = "/run/gpuwatch/control.sock"
 
 # Linux capability numbers (include/uapi/linux/capability.h).
+CAP_CHOWN = 0
+CAP_DAC_READ_SEARCH = 2
+CAP_NET_BIND_SERVICE = 10
+CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
+CAP_NAMES = {CAP_CHOWN: "CAP_CHOWN", CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH",
+             CAP_NET_BIND_SERVICE: "CAP_NET_BIND_SERVICE", CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
+             CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF"}
+
+# Which part of gpuwatch needs which capability (docs/security.md has the same table, and
+# tests/unit/test_doctor.py checks that the two and systemd/gpuwatch.service agree).
+# (what, capability sets of which any one suffices, what is off without them)
+CAPABILITY_NEEDS: tuple[tuple[str, tuple[tuple[int, ...], ...], str], ...] = (
+    ("eBPF probe", ((CAP_BPF, CAP_PERFMON), (CAP_SYS_ADMIN,)),
+     "the eBPF probe is off: no CUDA API counts, no live allocations, `gpuwatch trace` only through an agent"),
+    ("eBPF probe, other users' processes", ((CAP_SYS_PTRACE,),),
+     "libcuda is not found in other users' processes (/proc/PID/maps): their CUDA calls are not counted"),
+    ("eBPF probe, containers", ((CAP_DAC_READ_SEARCH,),),
+     "libcuda inside other users' containers (/proc/PID/root/...) cannot be opened to attach to"),
+    ("CUPTI sampling with RmProfilingAdminOnly=1", ((CAP_SYS_ADMIN,),),
+     "device-wide profiling counters are off (see the GPU profiling permission check)"),
+    ("control.group", ((CAP_CHOWN,),),
+     "the control socket cannot be given to control.group: only root can use it"),
+)
 
 
 
@@ -190,6 +213,33 @@ def check_bpf_caps(status_text: str | None = None) -> Check:
                  "users' /proc/PID/maps)")
 
 
+def missing_capabilities(mask: int) -> list[tuple[str, str, str]]:
+    """(what, the capabilities it needs, what is off) for each need in CAPABILITY_NEEDS not met by mask."""
+    out = []
+    for what, alternatives, effect in CAPABILITY_NEEDS:
+        if not any(all(has_cap(mask, c) for c in caps) for caps in alternatives):
+            needs = " or ".join("+".join(CAP_NAMES[c] for c in caps) for caps in alternatives)
+            out.append((what, needs, effect))
+    return out
+
+
+def check_capabilities(status_text: str | None = None) -> Check:
+    """Every capability a probe needs, and which probe (or part) is off for each that is missing.
+    Informational (None) when some are missing: the probes go on without them, and the BPF
+    capability check already fails when eBPF cannot run at all."""
+    name = "capabilities"
+    mask = effective_caps(status_text)
+    if mask is None:
+        return Check(name, False, "cannot read CapEff from /proc/self/status", "run on Linux with /proc mounted")
+    missing = missing_capabilities(mask)
+    if not missing:
+        return Check(name, True, f"CapEff={mask:#x}: every capability the probes use is held")
+    return Check(name, None, f"CapEff={mask:#x}: " + "; ".join(f"{what}: needs {needs}: {effect}"
+                                                              for what, needs, effect in missing),
+                 "run as root with the systemd unit's CapabilityBoundingSet (systemd/gpuwatch.service), "
+                 "or grant what is listed (e.g. AmbientCapabilities=)")
+
+
 def check_perf_event_paranoid() -> Check:
     name = "perf_event_paranoid"
     raw = _read("/proc/sys/kernel/perf_event_paranoid")
@@ -337,6 +387,7 @@ def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
         ("tracefs", check_tracefs),
         ("uprobes", check_uprobes),
         ("BPF capability", check_bpf_caps),
+        ("capabilities", check_capabilities),
         ("perf_event_paranoid", check_perf_event_paranoid),
         ("unprivileged_bpf_disabled", check_unprivileged_bpf),
         ("CUPTI", None),

@@ -53,8 +53,11 @@ class TraceError(Exception):
 
 # ---- /proc -------------------------------------------------------------------------------------
 def comm(pid: int, proc: str = "/proc") -> str:
-    """The command name to show a person, "?" when it cannot be read."""
-    return loader.comm(pid, proc) or "?"
+    """The command name to show a person, "?" when it cannot be read. Any process may name itself
+    anything (prctl PR_SET_NAME): characters that are not printable (newlines, terminal escape
+    sequences) become "?", so a name cannot forge lines or colours on the terminal."""
+    name = loader.comm(pid, proc)
+    return "".join(c if c.isprintable() else "?" for c in name) if name else "?"
 
 
 def _tgid(pid: int, proc: str = "/proc") -> int | None:

@@ -197,7 +197,7 @@ class _MetricsApp:
         method, path = environ.get("REQUEST_METHOD", ""), environ.get("PATH_INFO", "")
         if method not in ("GET", "HEAD"):
             start_response("405 Method Not Allowed", [("Allow", "GET, HEAD"), ("Content-Type", "text/plain")])
-            return [f"{method} is not allowed: use GET\n".encode()]
+            return [b"method not allowed: use GET or HEAD\n"]  # not the client's bytes back
         if path == "/":
             start_response("200 OK", [("Content-Type", "text/html; charset=utf-8")])
             return [b'<html><head><title>gpuwatch</title></head><body><h1>gpuwatch</h1>'
@@ -252,6 +252,29 @@ class _QuietHandler(WSGIRequestHandler):
 
     def log_message(self, format, *args):  # noqa: A002 - scrapes are not worth a log line each
         pass
+
+    def send_error(self, code, message=None, explain=None):
+        """Requests refused before they reach the app (request line over 64 KiB: 414; a header line
+        over 64 KiB or more than 100 headers: 431; an unparsable request line: 400; HTTP/2 or
+        another version: 505). The standard library would answer a request line it cannot parse
+        without a status line (HTTP/0.9 style), put the client's words into the status line and
+        send an HTML page: here always a status line with the standard reason, a short plain-text
+        body, and the connection closed."""
+        if getattr(self, "request_version", None) == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        try:
+            reason = self.responses[code][0]
+        except KeyError:
+            reason = "Error"
+        body = f"{code} {reason}\n".encode()
+        self.close_connection = True
+        self.send_response(code, reason)
+        self.send_header("Connection", "close")
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if getattr(self, "command", None) != "HEAD":
+            self.wfile.write(body)
 
 
 class _Server(ThreadingMixIn, WSGIServer):

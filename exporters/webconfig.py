@@ -115,6 +115,8 @@ def _read_yaml(path: str) -> Any:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(path, None, f"invalid YAML{where}: {problem}") from None
+    except RecursionError:  # the composer recurses once per nested list or mapping
+        raise ConfigError(path, None, "invalid YAML: lists or mappings nested too deeply") from None
 
 
 def _table(path: str, name: str, v: Any, known: tuple[str, ...]) -> dict:

@@ -43,6 +43,21 @@ def _num(obj: Any, key: str, where: str, integer: bool = False) -> float:
     return int(v) if integer else float(v)
 
 
+def _process_label(name: str) -> str:
+    """The name a process gave for itself, as the NVML and eBPF probes name the same process (its
+    comm, sanitised): one `process` label value across probes, and nothing a client chose that
+    could forge terminal output in `gpuwatch status` or break a label."""
+    from gpuwatch.probes.nvml.probe import sanitise_process_name
+
+    return sanitise_process_name(name) if name else "unknown"
+
+
+def _printable(text: str) -> str:
+    """A kernel name as the eBPF probe shows one: what is not printable (newlines, terminal escape
+    sequences, lone surrogates) as "?", since it reaches findings and terminals."""
+    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text)
+
+
 def _str(obj: dict, key: str, where: str, limit: int = 512) -> str:
     v = obj.get(key, "")
     if not isinstance(v, str):
@@ -126,7 +141,7 @@ class Report:
                     raise ReportError(f"{where}.{key} must be three non-negative integers")
                 dims.append(tuple(v))
             kernels.append(Kernel(
-                _str(k, "name", where), int(_num(k, "device", where, True)), _str(k, "uuid", where, 64),
+                _printable(_str(k, "name", where)), int(_num(k, "device", where, True)), _str(k, "uuid", where, 64),
                 int(_num(k, "launches", where, True)), _num(k, "gpu_seconds", where),
                 _num(k, "min_seconds", where), _num(k, "max_seconds", where), dims[0], dims[1],
                 int(_num(k, "registers", where, True)), int(_num(k, "static_shared_memory", where, True)),
@@ -142,7 +157,7 @@ class Report:
                         "allocated": int(_num(m, "allocated", "memory", True)),
                         "reserved": int(_num(m, "reserved", "memory", True)), "ts": _num(m, "ts", "memory")}
                        for m in _list(raw, "memory", 64))
-        return cls(pid=pid, uid=uid, process=_str(raw, "process", "report", 64) or "unknown", received=received,
+        return cls(pid=pid, uid=uid, process=_process_label(_str(raw, "process", "report", 64)), received=received,
                    started=_num(raw, "started", "report"), state=state, reason=_str(cupti, "reason", "cupti", 1024),
                    mode=_str(cupti, "mode", "cupti", 64), observed_seconds=_num(cupti, "observed_seconds", "cupti"),
                    records=int(_num(cupti, "records", "cupti", True)),

@@ -155,8 +155,13 @@ def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
                 parts = line.split(None, 5)
                 if len(parts) < 6:
                     continue
-                path = parts[5].strip().decode(errors="replace")
-                if path.startswith("/") and not path.endswith(" (deleted)"):
+                # The kernel writes the path as it is, but for a newline (as \\012) and the
+                # line's own newline; fsdecode keeps undecodable bytes, so the path opens again.
+                raw = parts[5].rstrip(b"\n")
+                if raw.endswith(b" (deleted)"):
+                    continue
+                path = os.fsdecode(raw.replace(b"\\012", b"\n"))
+                if path.startswith("/"):
                     found[path] = None
     except OSError:
         pass

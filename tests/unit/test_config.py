@@ -303,3 +303,107 @@ def test_sample_config_is_current_and_lists_every_setting_at_its_default(tmp_pat
     for s in SETTINGS:
         assert re.search(rf"^\[{s.section}\]$", sample, re.M)
         assert re.search(rf"^#{s.key} = ", sample, re.M), s.name
+
+
+# -- anything at all in the file: ConfigError naming the file, or a config; never another exception ---
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_KEYS = sorted({s.key for s in SETTINGS}) + ["x", "intervall"]
+_SECTION_NAMES = list(dict.fromkeys(s.section for s in SETTINGS)) + ["zzz"]
+_TOML_VALUES = st.one_of(
+    st.booleans(), st.integers(), st.floats(), st.text(max_size=20),
+    st.sampled_from(["/abs/path", "127.0.0.1:1", "[::1]:0", "debug", "grpc", "root", "", "var/lib"]),
+    st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+)
+
+
+def _toml_scalar(v) -> str:
+    import json as _json
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return "nan" if v != v else ("inf" if v == float("inf") else "-inf" if v == float("-inf") else repr(v))
+    if isinstance(v, str):
+        return _json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_scalar(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{_json.dumps(k)} = {_toml_scalar(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+@st.composite
+def _toml_documents(draw) -> bytes:
+    """Structurally valid TOML over real and wrong sections, keys and value types."""
+    lines = []
+    for section in draw(st.lists(st.sampled_from(_SECTION_NAMES), max_size=4, unique=True)):
+        lines.append(f"[{section}]")
+        for key in draw(st.lists(st.sampled_from(_KEYS), max_size=4, unique=True)):
+            lines.append(f"{key} = {_toml_scalar(draw(_TOML_VALUES))}")
+    return "\n".join(lines).encode()
+
+
+def _load_or_config_error(tmp_path, data: bytes) -> None:
+    p = tmp_path / "fuzz.toml"
+    p.write_bytes(data)
+    try:
+        load(str(p), {})
+    except ConfigError as e:
+        assert e.source == str(p) and str(e).startswith(f"{p}: "), str(e)
+        assert e.reason and "Traceback" not in e.reason
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=300))
+def test_random_bytes_load_or_raise_config_error_naming_the_file(tmp_path, data):
+    _load_or_config_error(tmp_path, data)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(max_size=200))
+def test_random_text_loads_or_raises_config_error_naming_the_file(tmp_path, text):
+    _load_or_config_error(tmp_path, text.encode("utf-8", "surrogatepass"))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=_toml_documents())
+def test_random_toml_with_real_and_wrong_keys_and_types(tmp_path, doc):
+    _load_or_config_error(tmp_path, doc)
+
+
+@pytest.mark.parametrize("data, reason", [
+    (b"\xef\xbb\xbf[nvml]\ninterval = 2\n", "invalid TOML"),  # a UTF-8 byte order mark
+    (b"\x00\x01\x02\x03", "invalid TOML"),
+    (b"\xff\xfe[\x00n\x00", "not UTF-8 text"),  # UTF-16
+    (b"[nvml]\ninterval = 2\n" + b"\x80", "not UTF-8 text: byte 0x80 on line 3"),
+    (b'[agent]\nstate_dir = "/a\x00b"\n', "invalid TOML"),
+])
+def test_binary_junk(tmp_path, data, reason):
+    p = write(tmp_path, data)
+    msg = err(p)
+    assert msg.startswith(f"{p}: ") and reason in msg, msg
+
+
+def test_a_path_that_is_a_character_device_is_refused_not_read_forever(tmp_path):
+    # /dev/zero never ends: the size limit stops the read.
+    assert err("/dev/zero") == f"/dev/zero: file is larger than {config.MAX_FILE_BYTES} bytes"
+
+
+def test_unreadable_file(tmp_path):
+    p = write(tmp_path, "[nvml]\n")
+    os_chmod = __import__("os").chmod
+    os_chmod(p, 0)
+    try:
+        if __import__("os").geteuid() == 0:
+            pytest.skip("root reads any file")
+        assert err(p) == f"{p}: cannot read: Permission denied"
+    finally:
+        os_chmod(p, 0o600)
+
+
+def test_deeply_nested_toml_is_a_config_error(tmp_path):
+    p = write(tmp_path, "x = " + "[" * 5000 + "]" * 5000 + "\n")
+    msg = err(p)
+    assert msg.startswith(f"{p}: "), msg

@@ -93,6 +93,7 @@ def test_last_request_without_newline_before_half_close(server, sock_path):
     (b'{"method": "nope"}\n', "unknown method 'nope'; known methods: bad, boom, refuse, status"),
     (b'{"params": {}}\n', "unknown method None"),
     (b'\xff\xfe\n', "malformed request: not JSON"),
+    (b"[" * 50000 + b"\n", "malformed request: JSON nested too deeply"),
 ])
 def test_bad_requests_get_an_error_reply(server, sock_path, payload, error):
     (reply,) = raw(sock_path, payload)

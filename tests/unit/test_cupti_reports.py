@@ -129,3 +129,19 @@ def test_busy_processes_and_kernels_are_capped_and_the_rest_folded():
     assert len(mine) == R.KERNELS_PER_PROCESS + 1
     assert mine["other"] == sum(range(1, 6))  # the five least busy of 15
     assert launches[(("kernel", "other"), ("pid", "other"), ("process", "other"))] == 1020.0  # one process folded
+
+
+@pytest.mark.parametrize("name, label", [("python3", "python3"), ("\x1b[31mevil\n", "__31mevil_"),
+                                         ("my job (1)", "my_job__1_"), ("", "unknown"), ("pt_main_thread", "pt_main_thread")])
+def test_the_process_name_a_client_sends_is_named_as_the_other_probes_name_it(name, label):
+    from gpuwatch.probes.nvml.probe import sanitise_process_name
+
+    r = R.Report.parse(report(process=name), pid=7, received=2.0)
+    assert r.process == label and (not name or r.process == sanitise_process_name(name))
+
+
+def test_kernel_names_from_a_client_are_made_printable():
+    bad = report()
+    bad["kernels"][0]["name"] = "void k<\"x\">(float*)\n\x1b[2J\udcff"
+    r = R.Report.parse(bad, pid=7, received=2.0)
+    assert r.kernels[0].name == 'void k<"x">(float*)??[2J?' or r.kernels[1].name == 'void k<"x">(float*)??[2J?'

@@ -51,7 +51,8 @@ def run_child(call: str, *prefix: str, python: str = os.path.realpath(sys.execut
     return json.loads(out.stdout)
 
 
-EXPECTED = ["bcc (eBPF)", "kernel headers", "tracefs", "uprobes", "BPF capability", "perf_event_paranoid",
+EXPECTED = ["bcc (eBPF)", "kernel headers", "tracefs", "uprobes", "BPF capability", "capabilities",
+            "perf_event_paranoid",
             "unprivileged_bpf_disabled", "GPU profiling permission", "reference workload",
             "state directory", "control socket directory"]
 
@@ -285,3 +286,38 @@ def test_reference_workload_without_torch_is_not_applicable_with_the_install_hin
     monkeypatch.setattr(baseline, "missing", lambda: "torch not importable: " + baseline.INSTALL_HINT)
     c = doctor.check_baseline()
     assert c.ok is None and "gpuwatch[baseline]" in c.remedy and "baseline.python" in c.remedy
+
+
+def test_capability_table_agrees_with_the_systemd_unit_and_the_docs():
+    unit = (Path(__file__).resolve().parents[2] / "systemd" / "gpuwatch.service").read_text()
+    bounding = next(line for line in unit.splitlines() if line.startswith("CapabilityBoundingSet="))
+    granted = set(bounding.split("=", 1)[1].split())
+    needed = {doctor.CAP_NAMES[c] for _, alternatives, _ in doctor.CAPABILITY_NEEDS for caps in alternatives
+              for c in caps}
+    assert needed == granted, (needed, granted)
+    security = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    for what, _, _ in doctor.CAPABILITY_NEEDS:
+        assert what in security, f"docs/security.md does not list {what!r}"
+    for cap in granted:
+        assert cap in security
+
+
+def test_capabilities_all_held_and_none_held():
+    every = sum(1 << c for c in doctor.CAP_NAMES)
+    assert doctor.check_capabilities(f"CapEff:\t{every:016x}\n").ok is True
+    c = doctor.check_capabilities("CapEff:\t0000000000000000\n")
+    assert c.ok is None and c.remedy
+    for what, _, _ in doctor.CAPABILITY_NEEDS:
+        assert what in c.detail
+    # CAP_SYS_ADMIN alone does the BPF part, not the /proc parts.
+    got = [w for w, _, _ in doctor.missing_capabilities(1 << doctor.CAP_SYS_ADMIN)]
+    assert "eBPF probe" not in got and "eBPF probe, other users' processes" in got
+
+
+@needs_root
+@needs_setpriv
+def test_capabilities_say_what_is_off_with_bpf_and_perfmon_only():
+    c = run_child("mod.check_capabilities()", "setpriv", "--bounding-set=-all,+bpf,+perfmon", "--inh-caps=-all")
+    assert c["ok"] is None
+    assert "eBPF probe, other users' processes: needs CAP_SYS_PTRACE" in c["detail"]
+    assert "eBPF probe: needs" not in c["detail"]

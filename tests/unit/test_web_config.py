@@ -244,3 +244,53 @@ def test_the_example_in_docs_loads(pki, tmp_path):
     assert web.describe() == "TLS, basic auth for 1 user" and web.warnings == ()
     assert web.auth.check(basic("prometheus", "secret"))
     assert dict(web.headers)["X-Content-Type-Options"] == "nosniff"
+
+
+# -- anything in the file: ConfigError naming the file, or a web config; never another exception ---
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from gpuwatch.agent.config import ConfigError as _ConfigError  # noqa: E402
+from gpuwatch.exporters.webconfig import load_web_config as _load_web_config  # noqa: E402
+
+_WEB_KEYS = ["tls_server_config", "basic_auth_users", "http_server_config", "rate_limit", "cert_file",
+             "key_file", "client_auth_type", "headers", "min_version", "http2", "x"]
+_YAML_DOCS = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=10)),
+    lambda kids: st.one_of(st.lists(kids, max_size=3),
+                           st.dictionaries(st.one_of(st.sampled_from(_WEB_KEYS), st.text(max_size=5)), kids,
+                                           max_size=3)),
+    max_leaves=10)
+
+
+def _web_load_or_config_error(tmp_path, data: bytes) -> None:
+    p = tmp_path / "web.yml"
+    p.write_bytes(data)
+    try:
+        _load_web_config(str(p))
+    except _ConfigError as e:
+        assert e.source == str(p) and str(e).startswith(f"{p}: ") and e.reason, str(e)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=200))
+def test_random_bytes_as_web_config(tmp_path, data):
+    _web_load_or_config_error(tmp_path, data)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=_YAML_DOCS)
+def test_random_yaml_as_web_config(tmp_path, doc):
+    import yaml
+    _web_load_or_config_error(tmp_path, yaml.safe_dump(doc).encode())
+
+
+@pytest.mark.parametrize("text", ["a: " + "[" * 5000 + "]" * 5000, "&a [*a]", "!!python/object:os.system x",
+                                  "a: !!binary AAAA\n"])
+def test_hostile_yaml(tmp_path, text):
+    p = tmp_path / "web.yml"
+    p.write_text(text + "\n")
+    with pytest.raises(_ConfigError) as e:
+        _load_web_config(str(p))
+    assert str(e.value).startswith(f"{p}: ")
