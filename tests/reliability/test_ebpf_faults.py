@@ -159,6 +159,59 @@ def test_process_killed_in_the_middle_of_a_trace(world, tmp_path):
     assert not uprobe_events_mention(world["lib"])
 
 
+# ---- 7. PID reuse during a trace ------------------------------------------------------------------------
+def driver_at_pid(world, pid: int, tries: int = 50) -> Driver:
+    """driver.c started under exactly this free PID (ns_last_pid; see test_process_faults.py)."""
+    import fcntl
+
+    for _ in range(tries):
+        with open("/proc/sys/kernel/ns_last_pid", "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            f.write(str(pid - 1))
+            f.flush()
+            d = Driver(world["driver"])
+            fcntl.flock(f, fcntl.LOCK_UN)
+        if d.pid == pid:
+            return d
+        d.finish()
+    pytest.skip(f"could not get PID {pid} back")
+
+
+def test_trace_does_not_count_a_new_process_under_the_reused_pid(world, drivers, tmp_path):
+    """The traced driver runs its workload, the trace refreshes, then (the trace stopped with SIGSTOP so
+    that it cannot notice in between) the driver exits and a new driver under the same PID runs the
+    same workload. The kernel counts by PID, so a snapshot now would hold both; the summary must
+    hold the first one's calls exactly, once, and say the PID was reused."""
+    a = drivers()
+    pid = a.pid
+    out = tmp_path / "summary.json"
+    t = Trace("--pid", str(pid), "--library", world["lib"], "--summary-json", str(out), "--interval", "0.2")
+    b = None
+    try:
+        t.wait_attached()
+        a.go()
+        total = f"calls {sum(c for c, _, _ in EXPECTED.values())} "
+        assert wait_for(lambda: any(total in line for line in t.out), 15, 0.05), t.output
+        time.sleep(0.5)  # a refresh more, verified alive after it
+        t.proc.send_signal(signal.SIGSTOP)
+        assert a.finish() == 0
+        time.sleep(0.02)  # another start time (clock ticks)
+        b = driver_at_pid(world, pid)
+        b.go()
+        t.proc.send_signal(signal.SIGCONT)
+        assert t.wait(60) == 0, t.output
+    finally:
+        if t.proc.poll() is None:
+            t.proc.send_signal(signal.SIGCONT)
+        if b is not None:
+            b.finish()
+    summary = json.loads(out.read_text())
+    assert summary["ended"] == "process exited" and summary.get("pid_reused") is True, summary
+    got = {api: (x["calls"], x["errors"], x["bytes"]) for api, x in summary["apis"].items()}
+    assert got == EXPECTED  # the first driver's, once: none of the second's
+    assert f"PID {pid} now belongs to another process" in t.stderr
+
+
 # ---- 8. a target in its own PID and mount namespaces -------------------------------------------------
 def test_target_in_its_own_pid_and_mount_namespace(world, tmp_path):
     """The driver runs under `unshare --pid --mount --fork --mount-proc` with the library bind-mounted
