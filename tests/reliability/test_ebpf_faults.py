@@ -76,6 +76,12 @@ def uprobe_events_mention(lib: str) -> bool:
     return False
 
 
+def uprobe_entries() -> int:
+    """Lines in tracefs' uprobe_events: named (tracefs) uprobes on the machine."""
+    with open("/sys/kernel/tracing/uprobe_events") as f:
+        return sum(1 for line in f if line.strip())
+
+
 def patched(pid: int, lib: str) -> list[bool]:
     """Which hooked functions carry a breakpoint (a uprobe) in this process's memory."""
     return [_first_byte(pid, lib, api) == INT3 for api in HOOKED]
@@ -252,18 +258,21 @@ def test_target_in_its_own_pid_and_mount_namespace(world, tmp_path):
 # ---- 9. the daemon killed with SIGKILL with probes attached ------------------------------------------
 def test_daemon_sigkilled_leaves_no_uprobes_and_a_new_one_counts_exactly(world, drivers, tmp_path):
     witness = drivers()  # maps the library: shows whether its functions are patched
+    entries = uprobe_entries()
     a = Agent(tmp_path / "a1", "--no-nvml", "--ebpf-library", world["lib"])
     try:
         assert wait_for(lambda: series(a.metrics(), "gpuwatch_ebpf_attached", what="uprobes") or 0, 30), a.output()
         uprobes = series(a.metrics(), "gpuwatch_ebpf_attached", what="uprobes")
         assert uprobes > 0 and all(patched(witness.pid, world["lib"]))
+        # bcc's perf-event uprobes are no named tracefs entries: nothing there to leave behind
+        assert uprobe_entries() == entries
         a.proc.kill()  # SIGKILL: no detach at all
         a.proc.wait(10)
     finally:
         a.stop()
     # bcc attaches uprobes as perf events: the kernel removes each when its last descriptor closes
     assert wait_for(lambda: not any(patched(witness.pid, world["lib"])), 60), "uprobes left behind"
-    assert not uprobe_events_mention(world["lib"])
+    assert not uprobe_events_mention(world["lib"]) and uprobe_entries() == entries
     b = Agent(tmp_path / "a2", "--no-nvml", "--ebpf-library", world["lib"])
     try:
         assert wait_for(lambda: series(b.metrics(), "gpuwatch_ebpf_attached", what="uprobes") == uprobes, 30), \
