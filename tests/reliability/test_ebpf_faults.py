@@ -128,9 +128,11 @@ def test_process_exits_while_the_trace_attaches(world, drivers):
     rc = t.wait(60)
     if "tracing PID" in t.stderr:  # it attached before the kill took: then the exit ends the trace
         assert rc == 0 and "ended: process exited" in t.stdout, t.output
+        print("the probe attached before the kill took effect: the exit ended the trace")
     else:
         assert rc == 1, t.output
         assert f"Error: process {d.pid} (driver) exited before the probe attached" in t.stderr, t.stderr
+        print("the process exited while the probe compiled/attached: exit status 1 with the reason")
     assert "Traceback" not in t.stderr
     assert not uprobe_events_mention(world["lib"])
 
