@@ -19,7 +19,6 @@ series, gpuwatch.build becomes the resource's service.version.
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 import json
 import logging
