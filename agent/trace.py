@@ -86,6 +86,12 @@ def alive(pid: int, start_time: int, proc: str = "/proc") -> bool:
     return st is not None and st.state not in ("Z", "X", "x") and st.start_time == start_time
 
 
+def pid_reused(pid: int, start_time: int, proc: str = "/proc") -> bool:
+    """Another process runs under the PID now (the traced one has exited)."""
+    st = loader.read_stat(pid, proc)
+    return st is not None and st.state not in ("Z", "X", "x") and st.start_time != start_time
+
+
 def _privileged() -> bool:
     return loader.has_privileges()
 
@@ -813,7 +819,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                   f"{', '.join(lib['path'] for lib in libs)} (ready in {time.monotonic() - t_compile:.1f} s)"
                   + (f" for {duration:g} s" if duration else "") + "; Ctrl-C to stop", highlight=False)
 
-        ended, t0 = _loop(probe, target, duration, interval, out, live_tty, uprobes)
+        ended, t0, verified = _loop(probe, target, duration, interval, out, live_tty, uprobes)
         elapsed = time.monotonic() - t0
         # From here on a second Ctrl-C or SIGTERM neither costs the summary nor leaves the probes
         # half detached: the summary takes milliseconds, the detach a few seconds (said on stderr).
@@ -821,8 +827,16 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         events = probe.stop_events() if raw_events else None  # first: the last events are in the snapshot
-        final = probe.snapshot(pid)  # after the end: everything the process did until then
+        # PID reused: the kernel counts by PID, so a snapshot now would add the new process's calls to
+        # the traced one's. Then the counts end at the last refresh known to be the traced process's.
+        reused = ended == "process exited" and pid_reused(pid, target.start_time)
+        final = (verified or {}) if reused else probe.snapshot(pid)  # after the end: all it did until then
         summary = summarize(final, pid=pid, process=target.process, duration=elapsed, ended=ended)
+        if reused:
+            summary["pid_reused"] = True
+            err.print(f"PID {pid} now belongs to another process: the counts end at the last refresh before "
+                      f"{target.process} exited, so that none of the new process's calls are counted",
+                      highlight=False)
         if events is not None:
             summary["events"] = events
         out.print(render_summary(summary))
@@ -920,10 +934,11 @@ def _main_thread() -> bool:
 
 
 def _loop(probe, target: Target, duration: float | None, interval: float, out, live_tty: bool,
-          uprobes: int) -> tuple[str, float]:
+          uprobes: int) -> tuple[str, float, dict | None]:
     """Refresh until the duration is up, Ctrl-C/SIGTERM, or the process is gone.
 
-    Returns (why it ended, when it started)."""
+    Returns (why it ended, when it started, the last snapshot known to hold only the traced
+    process's calls: taken while it was alive, as checked after taking it)."""
     pid = target.pid
     step = min(0.2, interval)
     t0 = time.monotonic()
@@ -941,11 +956,14 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
         while True:
             now = time.monotonic()
             if not alive(pid, target.start_time):
-                return "process exited", t0
+                return "process exited", t0, snap
             if deadline is not None and now >= deadline:
-                return "duration", t0
+                return "duration", t0, snap
             if now >= next_tick:
-                snap = probe.snapshot(pid)
+                taken = probe.snapshot(pid)
+                if not alive(pid, target.start_time):
+                    return "process exited", t0, snap
+                snap = taken
                 dt, elapsed = now - last_t, now - t0
                 if live is not None:
                     live.update(render_live(snap, previous, dt, elapsed, pid=pid, process=target.process,
@@ -959,7 +977,7 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
             wake = min(next_tick, deadline if deadline is not None else next_tick, now + step)
             time.sleep(max(0.0, wake - time.monotonic()))
     except (KeyboardInterrupt, _Stop):
-        return "interrupted", t0
+        return "interrupted", t0, snap
     finally:
         if live is not None:
             live.stop()

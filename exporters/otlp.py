@@ -18,6 +18,7 @@ series, gpuwatch.build becomes the resource's service.version.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -169,7 +170,35 @@ def _sdk_pieces(protocol: str, endpoint: str, headers: Mapping[str, str], certif
               meter_provider=self_meters)
     made = {"metrics": (OTLPMetricExporter, "/v1/metrics"), "logs": (OTLPLogExporter, "/v1/logs"),
             "spans": (OTLPSpanExporter, "/v1/traces")}
-    return [made[sig][0](endpoint=base + made[sig][1], **kw) for sig in signals]
+    return [_failures_with_status_counted(made[sig][0](endpoint=base + made[sig][1], **kw)) for sig in signals]
+
+
+class HttpStatusError(Exception):
+    """An OTLP/HTTP export that ended in an error status (after the SDK's retries)."""
+
+
+def _failures_with_status_counted(exporter):
+    """The SDK (1.45) counts an export that ended in an HTTP error status — 429 or 503 after its
+    retries, 400 — as exported: the result has the status but no exception, and only an exception
+    makes its own counter say error.type. Such a result gets an exception here, so that
+    gpuwatch_otlp_items_total counts it failed (found by tests/reliability/test_otlp_faults.py)."""
+    client = getattr(exporter, "_client", None)
+    export = getattr(client, "export", None)
+    if export is None:
+        return exporter
+
+    def counted(data):
+        result = export(data)
+        if not getattr(result, "success", True) and getattr(result, "error", 0) is None:
+            try:
+                result = dataclasses.replace(result, error=HttpStatusError(
+                    f"HTTP {result.status_code} {result.reason or ''}".strip()))
+            except (TypeError, ValueError):
+                pass
+        return result
+
+    client.export = counted
+    return exporter
 
 
 def _resource():

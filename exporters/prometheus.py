@@ -247,8 +247,37 @@ _PLAIN_HTTP_ANSWER = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; ch
                       b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")
 
 
+# The request line and headers, all of them, must arrive within this many seconds. The per-read
+# timeout above never fires for a client that trickles a byte a second (each read gets its byte),
+# so without a deadline over the whole request such a client would hold its thread for ever.
+REQUEST_TIMEOUT = 10.0
+
+
 class _QuietHandler(WSGIRequestHandler):
     timeout = CONNECTION_TIMEOUT
+    request_timeout = REQUEST_TIMEOUT
+
+    def setup(self) -> None:
+        super().setup()
+        self._slow = threading.Timer(self.request_timeout, self._drop_slow_client)
+        self._slow.daemon = True
+        self._slow.start()
+
+    def _drop_slow_client(self) -> None:
+        # The base socket's shutdown (also for TLS): the blocked read returns, the handler ends.
+        try:
+            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # has read the headers: the request arrived in time
+        self._slow.cancel()
+        return ok
+
+    def finish(self) -> None:
+        self._slow.cancel()
+        super().finish()
 
     def log_message(self, format, *args):  # noqa: A002 - scrapes are not worth a log line each
         pass

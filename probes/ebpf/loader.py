@@ -37,22 +37,38 @@ BCC_REMEDY = ("bcc is not importable: install Debian's python3-bpfcc (`apt-get i
 
 
 # ---- environment -------------------------------------------------------------------------------
-def _effective_caps() -> int:
+def _effective_caps() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:"):
                 return int(line.split()[1], 16)
     except OSError:
         pass
-    return 0
+    return None
+
+
+def missing_capabilities() -> list[str]:
+    """The capabilities this process lacks to load BPF programs and attach uprobes ([] when none).
+
+    Checked for root too: root in a container, or under a unit or `setpriv`/`capsh` that dropped them,
+    has uid 0 but not the capabilities, and bcc would then fail later with an obscure error."""
+    caps = _effective_caps()
+    if caps is None:  # no /proc/self/status: judge by the uid, as before
+        return [] if os.geteuid() == 0 else ["CAP_BPF", "CAP_PERFMON"]
+    if caps >> CAP_SYS_ADMIN & 1:
+        return []
+    return [name for name, cap in (("CAP_BPF", CAP_BPF), ("CAP_PERFMON", CAP_PERFMON)) if not caps >> cap & 1]
 
 
 def has_privileges() -> bool:
-    if os.geteuid() == 0:
-        return True
-    caps = _effective_caps()
-    has = lambda cap: bool(caps >> cap & 1)  # noqa: E731
-    return has(CAP_SYS_ADMIN) or (has(CAP_BPF) and has(CAP_PERFMON))
+    return not missing_capabilities()
+
+
+def privileges_message(missing: list[str]) -> str:
+    who = ("it runs as root, but without " if os.geteuid() == 0 else "this process lacks ") + " and ".join(missing)
+    return ("the eBPF probe needs root or the capabilities CAP_BPF and CAP_PERFMON (CAP_SYS_ADMIN before "
+            f"Linux 5.8); {who}: run the agent as root with its capabilities, as the systemd unit does "
+            "(AmbientCapabilities/CapabilityBoundingSet must keep CAP_BPF CAP_PERFMON)")
 
 
 def kernel_headers() -> str | None:
@@ -99,9 +115,9 @@ def check_environment() -> None:
             import bcc  # noqa: F401
     except ImportError:
         raise ProbeUnavailable(BCC_REMEDY) from None
-    if not has_privileges():
-        raise ProbeUnavailable("the eBPF probe needs root or the capabilities CAP_BPF and CAP_PERFMON "
-                               "(CAP_SYS_ADMIN before Linux 5.8): run the agent as root, as the systemd unit does")
+    missing = missing_capabilities()
+    if missing:
+        raise ProbeUnavailable(privileges_message(missing))
     if kernel_headers() is None:
         release = platform.release()
         raise ProbeUnavailable(
