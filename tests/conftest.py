@@ -23,6 +23,17 @@ def load_script(name: str):
     return module
 
 
+def wait_for(cond, timeout: float, step: float = 0.02):
+    """cond()'s first true value within timeout, else its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step)
+    return cond()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

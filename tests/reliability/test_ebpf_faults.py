@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FIXTURE, Agent
+from tests.conftest import FIXTURE, Agent, wait_for
 from tests.ebpf.conftest import Driver, _build
 from tests.ebpf.test_ebpf_cuda import EXPECTED, _first_byte
 from tests.ebpf.test_trace_cli import Trace
@@ -85,16 +85,6 @@ def uprobe_entries() -> int:
 def patched(pid: int, lib: str) -> list[bool]:
     """Which hooked functions carry a breakpoint (a uprobe) in this process's memory."""
     return [_first_byte(pid, lib, api) == INT3 for api in HOOKED]
-
-
-def wait_for(cond, timeout: float, step: float = 0.1):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    return cond()
 
 
 def scrape(url: str) -> tuple[str, float]:

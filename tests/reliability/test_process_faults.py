@@ -28,20 +28,12 @@ from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.cupti.arbitration import Arbiter
 from gpuwatch.probes.cupti.devicewide import CuptiSamplerProbe
 from gpuwatch.probes.ebpf import loader
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_SAMPLER = ROOT / "tests" / "fixtures" / "fake_cupti_sampler.py"
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
 
-
-def wait_for(cond, timeout: float, step: float = 0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    return cond()
 
 
 # ---- 7. PID reuse ----------------------------------------------------------------------------------

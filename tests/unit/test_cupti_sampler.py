@@ -24,21 +24,13 @@ from gpuwatch.agent.config import ConfigError, load
 from gpuwatch.probes.cupti import doctor as cupti_doctor
 from gpuwatch.probes.cupti.arbitration import Arbiter, parse_names
 from gpuwatch.probes.cupti.devicewide import STATUS_FILE, CuptiSamplerProbe, child_env
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = ROOT / "tests" / "fixtures" / "fake_cupti_sampler.py"
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
 HAVE_CUPTI = importlib.util.find_spec("cupti") is not None
 
-
-def wait_for(cond, timeout: float, step: float = 0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    return cond()
 
 
 def alive(pid: int) -> bool:
