@@ -266,8 +266,8 @@ class Runner:
             # Probes re-emit slow and static values between reads; history only needs each point once.
             if not straddles_step:
                 self.history.append(payload, newer_than=slot.appended_until)
-            if payload and not straddles_step:
-                slot.appended_until = max(slot.appended_until, max(s.ts for s in payload))
+                if payload:
+                    slot.appended_until = max(slot.appended_until, max(s.ts for s in payload))
             for ev in events:
                 self._add_event(ev)
         else:

@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
+from gpuwatch.agent.trace import fmt_bytes
 
 WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"
@@ -206,13 +207,6 @@ class _Process:
 
 def _latest(points: list[tuple[float, float]]) -> float | None:
     return points[-1][1] if points else None
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
 
 
 def fmt_duration(seconds: float) -> str:

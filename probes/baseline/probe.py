@@ -31,7 +31,6 @@ log = logging.getLogger("gpuwatch.baseline")
 EXIT_SKIPPED = 3  # workload.EXIT_SKIPPED (not imported: that module needs torch)
 BUSY_RETRY = 600.0
 OUTPUT_LIMIT = 1 << 20
-RESULTS = ("ok", "slower", "below_sku", "wrong", "skipped", "failed")
 
 # A Python other than the agent's (baseline.python) imports gpuwatch from the agent's installation:
 # the subpackages' directories come as JSON in argv[1]; nothing is written anywhere.

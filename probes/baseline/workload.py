@@ -93,13 +93,12 @@ class Conditions(threading.Thread):
         }
 
 
-def _nvml_handle(dev: torch.device):
-    """NVML's handle for torch's device (by UUID: CUDA_VISIBLE_DEVICES may renumber), or None."""
+def _nvml_handle(uuid: str):
+    """NVML's handle for the GPU torch calls `uuid` (by UUID: CUDA_VISIBLE_DEVICES may renumber), or None."""
     try:
         import pynvml as N
         N.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(dev).uuid)
-        return N.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        return N.nvmlDeviceGetHandleByUUID(uuid)
     except Exception:  # noqa: BLE001 - NVML missing or the UUID form unknown: run without conditions
         return None
 
@@ -136,7 +135,8 @@ def run(gpu: int = 0, shape: tuple[int, int, int] = DEFAULT_SHAPE, seed: int = 0
     are drawn with `tile_seed`, by default a new one each run, so runs look at other tiles."""
     dev = torch.device("cuda", gpu)
     torch.cuda.set_device(dev)
-    handle = _nvml_handle(dev)
+    props = torch.cuda.get_device_properties(dev)
+    handle = _nvml_handle(_uuid(props))
     if handle is not None and not force:
         pids = compute_pids(handle)
         if pids:
@@ -185,10 +185,9 @@ def run(gpu: int = 0, shape: tuple[int, int, int] = DEFAULT_SHAPE, seed: int = 0
 
     flop = 2.0 * m * n * k
     med = {name: statistics.median(v) for name, v in times.items()}
-    spread = {name: (max(v) - min(v)) / statistics.median(v) for name, v in times.items()}
+    spread = {name: (max(v) - min(v)) / med[name] for name, v in times.items()}
     cond = conditions.during(windows["fused"]) if conditions else {}
     cond_copy = conditions.during(windows["copy"]) if conditions else {}
-    props = torch.cuda.get_device_properties(dev)
     # Per block: the fused kernel's FLOP per SM cycle at the clock NVML read during that block
     # (under a power cap the clock moves within tens of ms), then the median of the blocks.
     per_cycle = []
