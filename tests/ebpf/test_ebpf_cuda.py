@@ -387,13 +387,22 @@ INT3 = 0xCC
 SHUTDOWN_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuMemAlloc_v2", "cuMemFree_v2")
 
 
-def _uprobes_installed(pid: int, lib: str) -> list[bool]:
-    return [_first_byte(pid, lib, api) == INT3 for api in SHUTDOWN_APIS]
+def _uprobes_installed(pid: int, lib: str, apis=SHUTDOWN_APIS) -> list[bool]:
+    """Which of these functions carry a breakpoint (a uprobe) in this process's memory."""
+    return [_first_byte(pid, lib, api) == INT3 for api in apis]
 
 
 def _uprobe_events_mention(lib: str) -> bool:
-    with open("/sys/kernel/tracing/uprobe_events") as f:
-        return lib in f.read()
+    """Whether tracefs' uprobe_events names the library or its directory (a named uprobe left behind)."""
+    for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        try:
+            with open(f"{d}/uprobe_events") as f:
+                text = f.read()
+        except OSError:
+            continue
+        if lib in text or os.path.basename(os.path.dirname(lib)) in text:
+            return True
+    return False
 
 
 def test_shutdown_without_waiting_detaches_in_the_background(fake_cuda_private, drivers):

@@ -25,13 +25,12 @@ import pytest
 
 from tests.conftest import FIXTURE, Agent, wait_for
 from tests.ebpf.conftest import Driver, _build
-from tests.ebpf.test_ebpf_cuda import EXPECTED, _first_byte
+from tests.ebpf.test_ebpf_cuda import EXPECTED, _uprobe_events_mention, _uprobes_installed
 from tests.ebpf.test_trace_cli import Trace
 
 pytestmark = pytest.mark.root
 
 SCRAPE_BOUND = 2.0
-INT3 = 0xCC
 HOOKED = ("cuLaunchKernel", "cuMemAlloc_v2", "cuMemFree_v2", "cuStreamSynchronize")
 
 
@@ -65,26 +64,10 @@ def drivers(world):
         d.finish()
 
 
-def uprobe_events_mention(lib: str) -> bool:
-    for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
-        try:
-            with open(f"{d}/uprobe_events") as f:
-                if lib in f.read() or os.path.basename(os.path.dirname(lib)) in f.read():
-                    return True
-        except OSError:
-            pass
-    return False
-
-
 def uprobe_entries() -> int:
     """Lines in tracefs' uprobe_events: named (tracefs) uprobes on the machine."""
     with open("/sys/kernel/tracing/uprobe_events") as f:
         return sum(1 for line in f if line.strip())
-
-
-def patched(pid: int, lib: str) -> list[bool]:
-    """Which hooked functions carry a breakpoint (a uprobe) in this process's memory."""
-    return [_first_byte(pid, lib, api) == INT3 for api in HOOKED]
 
 
 def scrape(url: str) -> tuple[str, float]:
@@ -124,7 +107,7 @@ def test_process_exits_while_the_trace_attaches(world, drivers):
         assert f"Error: process {d.pid} (driver) exited before the probe attached" in t.stderr, t.stderr
         print("the process exited while the probe compiled/attached: exit status 1 with the reason")
     assert "Traceback" not in t.stderr
-    assert not uprobe_events_mention(world["lib"])
+    assert not _uprobe_events_mention(world["lib"])
 
 
 def test_process_killed_in_the_middle_of_a_trace(world, tmp_path):
@@ -152,9 +135,9 @@ def test_process_killed_in_the_middle_of_a_trace(world, tmp_path):
     assert summary["ended"] == "process exited" and summary["pid"] == pid
     assert summary["apis"]["cuStreamSynchronize"]["calls"] > 1000
     assert "Traceback" not in t.stderr
-    assert patched(other.pid, world["lib"]) == [False] * len(HOOKED)
+    assert _uprobes_installed(other.pid, world["lib"], HOOKED) == [False] * len(HOOKED)
     other.finish()  # never told to go: exits 1 at EOF, as driver.c does
-    assert not uprobe_events_mention(world["lib"])
+    assert not _uprobe_events_mention(world["lib"])
 
 
 # ---- 7. PID reuse during a trace ------------------------------------------------------------------------
@@ -255,7 +238,7 @@ def test_daemon_sigkilled_leaves_no_uprobes_and_a_new_one_counts_exactly(world, 
     try:
         assert wait_for(lambda: series(a.metrics(), "gpuwatch_ebpf_attached", what="uprobes") or 0, 30), a.output()
         uprobes = series(a.metrics(), "gpuwatch_ebpf_attached", what="uprobes")
-        assert uprobes > 0 and all(patched(witness.pid, world["lib"]))
+        assert uprobes > 0 and all(_uprobes_installed(witness.pid, world["lib"], HOOKED))
         # bcc's perf-event uprobes are no named tracefs entries: nothing there to leave behind
         assert uprobe_entries() == entries
         a.proc.kill()  # SIGKILL: no detach at all
@@ -263,8 +246,8 @@ def test_daemon_sigkilled_leaves_no_uprobes_and_a_new_one_counts_exactly(world, 
     finally:
         a.stop()
     # bcc attaches uprobes as perf events: the kernel removes each when its last descriptor closes
-    assert wait_for(lambda: not any(patched(witness.pid, world["lib"])), 60), "uprobes left behind"
-    assert not uprobe_events_mention(world["lib"]) and uprobe_entries() == entries
+    assert wait_for(lambda: not any(_uprobes_installed(witness.pid, world["lib"], HOOKED)), 60), "uprobes left behind"
+    assert not _uprobe_events_mention(world["lib"]) and uprobe_entries() == entries
     b = Agent(tmp_path / "a2", "--no-nvml", "--ebpf-library", world["lib"])
     try:
         assert wait_for(lambda: series(b.metrics(), "gpuwatch_ebpf_attached", what="uprobes") == uprobes, 30), \
