@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "nvml-h200.json"
 
 
-def load_script(name: str):
-    """scripts/NAME.py as a module (scripts/ is not a package), e.g. the dashboard generator."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+def load_script(name: str, folder: str = "scripts"):
+    """FOLDER/NAME.py as a module (scripts/ and bench/ are not packages), e.g. the dashboard generator."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)

@@ -1,19 +1,12 @@
 """bench/telemetry_compare.py: exposition and gpustat JSON parsing, and the coverage decision (no processes run)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def tc():
-    # bench/ is not a package: load the script by path.
-    spec = importlib.util.spec_from_file_location("telemetry_compare", ROOT / "bench" / "telemetry_compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("telemetry_compare", "bench")
 
 
 GPUWATCH = """\

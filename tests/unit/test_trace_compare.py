@@ -1,14 +1,11 @@
 """bench/trace_compare.py's reading of what each tool saw (the GPU run itself is tests/gpu/compare_check.sh)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-spec = importlib.util.spec_from_file_location("trace_compare", Path(__file__).parents[2] / "bench" / "trace_compare.py")
-tc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tc)
+from tests.conftest import load_script
+
+tc = load_script("trace_compare", "bench")
 
 TRUTH = {"tritons": 300, "matmuls": 50, "graph_replays": 97, "graph_kernels": 291, "expand_bytes": 1 << 30,
          "reserved_growth_bytes": 1 << 30}
