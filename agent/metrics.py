@@ -234,6 +234,13 @@ METRICS: tuple[Metric, ...] = (
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),
+    Metric("gpuwatch.gpu.sm.occupancy", "1", Kind.GAUGE,
+           "GPM: warps resident on SMs as a fraction of the maximum, averaged over SMs.", _G),
+    Metric("gpuwatch.gpu.pipe.activity", "1", Kind.GAUGE,
+           "GPM: fraction of cycles a pipe was active (tensor, fp16, fp32, fp64).", ("gpu", "pipe")),
+    Metric("gpuwatch.gpu.dram.activity", "1", Kind.GAUGE,
+           "GPM: DRAM bandwidth utilisation as a fraction of peak.", _G),
+    # --- OTLP export (exporters/otlp.py) -----------------------------------------------------
     Metric("gpuwatch.otlp.items", "", Kind.COUNTER,
            "OTLP export, from the OpenTelemetry SDK's own counters: signal=metrics (data points) or logs "
            "(events); result=exported, failed (the receiver refused, was down or too slow, after retries) or "
@@ -264,12 +271,6 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.baseline.runs", "", Kind.COUNTER,
            "Reference-workload runs by result: ok, slower, below_sku, wrong (judged), skipped (the GPU had "
            "compute processes), failed (the run did not complete; the log says why).", ("gpu", "result")),
-    Metric("gpuwatch.gpu.sm.occupancy", "1", Kind.GAUGE,
-           "GPM: warps resident on SMs as a fraction of the maximum, averaged over SMs.", _G),
-    Metric("gpuwatch.gpu.pipe.activity", "1", Kind.GAUGE,
-           "GPM: fraction of cycles a pipe was active (tensor, fp16, fp32, fp64).", ("gpu", "pipe")),
-    Metric("gpuwatch.gpu.dram.activity", "1", Kind.GAUGE,
-           "GPM: DRAM bandwidth utilisation as a fraction of peak.", _G),
     # --- CUPTI PM sampling, device-wide (a supervised child of the daemon) ----------------------
     # One metric at a time (GH100 takes no two in one pass): each value is the mean over the last
     # window of its group (cupti.group_seconds), refreshed once per rotation; withdrawn after three
