@@ -329,8 +329,7 @@ def main() -> int:
     print(f"\n{'work':6} {'mode':15} {'median step':>12} {'ratio':>7} {'range':>15} {'mean ratio':>10}")
     for key, row in table.items():
         work, mode = key.split("/")
-        unit, scale = ("ms", 1e3)
-        print(f"{work:6} {mode:15} {row['median_step_seconds'] * scale:9.3f} {unit} {row['ratio']:7.3f} "
+        print(f"{work:6} {mode:15} {row['median_step_seconds'] * 1e3:9.3f} ms {row['ratio']:7.3f} "
               f"{row['ratio_min']:7.3f}-{row['ratio_max']:.3f} {row['mean_ratio']:10.3f}")
     print("kernel launches seen in the timed section (last round):", launches)
     for mode, why in failed.items():

@@ -215,16 +215,15 @@ def agent_snapshot() -> dict | None:
         return None
     sync()
     agent._flush()  # records of kernels that ended are in CUPTI's buffers until flushed
-    rep = agent.build_report()
-    # Every variant the agent holds, not the report's top 50 by GPU time (which folds the rest).
+    # Every variant the agent holds, not its report's top 50 by GPU time (which folds the rest).
     names: dict[str, int] = {}
     with agent.tables.lock:
         variants = list(agent.tables.kernels.values())
-        other = agent.tables.other_launches
+        other, records = agent.tables.other_launches, agent.tables.records
     for v in variants:
         names[v.name] = names.get(v.name, 0) + v.launches
-    return {"kernels": names, "other": other, "records": rep["cupti"]["records"],
-            "dropped": rep["cupti"]["dropped"], "state": rep["cupti"]["state"], "mode": rep["cupti"]["mode"]}
+    return {"kernels": names, "other": other, "records": records, "dropped": agent.dropped, "state": agent.state,
+            "mode": agent._mode(time.monotonic())}
 
 
 def agent_delta(before: dict | None, after: dict | None) -> dict | None:
