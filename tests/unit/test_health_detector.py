@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpuwatch.agent.api import Sample
+from gpuwatch.agent.api import Finding, Sample
 from gpuwatch.agent.history import History
 from gpuwatch.detectors import health
 from gpuwatch.probes.baseline.probe import samples_of
@@ -122,3 +122,214 @@ def test_the_detector_needs_nothing_when_no_run_was_made():
     h = History()
     h.append([Sample("hw.power", 100.0, "GPU-x", {}, 1.0)])
     assert list(health.HealthDetector().observe(h)) == []
+
+
+# Exact thresholds and texts, on copies of the last recorded run with hand-picked values.
+TS = 1_800_000_000.0
+
+
+def like(run, **changes):
+    r = copy.deepcopy(run)
+    r.update(changes)
+    return r
+
+
+def past_of(run, gemm, memory=(4.0e12,) * 5):
+    return [like(run, gemm_flop_per_cycle=g, memory_bytes_per_second=m) for g, m in zip(gemm, memory)]
+
+
+def verdict_of(run, past, **kw):
+    return dict(run, verdict=health.judge(run, past, **kw))
+
+
+def findings_of(run):
+    return list(health.HealthDetector().observe(history_of(run)))
+
+
+def test_a_flat_baseline_allows_exactly_the_minimum_drop(recorded):
+    last = recorded["runs"][-1]
+    past = past_of(last, [400_000.0] * 5)  # spread 0: threshold 1 - max(5 x 0, 3 %) = 0.97
+    at = health.judge(like(last, gemm_flop_per_cycle=388_000.0, memory_bytes_per_second=4.0e12), past)
+    assert at["slower"] is False and at["below_sku"] is False and at["wrong"] is False
+    assert at["baseline_runs"] == 5 and at["digest_changed"] is False
+    assert at["metrics"]["gemm_flop_per_cycle"] == {
+        "metric": "gemm_flop_per_cycle", "value": 388_000.0, "own_median": 400_000.0, "own_spread": 0.0,
+        "own_ratio": 0.97, "threshold": 0.97, "sku_expected": 420_582.0, "sku_ratio": 388_000.0 / 420_582.0,
+        "sku_floor": 0.85}
+    assert at["metrics"]["memory_bytes_per_second"] == {
+        "metric": "memory_bytes_per_second", "value": 4.0e12, "own_median": 4.0e12, "own_spread": 0.0,
+        "own_ratio": 1.0, "threshold": 0.97, "sku_expected": 4.011e12, "sku_ratio": 4.0e12 / 4.011e12,
+        "sku_floor": 0.85}
+    below = health.judge(like(last, gemm_flop_per_cycle=387_996.0), past)  # ratio 0.96999
+    assert below["slower"] is True and below["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == 0.96999
+    mem = health.judge(like(last, memory_bytes_per_second=3.8799e12), past)  # 0.969975 of 4e12
+    assert mem["slower"] is True and mem["metrics"]["memory_bytes_per_second"]["own_ratio"] == 0.969975
+    assert mem["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == last["gemm_flop_per_cycle"] / 400_000.0  # not it
+
+
+def test_a_noisy_baseline_allows_five_spreads(recorded):
+    last = recorded["runs"][-1]
+    past = past_of(last, [392_000.0, 396_000.0, 400_000.0, 404_000.0, 408_000.0])
+    # median 400000, MAD 4000: spread 1.4826 x 4000 / 400000 = 0.014826; threshold 1 - 5 x 0.014826 = 0.92587
+    above = health.judge(like(last, gemm_flop_per_cycle=370_349.0), past)  # ratio 0.9258725
+    v = above["metrics"]["gemm_flop_per_cycle"]
+    assert v["own_median"] == 400_000.0 and v["own_spread"] == pytest.approx(0.014826, rel=1e-12)
+    assert v["threshold"] == pytest.approx(0.92587, rel=1e-12) and v["own_ratio"] == 0.9258725
+    assert above["slower"] is False
+    below = health.judge(like(last, gemm_flop_per_cycle=370_347.0), past)  # ratio 0.9258675
+    assert below["slower"] is True
+
+
+def test_the_own_judgement_starts_at_min_history_runs_and_uses_the_last_history_runs(recorded):
+    last = recorded["runs"][-1]
+    run = like(last, gemm_flop_per_cycle=300_000.0)
+    four = health.judge(run, past_of(last, [400_000.0] * 4))
+    assert four["baseline_runs"] == 4 and four["slower"] is False
+    assert four["metrics"]["gemm_flop_per_cycle"]["own_median"] is None
+    assert four["metrics"]["gemm_flop_per_cycle"]["threshold"] is None
+    five = health.judge(run, past_of(last, [400_000.0] * 5))
+    assert five["slower"] is True and five["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == 0.75
+    # 5 old runs at 100000, then 20 at 400000: only the last 20 make the baseline
+    many = health.judge(run, past_of(last, [100_000.0] * 5 + [400_000.0] * 20, [4.0e12] * 25))
+    assert many["baseline_runs"] == 20 and many["metrics"]["gemm_flop_per_cycle"]["own_median"] == 400_000.0
+
+
+def test_wrong_or_slower_past_runs_do_not_join_the_baseline(recorded):
+    last = recorded["runs"][-1]
+    past = past_of(last, [400_000.0] * 5)
+    wrong = like(last, gemm_flop_per_cycle=100_000.0, verdict={"slower": False})
+    wrong["check"]["ok"] = False
+    slow = like(last, gemm_flop_per_cycle=100_000.0, verdict={"slower": True})
+    v = health.judge(last, past + [wrong, slow] * 3)
+    assert v["baseline_runs"] == 5 and v["metrics"]["gemm_flop_per_cycle"]["own_median"] == 400_000.0
+
+
+@pytest.mark.parametrize("change", [
+    {"shape": [4096, 8192, 8192]},
+    {"config": {"num_warps": 4}},
+    {"versions": {"torch": "2.12.0"}},
+    {"versions": {"triton": "3.7.0"}},
+    {"versions": {"driver": "590.1"}},
+])
+def test_another_shape_config_or_software_is_another_baseline(recorded, change):
+    last = recorded["runs"][-1]
+    past = past_of(last, [400_000.0] * 5)
+    run = copy.deepcopy(last)
+    for k, v in change.items():
+        run[k] = dict(run[k], **v) if isinstance(v, dict) else v
+    v = health.judge(run, past)
+    assert v["baseline_runs"] == 0 and v["metrics"]["gemm_flop_per_cycle"]["own_median"] is None
+    assert v["digest_changed"] is False  # no comparable output to differ from
+    assert health.judge(last, past)["baseline_runs"] == 5  # unchanged: the same baseline
+
+
+def test_a_run_that_lacks_fields_is_judged_without_them():
+    # a record without shape, config, versions or check: nothing to compare with, not known right
+    past = [{"name": "NVIDIA H200", "gemm_flop_per_cycle": 2.0}] * 5  # comparable, but never checked
+    v = health.judge({"name": "NVIDIA H200", "memory_bytes_per_second": 1.0}, past)
+    assert v == {"slower": False, "below_sku": False, "wrong": True, "digest_changed": False, "baseline_runs": 0,
+                 "metrics": {"memory_bytes_per_second": {
+                     "metric": "memory_bytes_per_second", "value": 1.0, "own_median": None, "own_spread": None,
+                     "own_ratio": None, "threshold": None, "sku_expected": None, "sku_ratio": None,
+                     "sku_floor": 0.85}}}
+
+
+def test_a_check_without_ok_is_wrong(recorded):
+    run = copy.deepcopy(recorded["runs"][-1])
+    del run["check"]["ok"]
+    assert health.judge(run, [])["wrong"] is True
+
+
+def test_the_sku_floor_is_exact(recorded):
+    last = recorded["runs"][-1]
+    # 0.85 x 420582 = 357494.7 FLOP/cycle, 0.85 x 4.011e12 = 3.40935e12 B/s
+    above = health.judge(like(last, gemm_flop_per_cycle=357_495.0, memory_bytes_per_second=3.4094e12), [])
+    assert above["below_sku"] is False
+    assert above["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] == 357_495.0 / 420_582.0
+    assert health.judge(like(last, gemm_flop_per_cycle=357_494.0), [])["below_sku"] is True
+    assert health.judge(like(last, memory_bytes_per_second=3.4093e12), [])["below_sku"] is True
+    # another table of expectations, given: exactly at the floor is not below it
+    exp = {last["name"]: {"config": last["config"], "gemm_flop_per_cycle": 400_000.0}}
+    at = health.judge(like(last, gemm_flop_per_cycle=340_000.0), [], expected=exp)
+    assert at["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] == 0.85 and at["below_sku"] is False
+    assert at["metrics"]["gemm_flop_per_cycle"]["sku_expected"] == 400_000.0
+    assert at["metrics"]["memory_bytes_per_second"]["sku_expected"] is None  # not in that table
+
+
+def test_a_run_without_a_clock_reading_is_still_judged_on_memory(recorded):
+    last = recorded["runs"][-1]
+    run = like(last, memory_bytes_per_second=3.0e12)
+    del run["gemm_flop_per_cycle"]
+    past = past_of(last, [400_000.0] * 5)
+    v = health.judge(run, past)
+    assert list(v["metrics"]) == ["memory_bytes_per_second"] and v["slower"] is True
+    assert v["metrics"]["memory_bytes_per_second"]["own_ratio"] == 0.75
+
+
+def test_the_detector_reports_a_slower_gpu_with_exact_figures(recorded):
+    last = recorded["runs"][-1]
+    gpu = last["uuid"]
+    past = past_of(last, [392_000.0, 396_000.0, 400_000.0, 404_000.0, 408_000.0])
+    run = verdict_of(like(last, gemm_flop_per_cycle=370_000.0, memory_bytes_per_second=3.86e12), past)
+    thr = run["verdict"]["metrics"]["gemm_flop_per_cycle"]["threshold"]  # 0.92587
+    assert findings_of(run) == [
+        Finding(health.KIND_SLOWER, gpu, "warning",
+                f"GPU {gpu} is 7.5% slower than its own baseline in the gemm workload (per SM clock cycle; "
+                "noise allows 7.4%)", {"workload": "gemm", "ratio": 0.925, "threshold": thr}, TS),
+        Finding(health.KIND_SLOWER, gpu, "warning",
+                f"GPU {gpu} is 3.5% slower than its own baseline in the memory workload (per SM clock cycle; "
+                "noise allows 3.0%)", {"workload": "memory", "ratio": 0.965, "threshold": 0.97}, TS)]
+    # exactly at the threshold (0.97 of a flat baseline) is not slower
+    flat = past_of(last, [400_000.0] * 5)
+    at = verdict_of(like(last, gemm_flop_per_cycle=388_000.0, memory_bytes_per_second=3.88e12), flat)
+    assert at["verdict"]["metrics"]["memory_bytes_per_second"]["own_ratio"] == 0.97
+    assert findings_of(at) == []
+
+
+def test_the_detector_reports_a_gpu_below_its_sku_with_exact_figures(recorded):
+    last = recorded["runs"][-1]
+    gpu = last["uuid"]
+    exp = {last["name"]: {"config": last["config"], "gemm_flop_per_cycle": 400_000.0,
+                          "memory_bytes_per_second": 4.0e12}}
+    at = verdict_of(like(last, gemm_flop_per_cycle=340_000.0, memory_bytes_per_second=3.4e12), [], expected=exp)
+    assert findings_of(at) == []  # 0.85 of the SKU is the floor, not below it
+    low = verdict_of(like(last, gemm_flop_per_cycle=339_999.0, memory_bytes_per_second=2.0e12), [], expected=exp)
+    assert findings_of(low) == [
+        Finding(health.KIND_BELOW_SKU, gpu, "warning",
+                f"GPU {gpu} reaches 85% of what a healthy GPU of its model does in the gemm workload (floor 85%)",
+                {"workload": "gemm", "ratio": 339_999.0 / 400_000.0}, TS),
+        Finding(health.KIND_BELOW_SKU, gpu, "warning",
+                f"GPU {gpu} reaches 50% of what a healthy GPU of its model does in the memory workload (floor 85%)",
+                {"workload": "memory", "ratio": 0.5}, TS)]
+
+
+def test_a_digest_only_corruption_is_one_wrong_answer(recorded):
+    last = recorded["runs"][-1]
+    gpu = last["uuid"]
+    past = past_of(last, [400_000.0] * 5)
+    run = like(last, gemm_flop_per_cycle=400_000.0, memory_bytes_per_second=4.0e12)
+    run["check"]["digest"] += 1  # within tolerance: 0 mismatches, only the digest differs
+    judged_run = verdict_of(run, past)
+    v = judged_run["verdict"]
+    assert (v["wrong"], v["digest_changed"], v["slower"], v["below_sku"]) == (True, True, False, False)
+    assert findings_of(judged_run) == [
+        Finding(health.KIND_WRONG, gpu, "critical",
+                f"GPU {gpu} computed wrong answers in the reference workload (1 wrong elements or a changed "
+                "output on unchanged software): silent data corruption; drain it and run the vendor's diagnostics",
+                {"wrong_elements": 1.0}, TS)]
+    same = verdict_of(like(last, gemm_flop_per_cycle=400_000.0, memory_bytes_per_second=4.0e12), past)
+    assert same["verdict"]["wrong"] is False and findings_of(same) == []
+
+
+def test_the_detector_reports_every_gpu_of_the_node(recorded):
+    last = recorded["runs"][-1]
+    past = past_of(last, [400_000.0] * 5)
+    ok = verdict_of(like(last, uuid="GPU-a", gemm_flop_per_cycle=400_000.0, memory_bytes_per_second=4.0e12), past)
+    bad = like(last, uuid="GPU-b", gemm_flop_per_cycle=400_000.0, memory_bytes_per_second=4.0e12)
+    bad["check"].update(ok=False, mismatches=7)
+    bad = verdict_of(bad, past)
+    h = History()
+    h.append(samples_of(ok, TS) + samples_of(bad, TS))
+    # GPU-a's series come first: its all-clear must not end the look at GPU-b
+    assert [(f.kind, f.resource, f.attrs) for f in health.HealthDetector().observe(h)] == [
+        (health.KIND_WRONG, "GPU-b", {"wrong_elements": 7.0})]
