@@ -94,6 +94,185 @@ def test_since_counts_going_down_mean_the_agents_probe_restarted(now):
         trace.since(now, START)
 
 
+@pytest.mark.parametrize("now,start,apis", [
+    # histogram slots as the probe gives them (integers) against the same slots through JSON (text)
+    ({"apis": {"a": {"calls": 5, "histogram": {10: 4, 11: 1}}}},
+     {"apis": {"a": {"calls": 2, "histogram": {"10": 2}}}},
+     {"a": {"calls": 3, "histogram": {10: 2, 11: 1}, "mean_latency_s": 0.0}}),  # no seconds: mean 0.0, not 1/3
+    # a code that was there at the start and is not now is left out (never a negative count)
+    ({"apis": {"a": {"calls": 4, "errors_by_code": {"B": 1}}}},
+     {"apis": {"a": {"calls": 1, "errors_by_code": {"A": 2, "B": 0}}}},
+     {"a": {"calls": 3, "errors_by_code": {"B": 1}, "mean_latency_s": 0.0}}),
+    # counts by key may be seconds (floats); dicts of anything else, bools included, are kept as they are
+    ({"apis": {"a": {"calls": 2, "s_by_code": {"A": 1.5}, "flags": {"x": True}, "notes": {"x": "y"}}}},
+     {"apis": {"a": {"calls": 1, "s_by_code": {"A": 0.5}, "flags": {"x": True}, "notes": {"x": "y"}}}},
+     {"a": {"calls": 1, "s_by_code": {"A": 1.0}, "flags": {"x": True}, "notes": {"x": "y"},
+            "mean_latency_s": 0.0}}),
+    # an API without a call count did nothing; one new since the start counts from zero
+    ({"apis": {"a": {"errors": 0}, "b": {"calls": 2, "seconds": 3e-6}}}, {},
+     {"b": {"calls": 2, "seconds": 3e-6, "mean_latency_s": 1.5e-6}}),
+])
+def test_since_per_api_counts_by_key(now, start, apis):
+    assert trace.since(now, start)["apis"] == apis
+
+
+def test_since_kernels_new_unchanged_and_from_a_start_without_any():
+    a = {"handle": "0xa", "launches": 4, "degenerate_launches": 1}
+    now = {"kernels": [a, {"handle": "0xb", "launches": 2}]}
+    # 0xa did not launch during the trace: left out, not an error; 0xb is new and counts from zero
+    assert trace.since(now, {"kernels": [a]})["kernels"] == [{"handle": "0xb", "launches": 2}]
+    assert trace.since(now, {"kernels": None})["kernels"] == now["kernels"]
+    assert trace.since({"kernels": [{"handle": "0xc"}]}, {})["kernels"] == []  # no launch count: no launches
+    with pytest.raises(trace.TraceError) as e:
+        trace.since({"kernels": [dict(a, launches=3)]}, {"kernels": [a]})
+    assert str(e.value) == trace.RESTARTED
+
+
+def test_since_dropped_events_and_memory_when_keys_are_missing():
+    assert trace.since({}, {}) == {"apis": {}, "kernels": [], "dropped_events": 0}  # no memory key made up
+    d = trace.since({"dropped_events": 5, "memory": {"live_bytes": 9, "allocations": 3, "frees": 1}}, {})
+    assert d["dropped_events"] == 5 and d["memory"] == {"live_bytes": 9, "allocations": 3, "frees": 1}
+    assert trace.since({"dropped_events": 5}, {"dropped_events": 2})["dropped_events"] == 3
+    # memory by key is state, like live_bytes: kept as it is, only allocations and frees are subtracted
+    mem = {"live_bytes_by_device": {"0": 800}, "allocations": 4}
+    assert trace.since({"memory": mem}, {"memory": {"live_bytes_by_device": {"0": 600}, "allocations": 1}})[
+        "memory"] == {"live_bytes_by_device": {"0": 800}, "allocations": 3}
+
+
+def test_int_keys_turns_only_integer_text_into_integers():
+    assert trace._int_keys({"-3": 1, "7": 2, "CUDA_ERROR_X": 3, 5: 4, "1.5": 6, "X12": 7}) == {
+        -3: 1, 7: 2, "CUDA_ERROR_X": 3, 5: 4, "1.5": 6, "X12": 7}
+
+
+# ---- numbers: percentiles, rates, totals, the summary -----------------------------------------------
+NS = 1e-9
+
+
+def test_percentile_of_an_empty_histogram_is_none():
+    assert trace.percentile({}, 0.5) is None
+    assert trace.percentile({"5": 0, 6: 0}, 0.99) is None  # empty buckets are no calls
+
+
+@pytest.mark.parametrize("q", [0.0, 0.5, 0.99, 1.0])
+def test_percentile_of_one_call_is_its_bucket_at_every_rank(q):
+    assert trace.percentile({"7": 1, "9": 0}, q) == 2.0 ** 7 * NS
+
+
+def test_percentile_slot_zero_is_zero_seconds_and_slot_one_two_ns():
+    h = {"0": 2, "1": 1}  # 3 calls: p50 is rank ceil(1.5) = 2 (slot 0), p99 rank ceil(2.97) = 3 (slot 1)
+    assert trace.percentile(h, 0.5) == 0.0
+    assert trace.percentile(h, 0.99) == 2.0 * NS
+
+
+@pytest.mark.parametrize("q,slot", [
+    (0.0, 9),  # rank 0 is rank 1: the smallest call
+    (1 / 3, 9),  # rank exactly 1
+    (0.34, 10),  # rank ceil(1.02) = 2
+    (0.5, 10),  # rank ceil(1.5) = 2
+    (1.0, 11),
+    (2.0, 11),  # a rank past the calls: the last bucket
+])
+def test_percentile_rank_rounds_up_and_slots_sort_as_numbers(q, slot):
+    h = {"10": 1, "9": 1, 11: 1, "12": 0}  # as text "10" < "9": the slots must be compared as numbers
+    assert trace.percentile(h, q) == 2.0 ** slot * NS
+
+
+def test_percentile_at_the_p99_bucket_edge():
+    # 100 calls: p99 is rank 99; with 99 calls in slot 3 it is slot 3, with 98 the 99th call is in slot 5
+    assert trace.percentile({"3": 99, "5": 1}, 0.99) == 8 * NS
+    assert trace.percentile({"3": 98, "5": 2}, 0.99) == 32 * NS
+    assert trace.percentile({"3": 98, "5": 1, "7": 1}, 0.99) == 32 * NS
+
+
+def test_has_latency_from_histogram_or_seconds():
+    assert [trace.has_latency(a) for a in ({}, {"histogram": {}, "seconds": 0.0}, {"histogram": {"3": 1}},
+                                           {"seconds": 1e-6})] == [False, False, True, True]
+
+
+def test_rates_per_second_since_the_previous_snapshot():
+    snap = {"apis": {"a": {"calls": 30}, "b": {"calls": 7}, "c": {}}}
+    prev = {"apis": {"a": {"calls": 10}, "c": {"calls": 0}}}
+    # (30 - 10) / 0.5, b new since the previous one: 7 / 0.5, c has no calls at all
+    assert trace.rates(snap, prev, 0.5) == {"a": 40.0, "b": 14.0, "c": 0.0}
+    assert trace.rates(snap, prev, 2.0) == {"a": 10.0, "b": 3.5, "c": 0.0}
+    assert trace.rates(snap, {}, 0.5) == {"a": 60.0, "b": 14.0, "c": 0.0}  # a previous one with no APIs
+    # no previous snapshot, or no time between them: no rates (not a division by zero)
+    assert trace.rates(snap, None, 0.5) == {} and trace.rates(snap, prev, 0.0) == {}
+    assert trace.rates(snap, prev, -1.0) == {}
+    assert trace.rates({}, prev, 0.5) == {}
+
+
+def test_kernel_rates_per_second_since_the_previous_snapshot():
+    snap = {"kernels": [{"handle": 1, "launches": 9}, {"handle": 2, "launches": 4}, {"handle": 3}]}
+    prev = {"kernels": [{"handle": 1, "launches": 3}, {"handle": 3}]}
+    # (9 - 3) / 0.5; kernel 2 is new: 4 / 0.5; kernel 3 never launched
+    assert trace.kernel_rates(snap, prev, 0.5) == {1: 12.0, 2: 8.0, 3: 0.0}
+    assert trace.kernel_rates(snap, prev, 2.0) == {1: 3.0, 2: 2.0, 3: 0.0}
+    assert trace.kernel_rates(snap, {"kernels": None}, 0.5) == {1: 18.0, 2: 8.0, 3: 0.0}
+    assert trace.kernel_rates({"kernels": None}, prev, 0.5) == {}
+    assert trace.kernel_rates(snap, None, 0.5) == {} and trace.kernel_rates(snap, prev, 0.0) == {}
+    assert trace.kernel_rates(snap, prev, -1.0) == {}
+
+
+def test_totals_sum_calls_and_errors_of_every_api():
+    assert trace.totals({"apis": {"a": {"calls": 3, "errors": 1}, "b": {"calls": 2}, "c": {"errors": 4}}}) == (5, 5)
+    assert trace.totals({}) == (0, 0)
+
+
+def test_summarize_exact_document():
+    snap = {
+        "apis": {
+            "cuMemcpyHtoD_v2": {"calls": 4, "errors": 1, "errors_by_code": {"CUDA_ERROR_INVALID_VALUE": 1},
+                                "bytes": 4096, "seconds": 1e-5, "mean_latency_s": 2.5e-6,
+                                "histogram": {"11": 3, "12": 1}},  # p50 rank 2, p99 rank ceil(3.96) = 4
+            "cuCtxSynchronize": {},
+            "cuLaunchKernel": {"calls": 2, "seconds": 3e-6, "histogram": None},  # timed, no histogram
+            "cuMemAlloc_v2": {"calls": 100, "seconds": 1e-6, "mean_latency_s": 1e-8,
+                              "histogram": {"3": 98, "5": 1, "7": 1}},  # p50 slot 3, p99 (rank 99) slot 5
+        },
+        "kernels": [{"handle": "0xb", "launches": 5}, {"handle": "0xa", "launches": 5}, {"launches": 5},
+                    {"handle": "0xz", "launches": 1}, {"handle": "0xc"}, {"handle": "0xd", "launches": 7}],
+        "memory": {"live_bytes": 10, "live_allocations": 2, "allocations": 3, "frees": 1, "peak": 99},
+        "stacks": [{"bytes": 4}, {"bytes": 3}, {"bytes": 2}, {"bytes": 1}],
+        "dropped_events": 2,
+        "gpu": {"index": 0},
+    }
+    s = trace.summarize(snap, pid=42, process="train", duration=12.3456, ended="exited")
+    assert list(s["apis"]) == ["cuCtxSynchronize", "cuLaunchKernel", "cuMemAlloc_v2", "cuMemcpyHtoD_v2"]
+    assert s == {
+        "pid": 42,
+        "process": "train",
+        "duration_seconds": 12.346,
+        "ended": "exited",
+        "apis": {
+            "cuCtxSynchronize": {"calls": 0, "errors": 0, "errors_by_code": {}, "bytes": 0, "mean_latency_s": None,
+                                 "p50_latency_s": None, "p99_latency_s": None},
+            "cuLaunchKernel": {"calls": 2, "errors": 0, "errors_by_code": {}, "bytes": 0, "mean_latency_s": 0.0,
+                               "p50_latency_s": None, "p99_latency_s": None},
+            "cuMemAlloc_v2": {"calls": 100, "errors": 0, "errors_by_code": {}, "bytes": 0, "mean_latency_s": 1e-8,
+                              "p50_latency_s": 8 * NS, "p99_latency_s": 32 * NS},
+            "cuMemcpyHtoD_v2": {"calls": 4, "errors": 1, "errors_by_code": {"CUDA_ERROR_INVALID_VALUE": 1},
+                                "bytes": 4096, "mean_latency_s": 2.5e-6,
+                                "p50_latency_s": 2.0 ** 11 * NS, "p99_latency_s": 2.0 ** 12 * NS},
+        },
+        # most launches first, ties by handle (none sorts as ""), no launch count as 0
+        "kernels": [snap["kernels"][i] for i in (5, 2, 1, 0, 3, 4)],
+        "memory": {"live_bytes": 10, "live_allocations": 2, "allocations": 3, "frees": 1},
+        "stacks": snap["stacks"][:3],
+        "dropped_events": 2,
+        "gpu": {"index": 0},
+        "latency_resolution": "log2 buckets: p50/p99 are the bucket's upper edge (true value within a factor 2 below)",
+    }
+
+
+def test_summarize_of_an_empty_snapshot():
+    s = trace.summarize({"kernels": None, "stacks": None}, pid=1, process="p", duration=0.0004, ended="interrupted")
+    assert (s["apis"], s["kernels"], s["stacks"], s["dropped_events"], s["gpu"], s["duration_seconds"]) == (
+        {}, [], [], 0, None, 0.0)
+    assert s["memory"] == {"live_bytes": 0, "live_allocations": 0, "allocations": 0, "frees": 0}
+    assert trace.summarize({}, pid=1, process="p", duration=1.0, ended="x")["kernels"] == []
+
+
 # ---- AgentTrace: the client, against a scripted agent ----------------------------------------------
 @pytest.fixture
 def sleeper():
