@@ -566,8 +566,8 @@ def since(now: dict, start: dict) -> dict:
 
     The agent's counters run from when it first saw the process, a trace reports what happened
     during the trace. Subtracted: per API calls, errors, bytes, seconds and every count by key (the
-    latency histogram, errors by code); per kernel its launches; allocations, frees and dropped
-    events. APIs and kernels with no calls in between are left out. Kept as they are: live bytes
+    latency histogram, errors by code); per kernel its launches; allocations, frees, dropped
+    events and the probe's drops by kind. APIs and kernels with no calls in between are left out. Kept as they are: live bytes
     and allocations (the process's state now), each kernel's last launch configuration, every other
     key. Raises TraceError when a count went down: the agent's probe restarted and lost them."""
     start_apis = start.get("apis", {})
@@ -593,6 +593,9 @@ def since(now: dict, start: dict) -> dict:
                dropped_events=now.get("dropped_events", 0) - start.get("dropped_events", 0))
     if "memory" in now:
         out["memory"] = _minus(now["memory"], start.get("memory", {}), MEMORY_COUNTERS)
+    if _is_counts(now.get("dropped_by_kind")):  # every kind kept, zeros too: the table's shape is fixed
+        before = start.get("dropped_by_kind") or {}
+        out["dropped_by_kind"] = {k: c - before.get(k, 0) for k, c in now["dropped_by_kind"].items()}
     return out
 
 

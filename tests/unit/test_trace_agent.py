@@ -139,6 +139,15 @@ def test_since_dropped_events_and_memory_when_keys_are_missing():
         "memory"] == {"live_bytes_by_device": {"0": 800}, "allocations": 3}
 
 
+def test_since_drops_by_kind_count_from_the_start_of_the_trace():
+    # the probe's drops are node-wide and run from its start; a trace through the agent reports its own
+    now = {"dropped_by_kind": {"stats": 7, "live_allocations": 2, "ring_buffer": 0}}
+    start = {"dropped_by_kind": {"stats": 5, "live_allocations": 2}}
+    assert trace.since(now, start)["dropped_by_kind"] == {"stats": 2, "live_allocations": 0, "ring_buffer": 0}
+    assert trace.since(now, {})["dropped_by_kind"] == now["dropped_by_kind"]
+    assert "dropped_by_kind" not in trace.since({}, start)
+
+
 def test_int_keys_turns_only_integer_text_into_integers():
     assert trace._int_keys({"-3": 1, "7": 2, "CUDA_ERROR_X": 3, 5: 4, "1.5": 6, "X12": 7}) == {
         -3: 1, 7: 2, "CUDA_ERROR_X": 3, 5: 4, "1.5": 6, "X12": 7}
