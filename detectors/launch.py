@@ -22,15 +22,6 @@ from gpuwatch.detectors.thermal import increase
 KERNEL_LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
 
 
-def _window_increase(pts: list[tuple[float, float]], since: float) -> float:
-    """A counter's increase over the window, for points read with History.series(since=...): the
-    newest minus the value at the window's start when it did not go down (the usual case, O(1)),
-    else the sum of its rises."""
-    if len(pts) >= 2 and pts[-1][1] >= pts[0][1]:
-        return pts[-1][1] - pts[0][1]
-    return increase(pts, since)
-
-
 def _launch_api(api: str) -> bool:
     return api.removesuffix("_ptsz") in KERNEL_LAUNCH_APIS
 
@@ -67,7 +58,7 @@ class LaunchDetector(Detector):
             if len(recent) < 2:
                 continue
             p = procs[(lab["pid"], lab.get("process", ""))]
-            p["launches"] += _window_increase(recent, since)
+            p["launches"] += increase(recent, since)
             p["span"] = max(p["span"], recent[-1][0] - recent[0][0])
         busy: dict[tuple[str, str], list[float]] = defaultdict(list)
         for (_, _, labels), pts in history.series("gpuwatch.process.gpu.utilization", since=since):
@@ -83,7 +74,7 @@ class LaunchDetector(Detector):
                 if lab.get("pid") in (None, "other") or lab.get("kernel") == "other" or now - pts[-1][0] > 15:
                     continue
                 k = procs[(lab["pid"], lab.get("process", ""))]["kernels"].setdefault(lab["kernel"], {})
-                k[field] = _window_increase(pts, since) if counter else pts[-1][1]
+                k[field] = increase(pts, since) if counter else pts[-1][1]
         out: list[Finding] = []
         for (pid, process), p in procs.items():
             out += self._launch_bound(pid, process, p, busy.get((pid, process)), now)
