@@ -3,7 +3,9 @@
  * Protocol on stdin/stdout: prints "ready <pid>", waits for a line, runs the workload once, prints
  * "done", then waits for another line or EOF and exits 0. With the argument "early", the handle
  * of kernel C is fetched (cuModuleGetFunction "coop_reduce") before "ready" instead of in the
- * workload: a probe attached after "ready" never sees its name. The counts below are mirrored in
+ * workload: a probe attached after "ready" never sees its name. With "edge", the workload is
+ * edge() instead: grids of one block in two dimensions but not the third, and device addresses the
+ * allocator hands out again (EDGE_* in test_ebpf_cuda.py). The counts below are mirrored in
  * test_ebpf_cuda.py (EXPECTED); keep the two in step. Counts are primes where it matters, so an
  * off-by-something cannot pass by accident.
  */
@@ -31,6 +33,7 @@ typedef struct {
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 
 void fakecuda_set_result(CUresult r);
+void fakecuda_reuse_next(CUdeviceptr p);
 CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                         CUstream, void **, void **);
 CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -225,16 +228,48 @@ static void work(void) {
         cuEventSynchronize(0);
 }
 
+/* Edge cases the main workload does not have (mirrored in test_ebpf_cuda.py EDGE_*). */
+static void edge(void) {
+    CUfunction e = 0, f = 0, g = 0;
+    cuModuleGetFunction(&e, 0, "grid_z_only");    /* fakecuda's objects: +0x20000, +0x20400, +0x20800 */
+    cuModuleGetFunction(&f, 0, "grid_y_only");
+    cuModuleGetFunction(&g, 0, "one_block");
+    for (int i = 0; i < 5; i++)                               /* grid (1,1,2): not degenerate */
+        cuLaunchKernel(e, 1, 1, 2, 32, 1, 1, 0, STREAM(1), 0, 0);
+    CUlaunchConfig y = {1, 3, 1, 64, 1, 1, 0, STREAM(2), 0, 0};
+    for (int i = 0; i < 3; i++)                               /* grid (1,3,1): not degenerate */
+        cuLaunchKernelEx(&y, f, 0, 0);
+    CUlaunchConfig one = {1, 1, 1, 64, 1, 1, 0, STREAM(2), 0, 0};
+    for (int i = 0; i < 2; i++)                               /* grid (1,1,1): degenerate */
+        cuLaunchKernelEx(&one, g, 0, 0);
+
+    /* a: 4096 B, kept. b: 12288 B, freed; its address is handed out again for c (8192 B), and
+     * once more for d (20480 B) with no free between: a free the probe did not see, so d's size
+     * replaces c's. Live: a + d = 24576 B in 2 allocations. */
+    CUdeviceptr a, b, c, d;
+    cuMemAlloc_v2(&a, 4096);
+    cuMemAlloc_v2(&b, 12288);
+    cuMemFree_v2(b);
+    fakecuda_reuse_next(b);
+    cuMemAlloc_v2(&c, 8192);
+    fakecuda_reuse_next(b);
+    cuMemAlloc_v2(&d, 20480);
+}
+
 int main(int argc, char **argv) {
     char line[64];
     setvbuf(stdout, NULL, _IOLBF, 0);
     early = argc > 1 && strcmp(argv[1], "early") == 0;
+    int edges = argc > 1 && strcmp(argv[1], "edge") == 0;
     if (early)
         cuModuleGetFunction(&KERNEL_C, 0, "coop_reduce");
     printf("ready %d\n", (int)getpid());
     if (!fgets(line, sizeof line, stdin))
         return 1;
-    work();
+    if (edges)
+        edge();
+    else
+        work();
     printf("done\n");
     if (!fgets(line, sizeof line, stdin))
         return 0;

@@ -49,9 +49,15 @@ volatile unsigned long long fake_work;  /* side effect so calls are not optimise
 
 void fakecuda_set_result(CUresult r) { fake_result = r; }
 
+/* An address the next allocation hands out again (as a real allocator does after a free), once. */
+static CUdeviceptr reuse_dptr = 0;
+void fakecuda_reuse_next(CUdeviceptr p) { reuse_dptr = p; }
+
 static CUdeviceptr fake_alloc(size_t n) {
-    CUdeviceptr p = __atomic_fetch_add(&next_dptr, (n + 255) & ~255ULL, __ATOMIC_RELAXED);
-    return p;
+    CUdeviceptr p = __atomic_exchange_n(&reuse_dptr, 0, __ATOMIC_RELAXED);
+    if (p)
+        return p;
+    return __atomic_fetch_add(&next_dptr, (n + 255) & ~255ULL, __ATOMIC_RELAXED);
 }
 
 #define RET do { fake_work++; return fake_result; } while (0)

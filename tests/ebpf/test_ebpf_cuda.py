@@ -143,6 +143,14 @@ def test_exact_counts_errors_and_bytes_per_api(probe, drivers):
     alloc = snap["apis"]["cuMemAlloc_v2"]
     assert alloc["timed"] and alloc["mean_latency_s"] > 0
     assert sum(alloc["histogram"].values()) == 312
+    # Slot s (bcc's bpf_log2l) holds calls of 2^(s-1) <= ns < 2^s (slot 0: 0 ns), so the summed time
+    # of every timed API lies between the histogram's lower and upper edges: a slot off by one breaks it.
+    for api, a in snap["apis"].items():
+        if a["timed"]:
+            ns = round(a["seconds"] * 1e9)
+            low = sum(c * (2 ** (int(s) - 1) if int(s) else 0) for s, c in a["histogram"].items())
+            high = sum(c * 2 ** int(s) for s, c in a["histogram"].items())
+            assert low <= ns < high or ns == high == 0, (api, low, ns, high)
 
 
 def test_live_allocations_by_stack(probe, drivers):
@@ -237,6 +245,36 @@ def test_live_bytes_after_allocs_and_frees(probe, drivers):
     live = {s.labels["pid"]: s.value for s in probe.collect() if s.metric == "gpuwatch.process.cuda.memory.live"}
     assert live[str(d.pid)] == LIVE_BYTES
 
+
+# driver.c edge(): kernels E (grid 1,1,2), F (grid 1,3,1) and G (grid 1,1,1) at fakecuda's fresh objects
+EDGE_KERNELS = [
+    {"handle": handle(0x20000), "name": "grid_z_only", "launches": 5, "grid": [1, 1, 2], "block": [32, 1, 1],
+     "degenerate_launches": 0},
+    {"handle": handle(0x20400), "name": "grid_y_only", "launches": 3, "grid": [1, 3, 1], "block": [64, 1, 1],
+     "degenerate_launches": 0},
+    {"handle": handle(0x20800), "name": "one_block", "launches": 2, "grid": [1, 1, 1], "block": [64, 1, 1],
+     "degenerate_launches": 2},
+]
+
+
+def test_a_grid_of_one_block_in_two_dimensions_is_not_degenerate(probe, drivers):
+    d = drivers(None, "edge")
+    d.go()
+    got = [{k: kern[k] for k in EDGE_KERNELS[0]} for kern in probe.snapshot(d.pid)["kernels"]]
+    assert got == EDGE_KERNELS
+
+
+def test_live_bytes_when_the_allocator_hands_an_address_out_again(probe, drivers):
+    d = drivers(None, "edge")
+    d.go()
+    # a 4096 kept; b 12288 freed; c 8192 at b's address; d 20480 at it again with no free seen:
+    # d's size replaces c's (the probe missed a free), so live is a + d
+    mem = probe.snapshot(d.pid)["memory"]
+    assert (mem["live_bytes"], mem["live_allocations"]) == (4096 + 20480, 2)
+    assert (mem["allocations"], mem["frees"]) == (4, 1)
+    assert probe.loader.live_bytes()[d.pid] == 4096 + 20480
+    apis = probe.snapshot(d.pid)["apis"]
+    assert (apis["cuMemAlloc_v2"]["bytes"], apis["cuMemFree_v2"]["bytes"]) == (4096 + 12288 + 8192 + 20480, 12288)
 
 def test_missing_symbols_are_skipped_not_fatal(probe):
     (lib,) = probe.attached()
