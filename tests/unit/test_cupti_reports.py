@@ -117,6 +117,20 @@ def test_probe_exports_colors_kernels_and_agent_health():
     assert series(samples, "gpuwatch.cupti.observed") == {proc: 1.5}
 
 
+def test_grid_blocks_are_the_product_of_all_three_dimensions_and_the_smallest_of_a_names_variants():
+    base = report()["kernels"][1]
+    kernels = [dict(base, name="z_only", grid=[1, 1, 4]), dict(base, name="y_only", grid=[1, 3, 1]),
+               dict(base, name="one", grid=[1, 1, 1]), dict(base, name="cube", grid=[2, 3, 5]),
+               # two variants of one name: the smallest grid is kept; an empty (0-block) grid is no grid
+               dict(base, name="varied", grid=[8, 2, 1]), dict(base, name="varied", grid=[3, 1, 1]),
+               dict(base, name="varied", grid=[0, 1, 1]), dict(base, name="empty", grid=[0, 7, 7])]
+    store = R.InProcessReports()
+    store.accept(report(kernels=kernels), pid=7)
+    samples = R.InProcessProbe(store, demangle=lambda names: {n: n for n in names}).collect()
+    blocks = {dict(k)["kernel"]: v for k, v in series(samples, "gpuwatch.process.kernel.grid_blocks").items()}
+    assert blocks == {"z_only": 4.0, "y_only": 3.0, "one": 1.0, "cube": 30.0, "varied": 3.0}
+
+
 def test_busy_processes_and_kernels_are_capped_and_the_rest_folded():
     store = R.InProcessReports()
     many = [dict(report()["kernels"][1], name=f"k{i}", gpu_seconds=float(i + 1), launches=i + 1) for i in range(15)]
