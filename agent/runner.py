@@ -53,6 +53,7 @@ class _ProbeSlot:
         self.stop = False
         self.thread = threading.Thread(target=self._work, name=f"probe-{probe.name}", daemon=True)
         self.result: tuple | None = None  # set by the worker, consumed by the runner
+        self.timer: Callable[[], float] = time.perf_counter  # times each collection; tests replace it
 
     def _work(self) -> None:
         while True:
@@ -60,19 +61,19 @@ class _ProbeSlot:
             self.go.clear()
             if self.stop:
                 return
-            t0 = time.perf_counter()
+            t0 = self.timer()
             try:
                 if not self.started:
                     self.probe.start()
                     self.started = True
                 samples = tuple(self.probe.collect())
                 events = self.probe.events()
-                self.result = ("ok", samples, events, time.perf_counter() - t0)
+                self.result = ("ok", samples, events, self.timer() - t0)
             except ProbeUnavailable as e:
-                self.result = ("unavailable", str(e), [], time.perf_counter() - t0)
+                self.result = ("unavailable", str(e), [], self.timer() - t0)
             except Exception as e:  # a probe bug must not take the daemon down
                 log.exception("probe %s failed", self.probe.name)
-                self.result = ("error", f"{type(e).__name__}: {e}", [], time.perf_counter() - t0)
+                self.result = ("error", f"{type(e).__name__}: {e}", [], self.timer() - t0)
             self.done.set()
             self.wake.set()
 
@@ -116,7 +117,6 @@ class Runner:
         self.history = history or History()
         self.events: deque[Event] = deque(maxlen=max_events)
         self.on_event = on_event
-        self.findings: tuple[Finding, ...] = ()
         self.snapshot: Snapshot = EMPTY
         self.ticks = 0
         self._stop = threading.Event()

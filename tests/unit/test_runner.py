@@ -1,9 +1,16 @@
 """The runner: intervals, deadlines, late and failing probes, snapshots."""
+import logging
+import platform
 import threading
 import time
 
-from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
-from gpuwatch.agent.runner import Runner
+import pytest
+
+from gpuwatch.agent import __version__
+from gpuwatch.agent.api import Detector, Event, Exporter, Finding, Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.history import History
+from gpuwatch.agent.runner import Runner, finding_attrs, finding_key
+from gpuwatch.agent.snapshot import EMPTY, ProbeStatus
 
 
 class CountingProbe(Probe):
@@ -205,3 +212,644 @@ def test_leak_findings_get_the_stacks_that_hold_their_bytes_where_they_tell_some
                            {"kind": "memory_leak", "color": "grey", "pid": "other"}], stacks_of)
     assert asked == [4242]
     assert found[0]["stacks"][0]["frames"][1] == "leaky+0x10" and all("stacks" not in f for f in found[1:])
+
+
+# -- exact rules on fake clocks ----------------------------------------------------------------------
+# The runner reads time only from the clocks it is given, so the tests below set both by hand and wait
+# for each worker thread to return before the next step: every boundary is hit exactly, no sleeps.
+
+W0 = 1_800_000_000.0
+EPS = 2.0 ** -10  # a binary fraction: t + EPS - t == EPS exactly at every time used here
+
+
+class Clocks:
+    """The runner's monotonic clock, and a wall clock that runs with it plus any step set by hand."""
+
+    def __init__(self):
+        self.t = 0.0
+        self.step = 0.0
+
+    def mono(self):
+        return self.t
+
+    def wall(self):
+        return W0 + self.t + self.step
+
+
+class Timer:
+    """Stands in for the worker's perf_counter: every collection takes exactly `took` seconds."""
+
+    def __init__(self, took):
+        self.took, self.n = took, 0
+
+    def __call__(self):
+        self.n += 1
+        return 1000.0 * ((self.n + 1) // 2) + (self.took if self.n % 2 == 0 else 0.0)
+
+
+def raising(exc):
+    def read():
+        raise exc
+    return read
+
+
+class Scripted(Probe):
+    """A probe whose collections return read(); with gated=True each one waits for one gate.release()."""
+
+    def __init__(self, name="p", interval=1.0, deadline=5.0, read=None, start_fails=0, gated=False):
+        self.name, self.interval, self.deadline = name, interval, deadline
+        self.read = read or (lambda: [Sample("hw.power", 100.0, f"GPU-{name}", {}, W0)])
+        self.start_fails = start_fails  # start() raises ProbeUnavailable this many times first
+        self.gate = threading.Semaphore(0) if gated else None
+        self.starts = self.collects = self.shutdowns = 0
+        self.pending_events = []
+        self.entered = threading.Event()  # set once a collection has begun
+
+    def start(self):
+        self.starts += 1
+        if self.starts <= self.start_fails:
+            raise ProbeUnavailable("NVML library not found: install the NVIDIA driver")
+
+    def collect(self):
+        self.collects += 1
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.acquire(timeout=10)
+        return self.read()
+
+    def events(self):
+        evs, self.pending_events = self.pending_events, []
+        return evs
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+def clocked(probes, c, **kw):
+    return Runner(probes, clock=c.mono, wallclock=c.wall, **kw)
+
+
+def slot(r, name):
+    return next(s for s in r.slots if s.probe.name == name)
+
+
+def returned(r, *names):
+    """Wait until these probes' running collections have returned (the next step collects them)."""
+    for name in names:
+        assert slot(r, name).done.wait(5)
+
+
+def at(r, c, t):
+    c.t = t
+    return r.step()
+
+
+def logged(caplog, level):
+    return [rec.getMessage() for rec in caplog.records if rec.name == "gpuwatch.runner" and rec.levelno == level]
+
+
+def test_probe_is_late_just_past_its_deadline_not_at_it_and_counted_once_per_collection(caplog):
+    c = Clocks()
+    p = Scripted("gated", interval=1.0, deadline=2.5, gated=True)
+    r = clocked([p], c)
+    assert at(r, c, 10.0) is False  # started: nothing to publish yet
+    assert slot(r, "gated").busy_since == 10.0
+    assert at(r, c, 12.5) is False  # running for exactly its deadline: not late yet
+    assert slot(r, "gated").status.state == "starting" and r.snapshot is EMPTY
+    assert at(r, c, 12.5 + EPS) is True
+    assert status(r, "gated") == ProbeStatus(
+        name="gated", up=False, reason="collection running for more than its 2.5 s deadline", state="late",
+        late_total=1, interval=1.0)
+    assert logged(caplog, logging.WARNING) == ["probe gated is late: still collecting after 2.5 s"]
+    late = {s.labels["probe"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.late")}
+    assert late == {"gated": 1.0}
+    # Still stuck later on: counted once per collection, not once per pass, and not started again.
+    assert at(r, c, 20.0) is False and at(r, c, 30.0) is False
+    assert slot(r, "gated").status.late_total == 1
+    p.gate.release()
+    returned(r, "gated")
+    assert p.collects == 1
+    assert at(r, c, 31.0) is True
+    assert status(r, "gated").state == "up" and status(r, "gated").up and status(r, "gated").reason == ""
+    assert status(r, "gated").late_total == 1  # a total: kept once the probe is back
+    # The next collection (due at 32) is judged on its own deadline and counted again.
+    assert at(r, c, 32.0) is False and slot(r, "gated").busy_since == 32.0
+    assert at(r, c, 34.5) is False
+    assert at(r, c, 34.5 + EPS) is True and status(r, "gated").late_total == 2
+    assert status(r, "gated").state == "late" and not status(r, "gated").up  # it was up: down again
+    p.gate.release()
+    returned(r, "gated")
+    assert at(r, c, 35.0) is True and status(r, "gated").late_total == 2 and p.collects == 2
+
+
+def test_sleep_lasts_until_the_next_due_probe_or_deadline_but_not_past_a_late_one():
+    c = Clocks()
+    idle = Scripted("idle", interval=4.0)
+    busy = Scripted("busy", interval=1.0, deadline=2.5, gated=True)
+    r = clocked([idle, busy], c)
+    at(r, c, 0.0)
+    returned(r, "idle")
+    assert at(r, c, 0.0) is True  # idle is back (due again at 4); busy is still in its first call
+    assert status(r, "busy") == ProbeStatus(name="busy", up=False, reason="not started yet", interval=1.0)
+    c.t = 1.0
+    assert r._sleep_time(10.0) == 1.5  # until busy's deadline at 2.5 ...
+    assert r._sleep_time(1.0) == 1.0  # ... or max_sleep, whichever is sooner
+    c.t = 3.5
+    assert r._sleep_time(10.0) == 0.001  # the deadline has passed, not yet reported: wake at once
+    assert at(r, c, 3.5) is True and status(r, "busy").state == "late"
+    assert r._sleep_time(10.0) == 0.5  # a late probe no longer wakes the loop: idle's due time does
+    c.t = 5.0
+    assert r._sleep_time(10.0) == 0.001  # idle is overdue: a floor, never 0 or negative
+    busy.gate.release()
+    returned(r, "busy")
+
+
+def test_samples_leave_the_snapshot_just_past_three_intervals_or_the_deadline_whichever_is_longer():
+    c = Clocks()
+    slow = Scripted("slow", interval=2.0, deadline=5.0, gated=True)  # 3 x 2 s > 5 s: stale after 6 s
+    fast = Scripted("fast", interval=1.0, deadline=5.0, gated=True)  # 3 x 1 s < 5 s: stale after 5 s
+    r = clocked([slow, fast], c)
+    at(r, c, 0.0)
+    slow.gate.release()
+    fast.gate.release()
+    returned(r, "slow", "fast")
+    at(r, c, 1.0)  # both collected at 1
+    at(r, c, 3.0)  # both due again (fast at 2, slow at 3): the second calls hang
+
+    def gpus(t):
+        c.t = t
+        r._publish()
+        return sorted(s.resource for s in r.snapshot.by_metric("hw.power"))
+
+    assert gpus(6.0) == ["GPU-fast", "GPU-slow"]
+    assert gpus(6.0 + EPS) == ["GPU-slow"]
+    assert gpus(7.0) == ["GPU-slow"]
+    assert gpus(7.0 + EPS) == []
+    slow.gate.release()
+    fast.gate.release()
+    returned(r, "slow", "fast")
+
+
+def test_unavailable_probe_retries_after_1_2_4_s_doubling_up_to_300_s_and_afresh_after_success(caplog):
+    caplog.set_level(logging.INFO, logger="gpuwatch.runner")
+    c = Clocks()
+    p = Scripted("flaky", interval=5.0, start_fails=11)
+    r = clocked([p], c)
+    s = slot(r, "flaky")
+    t = 0.0
+    at(r, c, t)
+    for wait in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 300.0, 300.0):
+        returned(r, "flaky")
+        at(r, c, t)  # the failed start is collected at t
+        assert s.busy_since is None
+        at(r, c, t + wait - EPS)
+        assert s.busy_since is None  # not a moment early
+        at(r, c, t + wait)
+        assert s.busy_since == t + wait
+        t += wait
+    returned(r, "flaky")
+    assert t == 1111.0 and p.starts == 12 and p.shutdowns == 0  # never started: nothing to shut down
+    at(r, c, t)
+    st = status(r, "flaky")
+    assert st.up and st.state == "up" and st.reason == "" and st.errors_total == 0 and st.last_success == W0 + t
+    down = [(e.kind, e.resource, dict(e.attrs)) for e in r.events]
+    assert down == [("probe.down", "", {"probe": "flaky",
+                                       "reason": "NVML library not found: install the NVIDIA driver"})]
+    assert logged(caplog, logging.WARNING) == [
+        "probe flaky unavailable: NVML library not found: install the NVIDIA driver (retrying in 1 s)"]
+    assert logged(caplog, logging.INFO) == ["probe flaky is up"]
+    at(r, c, t + 5.0)
+    returned(r, "flaky")
+    at(r, c, t + 5.0)
+    assert logged(caplog, logging.INFO) == ["probe flaky is up"]  # said when it comes up, not at every collection
+    t += 5.0
+    # The source goes away after a success: shut down, retried 1 s later (the backoff starts over), started anew.
+    p.read = raising(ProbeUnavailable("GPU is lost: reboot the node"))
+    at(r, c, t + 5.0)
+    returned(r, "flaky")
+    at(r, c, t + 5.0)
+    assert p.shutdowns == 1 and status(r, "flaky").state == "unavailable" and not status(r, "flaky").up
+    assert status(r, "flaky").reason == "GPU is lost: reboot the node"
+    assert r.snapshot.by_metric("hw.power") == []  # a failed collection's samples leave at once
+    at(r, c, t + 6.0 - EPS)
+    assert s.busy_since is None
+    at(r, c, t + 6.0)
+    assert s.busy_since == t + 6.0
+    returned(r, "flaky")
+    assert p.starts == 13
+    assert [dict(e.attrs)["reason"] for e in r.events] == [
+        "NVML library not found: install the NVIDIA driver", "GPU is lost: reboot the node"]
+
+
+def test_failing_probe_retries_on_its_interval_counts_each_error_and_reports_it_once(caplog):
+    c = Clocks()
+    p = Scripted("boom", interval=2.0, read=raising(RuntimeError("bad answer")))
+    r = clocked([p], c)
+    slot(r, "boom").timer = Timer(0.25)
+    at(r, c, 0.0)
+    returned(r, "boom")
+    assert at(r, c, 0.0) is True
+    assert status(r, "boom") == ProbeStatus(name="boom", up=False, reason="RuntimeError: bad answer",
+                                            state="failing", last_duration=0.25, errors_total=1, interval=2.0)
+    assert p.shutdowns == 1  # started, then failed: shut down so the next try starts afresh
+    at(r, c, 2.0 - EPS)
+    assert slot(r, "boom").busy_since is None
+    at(r, c, 2.0)
+    assert slot(r, "boom").busy_since == 2.0
+    returned(r, "boom")
+    at(r, c, 2.0)
+    assert status(r, "boom").errors_total == 2 and p.starts == 2 and p.shutdowns == 2
+    errors = {s.labels["probe"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.errors")}
+    assert errors == {"boom": 2.0}
+    assert [e.kind for e in r.events] == ["probe.down"]  # the same reason again: no new event
+    assert logged(caplog, logging.WARNING) == ["probe boom failing: RuntimeError: bad answer (retrying in 2 s)"]
+    assert logged(caplog, logging.ERROR) == ["probe boom failed", "probe boom failed"]
+    # Errors do not grow the backoff: once unavailable, the first retry is 1 s later; not counted as an error.
+    p.read = raising(ProbeUnavailable("gone"))
+    at(r, c, 4.0)
+    returned(r, "boom")
+    at(r, c, 4.0)
+    assert status(r, "boom").errors_total == 2 and status(r, "boom").state == "unavailable"
+    assert status(r, "boom").last_duration == 0.25
+    at(r, c, 5.0 - EPS)
+    assert slot(r, "boom").busy_since is None
+    at(r, c, 5.0)
+    assert slot(r, "boom").busy_since == 5.0
+    returned(r, "boom")
+
+
+def test_a_probe_whose_shutdown_fails_is_still_started_afresh(caplog):
+    class BadShutdown(Scripted):
+        def shutdown(self):
+            super().shutdown()
+            raise OSError("device busy")
+
+    c = Clocks()
+    p = BadShutdown("bad", interval=1.0, read=raising(ProbeUnavailable("gone")))
+    r = clocked([p], c)
+    at(r, c, 0.0)
+    returned(r, "bad")
+    at(r, c, 0.0)
+    assert logged(caplog, logging.ERROR) == ["probe bad shutdown failed"]
+    at(r, c, 1.0)
+    returned(r, "bad")
+    assert p.starts == 2 and p.shutdowns == 1
+
+
+def test_a_good_collection_publishes_its_samples_status_events_and_the_agents_own_metrics():
+    c = Clocks()
+    xid = Event("xid", "GPU-ok", {"xid": 79}, W0)
+    p = Scripted("ok", interval=2.0)
+    p.pending_events = [xid]
+    r = clocked([p], c)
+    slot(r, "ok").timer = Timer(0.25)
+    assert slot(r, "ok").thread.name == "probe-ok" and slot(r, "ok").thread.daemon  # a stuck call never holds exit
+    at(r, c, 3.0)
+    returned(r, "ok")
+    assert at(r, c, 3.5) is True
+    wall, lab = W0 + 3.5, {"probe": "ok"}
+    snap = r.snapshot
+    assert snap.ts == wall and snap.events == (xid,) and snap.findings == ()
+    assert snap.probes == {"ok": ProbeStatus(name="ok", up=True, reason="", state="up", last_duration=0.25,
+                                             last_success=wall, interval=2.0)}
+    assert list(snap.samples) == [
+        Sample("hw.power", 100.0, "GPU-ok", {}, W0),
+        Sample("gpuwatch.build", 1.0, "", {"version": __version__, "python": platform.python_version()}, wall),
+        Sample("gpuwatch.probe.up", 1.0, "", lab, wall),
+        Sample("gpuwatch.probe.duration", 0.25, "", lab, wall),
+        Sample("gpuwatch.probe.late", 0.0, "", lab, wall),
+        Sample("gpuwatch.probe.errors", 0.0, "", lab, wall),
+    ]
+    assert [(k, pts) for k, pts in r.history.series("hw.power")] == [(("hw.power", "GPU-ok", ()), [(W0, 100.0)])]
+    # Due again one interval after it was collected (3.5), not after it was started.
+    assert at(r, c, 5.5 - EPS) is False and slot(r, "ok").busy_since is None
+    at(r, c, 5.5)
+    assert slot(r, "ok").busy_since == 5.5
+    returned(r, "ok")
+
+
+def test_history_keeps_each_point_once_and_none_older_than_the_newest_already_kept():
+    c = Clocks()
+    reads = [
+        [Sample("hw.power", 1.0, "GPU-h", {}, W0), Sample("hw.clock", 2.0, "GPU-h", {}, W0 - 10)],
+        # re-emitted between reads, and a first point older than the newest kept (W0): all skipped
+        [Sample("hw.power", 1.0, "GPU-h", {}, W0), Sample("hw.clock", 2.0, "GPU-h", {}, W0 - 10),
+         Sample("hw.fan", 3.0, "GPU-h", {}, W0 - 5)],
+        [Sample("hw.power", 4.0, "GPU-h", {}, W0 + 1)],
+        [],  # nothing this time
+    ]
+    p = Scripted("h", interval=1.0, read=lambda: reads.pop(0))
+    r = clocked([p], c)
+    for t in (0.0, 1.0, 2.0, 3.0):
+        at(r, c, t)
+        returned(r, "h")
+        at(r, c, t)
+    pts = {m: [p for _, p in r.history.series(m)] for m in ("hw.power", "hw.clock", "hw.fan")}
+    assert pts == {"hw.power": [[(W0, 1.0), (W0 + 1, 4.0)]], "hw.clock": [[(W0 - 10, 2.0)]], "hw.fan": []}
+    assert status(r, "h").up
+
+
+def test_a_wall_clock_step_of_more_than_a_minute_moves_history_with_it_and_a_minute_does_not(caplog):
+    c = Clocks()
+    p = Scripted("w", interval=100.0, read=lambda: [Sample("hw.power", 1.0, "GPU-w", {}, c.wall())])
+    r = clocked([p], c)
+    at(r, c, 0.0)
+    returned(r, "w")
+    at(r, c, 0.0)
+
+    def points():
+        (_, pts), = r.history.series("hw.power")
+        return [t for t, _ in pts]
+
+    assert points() == [W0]
+    c.step = 60.0
+    at(r, c, 1.0)
+    assert points() == [W0]  # a minute is drift: left alone
+    c.step = 120.25
+    at(r, c, 2.0)
+    assert points() == [W0 + 60.25]
+    c.step = 60.25
+    at(r, c, 3.0)
+    assert points() == [W0 + 60.25]  # a minute back: left alone too
+    c.step = -3600.0
+    at(r, c, 4.0)
+    assert points() == [W0 - 3600.0]
+    assert logged(caplog, logging.WARNING) == [
+        "the wall clock stepped by +60 s: moving history with it so trends stay continuous",
+        "the wall clock stepped by -3660 s: moving history with it so trends stay continuous"]
+    # A point read after the step back is newer than the (moved) newest one: kept.
+    at(r, c, 100.0)
+    returned(r, "w")
+    at(r, c, 100.0)
+    assert points() == [W0 - 3600.0, W0 + 100.0 - 3600.0]
+
+
+def test_a_value_re_emitted_after_a_wall_step_is_not_added_to_history_again():
+    c = Clocks()
+    # A static value, read once at W0 and re-emitted with that time by every collection.
+    p = Scripted("s", interval=10.0, read=lambda: [Sample("hw.gpu.memory.limit", 141.0, "GPU-s", {}, W0)])
+    r = clocked([p], c)
+    at(r, c, 0.0)
+    returned(r, "s")
+    at(r, c, 0.0)
+    c.step = 3600.0
+    at(r, c, 10.0)
+    returned(r, "s")
+    at(r, c, 10.0)
+    (_, pts), = r.history.series("hw.gpu.memory.limit")
+    assert pts == [(W0 + 3600.0, 141.0)]
+
+
+def test_points_of_a_collection_begun_before_a_wall_step_stay_out_of_history():
+    c = Clocks()
+    p = Scripted("g", interval=10.0, gated=True, read=lambda: [Sample("hw.power", 1.0, "GPU-g", {}, c.wall())])
+    r = clocked([p], c)
+
+    def collect(t_start, t_end, step=None):
+        at(r, c, t_start)
+        if step is not None:
+            c.step = step
+            at(r, c, t_end)
+        p.gate.release()
+        returned(r, "g")
+        at(r, c, t_end)
+
+    def points():
+        return [t for _, pts in r.history.series("hw.power") for t, _ in pts]
+
+    collect(0.0, 0.0)
+    assert points() == [W0]
+    # The step is seen in the same pass that starts the collection: it reads the new time line, kept.
+    c.step = 3600.0
+    collect(10.0, 10.0)
+    assert points() == [W0 + 3600.0, W0 + 3610.0]
+    # Started at 20, the step seen at 21 while it runs: its points may be on either time line, not kept.
+    collect(20.0, 21.0, step=7200.0)
+    assert points() == [W0 + 7200.0, W0 + 7210.0]
+    assert [s.ts for s in r.snapshot.by_metric("hw.power")] == [W0 + 21.0 + 7200.0]  # still served
+    collect(31.0, 31.0)
+    assert points() == [W0 + 7200.0, W0 + 7210.0, W0 + 7231.0]
+
+
+class ScriptedDetector(Detector):
+    """Judges by script: each judgement takes the next entry, findings or an exception to raise."""
+
+    def __init__(self, interval, script):
+        self.name, self.interval = "scripted", interval
+        self.script = list(script)
+        self.judged = 0
+
+    def observe(self, history):
+        self.judged += 1
+        out = self.script.pop(0)
+        if isinstance(out, Exception):
+            raise out
+        return out
+
+    def samples(self, findings):
+        return [Sample("gpuwatch.test.finding", 1.0, f.resource, {"kind": f.kind}, W0) for f in findings]
+
+
+def test_a_detector_judges_on_its_interval_and_its_findings_stand_between_and_after_a_failure(caplog):
+    c = Clocks()
+    f = Finding("memory_leak", "GPU-a", "warning", "grows", {"pid": "1", "color": "black"}, W0)
+    d = ScriptedDetector(10.0, [[f], RuntimeError("bug"), []])
+    r = clocked([], c, detectors=[d])
+
+    def judge(t):
+        c.t = t
+        r._publish()
+        return d.judged, r.snapshot.findings, [s.resource for s in r.snapshot.by_metric("gpuwatch.test.finding")]
+
+    assert judge(0.0) == (1, (f,), ["GPU-a"])
+    assert judge(10.0 - EPS) == (1, (f,), ["GPU-a"])
+    assert judge(10.0) == (2, (f,), ["GPU-a"])  # failed: its last findings stand
+    assert logged(caplog, logging.ERROR) == ["detector scripted failed"]
+    assert judge(20.0 - EPS) == (2, (f,), ["GPU-a"])  # a failure is not retried every pass
+    assert judge(20.0) == (3, (), [])
+
+
+def test_findings_open_update_on_a_new_severity_and_close_as_events_keyed_by_kind_resource_and_identity():
+    c = Clocks()
+    a = Finding("memory_leak", "GPU-a", "warning", "grows 10 MiB/s", {"pid": 4242, "color": "black"})
+    a_crit = Finding("memory_leak", "GPU-a", "critical", "grows 90 MiB/s", {"pid": 4242, "color": "black"})
+    a_more = Finding("memory_leak", "GPU-a", "critical", "grows 95 MiB/s", {"pid": "4242", "color": "black"})
+    b = Finding("memory_leak", "GPU-a", "warning", "grows 1 MiB/s", {"pid": 7, "color": "black"})
+    events = []
+    d = ScriptedDetector(0.0, [[a], [a_crit], [a_more, b], [b], []])
+    r = clocked([], c, detectors=[d], on_event=events.append)
+    for t in range(5):
+        c.t = float(t)
+        r._publish()
+
+    def ev(kind, f, t):
+        return Event(kind, "GPU-a", {"kind": "memory_leak", "severity": f.severity, "summary": f.summary, **f.attrs},
+                     W0 + t)
+
+    # a_more is a_crit with a new summary: the same finding (pid 4242 either way), no event.
+    assert events == [ev("finding.opened", a, 0), ev("finding.updated", a_crit, 1), ev("finding.opened", b, 2),
+                      ev("finding.closed", a_more, 3), ev("finding.closed", b, 4)]
+    assert r.snapshot.events == tuple(events)
+
+
+def test_finding_key_is_kind_resource_and_the_identity_attributes_as_text():
+    assert finding_key(Finding("xid", "GPU-a", "critical", "XID 79", {"id": 79})) == ("xid", "GPU-a", "79", "", "")
+    assert finding_key(Finding("memory_leak", "GPU-b", "warning", "s", {"pid": 4242, "color": "black", "rate": 1.5})) \
+        == ("memory_leak", "GPU-b", "", "4242", "black")
+    assert finding_attrs(Finding("xid", "GPU-a", "critical", "XID 79", {"id": 79})) == {
+        "kind": "xid", "severity": "critical", "summary": "XID 79", "id": 79}
+
+
+def test_history_expires_old_series_on_every_hundredth_publish():
+    c = Clocks()
+    h = History(expire_after=30.0)
+    h.append([Sample("hw.power", 1.0, "GPU-x", {}, W0)])
+    r = clocked([], c, history=h)
+    c.t = 30.0 + EPS  # its newest point is now just past expire_after old (by the wall clock)
+    for _ in range(99):
+        r._publish()
+    assert len(h) == 1
+    r._publish()
+    assert len(h) == 0 and r.ticks == 100
+
+
+def test_events_keep_the_newest_max_events_and_a_failing_handler_is_logged_not_raised(caplog):
+    seen = []
+
+    def handler(ev):
+        seen.append(ev)
+        raise ValueError("handler bug")
+
+    c = Clocks()
+    p = Scripted("e", read=lambda: [])
+    xids = [Event("xid", "GPU-e", {"xid": n}, W0) for n in (13, 31, 79)]
+    p.pending_events = list(xids)
+    r = clocked([p], c, max_events=2, on_event=handler)
+    at(r, c, 0.0)
+    returned(r, "e")
+    assert at(r, c, 0.0) is True
+    assert seen == xids and r.snapshot.events == tuple(xids[1:])
+    assert logged(caplog, logging.ERROR) == ["event handler failed"] * 3
+
+
+class RecordingExporter(Exporter):
+    def __init__(self, name, fail=False):
+        self.name, self.fail = name, fail
+        self.got, self.shutdowns = [], 0
+
+    def publish(self, snapshot):
+        self.got.append(snapshot)
+        if self.fail:
+            raise RuntimeError("socket closed")
+
+    def shutdown(self):
+        self.shutdowns += 1
+        if self.fail:
+            raise RuntimeError("socket closed")
+
+
+def test_a_failing_exporter_is_logged_and_the_others_still_get_each_snapshot_and_shut_down(caplog):
+    c = Clocks()
+    bad, good = RecordingExporter("bad", fail=True), RecordingExporter("good")
+    p = Scripted("x")
+    r = clocked([p], c, exporters=[bad, good])
+    at(r, c, 0.0)
+    returned(r, "x")
+    at(r, c, 0.0)
+    assert len(good.got) == 1 and good.got[0] is r.snapshot and bad.got[0] is r.snapshot
+    r.shutdown()
+    assert bad.shutdowns == 1 and good.shutdowns == 1 and p.shutdowns == 1
+    assert not slot(r, "x").thread.is_alive()
+    assert logged(caplog, logging.ERROR) == ["exporter bad failed to publish", "exporter bad shutdown failed"]
+
+
+def test_shutdown_stops_idle_probes_and_leaves_one_stuck_in_a_call(caplog):
+    class BadShutdown(Scripted):
+        def shutdown(self):
+            super().shutdown()
+            raise OSError("device busy")
+
+    c = Clocks()
+    bad, stuck, ok = BadShutdown("bad"), Scripted("stuck", gated=True), Scripted("ok")
+    r = clocked([bad, stuck, ok], c)
+    at(r, c, 0.0)
+    returned(r, "bad", "ok")
+    at(r, c, 0.0)
+    assert stuck.entered.wait(5)  # inside its call, not merely told to start
+    t0 = time.monotonic()
+    r.shutdown(timeout=0.05)
+    assert time.monotonic() - t0 < 1.0  # the stuck call is not waited on past the timeout
+    assert (bad.shutdowns, stuck.shutdowns, ok.shutdowns) == (1, 0, 1)
+    assert logged(caplog, logging.ERROR) == ["probe bad shutdown failed"]
+    assert slot(r, "stuck").thread.is_alive() and not slot(r, "ok").thread.is_alive()
+    stuck.gate.release()
+    assert slot(r, "stuck").done.wait(5)
+    slot(r, "stuck").thread.join(5)
+    assert not slot(r, "stuck").thread.is_alive()  # returns to find the stop flag: exits, no new call
+    assert stuck.collects == 1
+
+
+def test_shutdown_shuts_down_a_probe_whose_stuck_call_returned_meanwhile():
+    c = Clocks()
+    p = Scripted("slow", gated=True)
+    r = clocked([p], c)
+    at(r, c, 0.0)
+    assert p.entered.wait(5)
+    p.gate.release()
+    returned(r, "slow")  # returned, but no step has collected it: still busy to the runner
+    r.shutdown()
+    assert p.shutdowns == 1 and not slot(r, "slow").thread.is_alive()
+
+
+def test_the_snapshot_keeps_the_newest_256_events_by_default():
+    c = Clocks()
+    p = Scripted("many", read=lambda: [])
+    p.pending_events = [Event("xid", "GPU-m", {"n": n}, W0) for n in range(300)]
+    r = clocked([p], c)
+    at(r, c, 0.0)
+    returned(r, "many")
+    at(r, c, 0.0)
+    assert [e.attrs["n"] for e in r.snapshot.events] == list(range(44, 300))
+
+
+def test_probe_names_must_be_unique():
+    with pytest.raises(ValueError) as e:
+        Runner([Scripted("a"), Scripted("b"), Scripted("a")])
+    assert str(e.value) == "probe names must be unique: ['a', 'b', 'a']"
+
+
+def test_tick_once_runs_every_probe_now_and_gives_up_on_a_stuck_one_after_its_timeout():
+    c = Clocks()
+    ok, stuck = Scripted("ok", interval=100.0), Scripted("stuck", interval=100.0, gated=True)
+    r = clocked([ok, stuck], c)
+    stuck.gate.release()
+    snap = r.tick_once()
+    assert ok.collects == 1 and stuck.collects == 1 and snap is r.snapshot and snap.probes["stuck"].up
+    c.t = 1.0  # not due again for 99 s: tick_once runs them anyway
+    t0 = time.monotonic()
+    snap = r.tick_once(timeout=0.05)
+    assert time.monotonic() - t0 < 1.0
+    assert ok.collects == 2 and slot(r, "stuck").busy_since == 1.0
+    stuck.gate.release()
+    returned(r, "stuck")
+
+
+def test_run_steps_and_beats_every_pass_until_stopped():
+    c = Clocks()
+    p = Scripted("r", interval=100.0)
+    r = clocked([p], c)
+    beats = []
+
+    def heartbeat():
+        beats.append(r.ticks)
+        if len(beats) == 2:
+            r.stop()
+
+    # Pass 1 starts the probe, whose return wakes the loop; pass 2 publishes it; stop() wakes and ends it.
+    r.run(heartbeat=heartbeat, max_sleep=5.0)
+    assert beats == [0, 1] and p.collects == 1 and status(r, "r").up
+
+    own = threading.Event()
+    r2 = clocked([Scripted("r2", interval=100.0)], c)
+    r2.run(stop=own, heartbeat=own.set, max_sleep=0.01)  # a stop event of the caller's own
+    assert own.is_set()
