@@ -9,9 +9,10 @@ import random
 import pytest
 
 from gpuwatch.agent import metrics
-from gpuwatch.agent.api import Sample
+from gpuwatch.agent.api import Finding, Sample
 from gpuwatch.agent.history import History
-from gpuwatch.detectors.leak import BLACK, GREY, WHITE, LeakDetector, LeakSettings, trend
+from gpuwatch.detectors.leak import (BLACK, GREY, WHITE, LeakDetector, LeakSettings, fmt_duration, gave_back,
+                                     sawtooth, still_rising, trend)
 
 GIB, MIB = 1 << 30, 1 << 20
 GPU = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"
@@ -154,6 +155,13 @@ def test_slow_leak_is_seen_within_5_minutes():
     black = lambda i: 20 * GIB + 100 * 1e6 / 60 * i  # noqa: E731  100 MB a minute
     seen = next(s for s in range(60, 601, 15) if list(LeakDetector().observe(build(s, black=black))))
     assert seen <= 300
+    # 90 s windows hold 119 MiB of growth (under 128): the 300 s window judges it once it spans 240 s.
+    assert seen == 255
+    f = one(LeakDetector().observe(build(seen, black=black)))
+    assert (f.attrs["color"], f.attrs["window_seconds"], f.severity) == (BLACK, 254.0, "warning")
+    # The last half's slope: floors at 127 s and 212 s (85 s of rise) over bucket centres 2 x 254/6 s
+    # apart, 255/254 of the true rate.
+    assert f.attrs["rate_bytes_per_second"] == pytest.approx(100 * 1e6 / 60 * 255 / 254, rel=1e-8)
 
 
 # --- what is not a leak -------------------------------------------------------------------
@@ -216,3 +224,410 @@ def test_without_nvml_the_in_process_colors_still_judge():
     h = build(300, white=lambda i: 10 * GIB + rate * i, grey=lambda i: 12 * GIB + rate * i)
     f = one(LeakDetector().observe(h))
     assert f.attrs["color"] == WHITE and f.attrs["rate_bytes_per_second"] == pytest.approx(rate, rel=0.05)
+
+
+# --- every threshold, just below and just above ---------------------------------------------
+# The series below are staircases: a floor that steps to floors[k] at the start of each bucket and
+# creeps up 64 KiB a second inside it (so the floor still rises over the last 30 s), which makes the
+# detector's bucket floors exactly `floors` and its rates exact.
+
+CREEP = 64 * 1024
+
+
+def stairs(floors, width: int):
+    last = len(floors) - 1
+    return lambda i: floors[min(i // width, last)] + (i - width * min(i // width, last)) * CREEP
+
+
+def cum(base: float, *steps: float) -> list:
+    out = [base]
+    for d in steps:
+        out.append(out[-1] + d)
+    return out
+
+
+def findings(h: History) -> list:
+    fs = list(LeakDetector().observe(h))
+    for s in LeakDetector.samples(fs):
+        metrics.get(s.metric)
+    return fs
+
+
+def summary(color_text: str, rate: str, tail: str = "") -> str:
+    return f"process 4242 (python3) on GPU {GPU} is leaking {rate}/min: {color_text}{tail}"
+
+
+def test_fmt_duration_switches_units_at_90_seconds_and_90_minutes():
+    assert [fmt_duration(s) for s in (0, 89.4, 89.5, 90, 151, 5399, 5400, 5580, 36000)] == [
+        "0 s", "89 s", "90 s", "2 min", "3 min", "90 min", "1.5 h", "1.6 h", "10.0 h"]
+
+
+def test_growth_just_under_128_mib_is_not_a_leak_and_128_mib_is():
+    # 90 s of white in 15 s buckets: four steps of 24 MiB and a last one; growth = their sum.
+    for last, found in ((32 * MIB - 1, False), (32 * MIB, True)):
+        white = stairs(cum(20 * GIB, 24 * MIB, 24 * MIB, 24 * MIB, 24 * MIB, last), 15)
+        h = build(91, white, lambda i: white(i) + 2 * GIB, lambda i: white(i) + 2 * GIB + 600 * MIB)
+        fs = findings(h)
+        if not found:
+            assert fs == []
+            continue
+        (f,) = fs
+        assert f.attrs["color"] == WHITE and f.attrs["growth_bytes"] == 128 * MIB
+        # The median slope is the 24 MiB step's; the last half's (24 + 32 MiB over 30 s) is steeper.
+        assert f.attrs["rate_bytes_per_second"] == pytest.approx(56 * MIB / 30, rel=1e-12)
+        assert f.attrs["window_seconds"] == 90.0
+        assert f.attrs["confidence"] == 0.55  # r2 1, rising 1, (90 s / 300 s) ** 0.5 = 0.548
+
+
+def test_a_rate_just_under_256_kib_a_second_is_not_a_leak_and_256_kib_is():
+    # 10 minutes of grey in 100 s buckets: four steps of 25 MiB (256 KiB/s, the median slope) and a
+    # steeper last one so that the growth (132 MiB) passes; only the rate decides.
+    for step, found in ((25 * MIB - 100, False), (25 * MIB, True)):
+        grey = stairs(cum(30 * GIB, step, step, step, step, 32 * MIB), 100)
+        h = build(601, steps(20 * GIB, 2 * GIB), grey, lambda i: grey(i) + 600 * MIB)
+        fs = findings(h)
+        if not found:
+            assert fs == []
+            continue
+        (f,) = fs
+        assert (f.attrs["color"], f.attrs["grey_source"], f.severity) == (GREY, "agent", "warning")
+        assert f.attrs["growth_bytes"] == 132 * MIB and f.attrs["window_seconds"] == 600.0
+        assert f.attrs["rate_bytes_per_second"] == pytest.approx(57 * MIB / 200, rel=1e-12)  # the last half's
+        assert f.attrs["confidence"] == 1.0
+
+
+def test_a_fit_just_under_r2_0_8_is_not_a_leak_and_just_over_is():
+    # Black in 15 s buckets: four steps of 16 MiB, then a jump. In units of 2 MiB the floors are
+    # 0 8 16 24 32 82: r2 = 245^2 / (17.5 * 4270) = 49/61 = 0.803; a jump of 102 MiB gives 0.799.
+    for jump, found in ((102 * MIB, False), (100 * MIB, True)):
+        black = stairs(cum(8 * GIB, 16 * MIB, 16 * MIB, 16 * MIB, 16 * MIB, jump), 15)
+        fs = findings(build(91, black=black))
+        pts = [(T0 + i, black(i)) for i in range(91)]
+        if not found:
+            assert fs == []
+            assert trend(pts, 90, T0 + 90, LeakSettings(min_r2=0.79))
+            continue
+        (f,) = fs
+        assert f.attrs["color"] == BLACK and f.attrs["grey_source"] == "none"
+        assert f.attrs["rate_bytes_per_second"] == pytest.approx(116 * MIB / 30, rel=1e-12)  # the last half's
+        assert f.attrs["colors"] == {BLACK: 4054493.9}  # 116 MiB / 30 s, to 0.1 byte
+        assert f.attrs["growth_bytes"] == 164 * MIB
+        assert f.attrs["confidence"] == round(49 / 61 * (90 / 300) ** 0.5, 2) == 0.44
+        assert trend(pts, 90, T0 + 90).r2 == pytest.approx(49 / 61, rel=1e-12)
+    # Exactly 0.8 is enough: in units of 8 MiB the floors 0 9 9 10 11 21 give 56^2 / (17.5 * 224).
+    (f,) = findings(build(91, black=stairs(cum(8 * GIB, 72 * MIB, 0, 8 * MIB, 8 * MIB, 80 * MIB), 15)))
+    assert f.attrs["color"] == BLACK and f.attrs["growth_bytes"] == 168 * MIB
+    assert f.attrs["rate_bytes_per_second"] == pytest.approx(44 * MIB / 15, rel=1e-12)  # the last half's
+
+
+def test_a_floor_that_rises_in_four_of_five_steps_is_a_leak_and_three_of_five_is_not():
+    # A step counts as rising when it is more than 1 MiB; 3 of 5 is under the 0.75 needed.
+    x, eps = 48 * MIB, 1 * MIB
+    for steps_, rising in (((x, eps, eps, x, x), None), ((x, eps, x, x, x), 0.8),
+                           ((x, eps + 1, eps + 1, x, x), 1.0)):
+        black = stairs(cum(8 * GIB, *steps_), 15)
+        fs = findings(build(91, black=black))
+        pts = [(T0 + i, black(i)) for i in range(91)]
+        if rising is None:
+            assert fs == []
+            assert trend(pts, 90, T0 + 90, LeakSettings(min_rising=0.6)).rising == 0.6
+            continue
+        (f,) = fs
+        assert f.attrs["color"] == BLACK and f.attrs["growth_bytes"] == sum(steps_)
+        assert trend(pts, 90, T0 + 90).rising == rising
+        # r2 (0.963, then 0.877) x rising x (90 / 300) ** 0.5
+        assert f.attrs["confidence"] == {0.8: 0.42, 1.0: 0.48}[rising]
+
+
+def test_the_last_half_rising_at_half_the_first_halfs_slope_is_a_leak_and_slower_is_not():
+    # Floors 0 X 2X 3X, then two steps of Y: the first half's slope is X / 15 s, the last half's Y / 15 s.
+    x = 40 * MIB
+    for y, found in ((x / 2 - 1, False), (x / 2, True)):
+        black = stairs(cum(8 * GIB, x, x, x, y, y), 15)
+        fs = findings(build(91, black=black))
+        if not found:
+            assert fs == []
+            assert trend([(T0 + i, black(i)) for i in range(91)], 90, T0 + 90, LeakSettings(min_late_ratio=0.49))
+            continue
+        (f,) = fs
+        # The floors are X * (0 1 2 3 3.5 4); the median of the 15 slopes is floor 1 to floor 4's:
+        # 2.5 X over 45 s (the last half's, X / 30 s, is the slower).
+        assert f.attrs["rate_bytes_per_second"] == pytest.approx(2.5 * x / 45, rel=1e-12)
+        assert f.attrs["growth_bytes"] == 4 * x
+
+
+def test_a_floor_given_back_by_1_mib_is_tolerated_and_by_more_is_not():
+    x, eps = 40 * MIB, 1 * MIB
+    for back, found in ((eps + 1, False), (eps, True)):
+        black = stairs(cum(8 * GIB, x, x, -back, x, x), 15)
+        fs = findings(build(91, black=black))
+        assert [(f.attrs["color"], f.attrs["growth_bytes"]) for f in fs] == ([(BLACK, 4 * x - eps)] if found else [])
+
+
+def test_a_fast_first_step_does_not_set_the_early_slope():
+    # The first half's slope is the median of its floors' slopes (4/3 X per bucket here), not the first
+    # step's 3 X: a steady X per bucket after it is a leak.
+    x = 30 * MIB
+    black = stairs(cum(8 * GIB, 3 * x, x, x, x, x), 15)
+    (f,) = findings(build(91, black=black))
+    assert f.attrs["color"] == BLACK and f.attrs["growth_bytes"] == 7 * x
+
+
+def test_half_the_rise_given_back_within_10_minutes_is_a_sawtooth_and_less_is_a_leak():
+    # The pool grows 2 MiB/s, gives some back at 94 s, then grows on: the 90 s window after the fall
+    # rises by 150 MiB. The 15 s floors before and after the fall differ by the fall less 30 MiB.
+    for fall, found in ((105 * MIB, False), (105 * MIB - 1, True)):
+        grey = lambda i, fall=fall: 20 * GIB + i * 2 * MIB - (fall if i >= 94 else 0)  # noqa: E731
+        h = build(200, steps(10 * GIB, GIB), grey, lambda i: grey(i) + 600 * MIB)
+        fs = findings(h)
+        assert [(f.attrs["color"], f.attrs["rate_bytes_per_second"], f.attrs["growth_bytes"]) for f in fs] == (
+            [(GREY, 2 * MIB, 150 * MIB)] if found else [])
+
+
+def test_a_fall_more_than_10_minutes_ago_is_not_a_sawtooth():
+    # The pool fell by 1 GiB, then grew 2 MiB/s: the 600 s window after the fall rises 1000 MiB.
+    for fall_at, found in ((50, True), (150, False)):
+        grey = lambda i, f=fall_at: 20 * GIB + i * 2 * MIB - (GIB if i >= f else 0)  # noqa: E731
+        fs = findings(build(702, steps(10 * GIB, GIB), grey, lambda i: grey(i) + 600 * MIB))
+        assert [(f.attrs["color"], f.attrs["window_seconds"], f.attrs["growth_bytes"]) for f in fs] == (
+            [(GREY, 600.0, 1000 * MIB)] if found else []), fall_at
+
+
+def add(h: History, seconds: int, metric: str, fn, labels=None, resource: str = GPU) -> History:
+    for i in range(seconds):
+        h.append([Sample(metric, float(fn(i)), resource, PROC if labels is None else labels, T0 + i)])
+    return h
+
+
+OTHER = {"pid": "4343", "process": "trainer"}
+USAGE = "gpuwatch.process.gpu.memory.usage"
+
+
+def test_a_process_last_seen_15_s_ago_is_judged_and_16_s_ago_is_not():
+    for gap, pids in ((15, ["4242", "4343"]), (16, ["4343"])):
+        h = build(300, black=lambda i: 8 * GIB + 2 * MIB * i)
+        add(h, 300 + gap, USAGE, lambda i: 30 * GIB + 3 * MIB * i, OTHER)  # another leak goes on
+        assert [f.attrs["pid"] for f in findings(h)] == pids, gap
+
+
+def test_an_emptied_pool_in_one_process_does_not_hide_anothers_leak():
+    grey = lambda i: 20 * GIB + i * 2 * GIB / 60 if i < 150 else 2 * GIB  # noqa: E731
+    black = lambda i: 20 * GIB + 600 * MIB + min(i, 151) * 2 * GIB / 60  # noqa: E731
+    h = add(build(152, steps(GIB, 100 * MIB), grey, black), 152, USAGE, lambda i: 30 * GIB + 3 * MIB * i, OTHER)
+    assert [(f.attrs["pid"], f.attrs["color"]) for f in findings(h)] == [("4343", BLACK)]
+
+
+def test_time_to_oom_of_exactly_15_minutes_is_a_warning_and_less_is_critical():
+    # 2 MiB/s (120 MiB a minute) against 1800 MiB of NVML's free memory: 900 s.
+    for free, severity, left in ((1800 * MIB, "warning", "15 min"), (1800 * MIB - 1, "critical", "15 min")):
+        h = build(91, black=lambda i: 8 * GIB + 2 * MIB * i)
+        add(h, 91, "gpuwatch.gpu.memory.free", lambda i, free=free: free, {})
+        (f,) = findings(h)
+        assert f.severity == severity and f.attrs["time_to_oom_seconds"] == free / (2 * MIB)
+        assert f.attrs["headroom_bytes"] == free and f.attrs["rate_bytes_per_second"] == 2 * MIB
+        assert f.summary == summary(
+            "memory outside the allocator (black: the driver's charge grows while the allocator's does not)",
+            "120.0 MiB", f"; out of memory in {left} at this rate (1.8 GiB left) (no in-process agent or eBPF: "
+                         "which part of the process grows is unknown)")
+        labels = {"pid": "4242", "process": "python3", "color": BLACK}
+        assert LeakDetector.samples([f]) == [
+            Sample("gpuwatch.leak.suspected", 1.0, GPU, labels, T0 + 90),
+            Sample("gpuwatch.leak.growth.rate", 2 * MIB, GPU, labels, T0 + 90),
+            Sample("gpuwatch.leak.time_to_oom", free / (2 * MIB), GPU, labels, T0 + 90)]
+
+
+def test_a_full_gpu_is_out_of_memory_now():
+    # NVML's used equals the limit: no headroom, whatever the rate.
+    black = lambda i: 8 * GIB + 2 * MIB * i  # noqa: E731
+    (f,) = findings(build(91, black=black, others=LIMIT - black(90)))
+    assert (f.severity, f.attrs["headroom_bytes"], f.attrs["time_to_oom_seconds"]) == ("critical", 0.0, 0.0)
+    assert f.summary.endswith("; out of memory in 0 s at this rate (0 B left) (no in-process agent or eBPF: "
+                              "which part of the process grows is unknown)")
+
+
+def test_white_without_gpu_totals_has_no_forecast():
+    # Only the in-process agent: no NVML, so no free memory and no time to OOM.
+    h = History()
+    add(h, 91, "gpuwatch.process.gpu.memory.allocated", lambda i: 10 * GIB + 2 * MIB * i)
+    add(h, 91, "gpuwatch.process.gpu.memory.reserved", lambda i: 10 * GIB + 2 * MIB * i)
+    (f,) = findings(h)
+    assert (f.severity, f.attrs["headroom_bytes"], f.attrs["time_to_oom_seconds"]) == ("warning", None, None)
+    assert f.summary == summary("tensors kept alive (white: allocated bytes grow)", "120.0 MiB")
+    assert f.attrs["colors"] == {WHITE: 2 * MIB, GREY: 2 * MIB}
+    labels = {"pid": "4242", "process": "python3", "color": WHITE}
+    assert LeakDetector.samples([Finding("gpu_throttle", GPU, "warning", "hot", {}, T0), f]) == [
+        Sample("gpuwatch.leak.suspected", 1.0, GPU, labels, T0 + 90),
+        Sample("gpuwatch.leak.growth.rate", 2 * MIB, GPU, labels, T0 + 90)]
+
+
+def test_white_headroom_is_the_free_memory_when_the_pool_has_no_unused_part():
+    white = lambda i: 10 * GIB + 2 * MIB * i  # noqa: E731
+    h = build(91, white, white, lambda i: white(i) + 600 * MIB, others=100 * GIB)
+    (f,) = findings(h)
+    free = LIMIT - 100 * GIB - (white(90) + 600 * MIB)
+    assert f.attrs["headroom_bytes"] == free and f.attrs["time_to_oom_seconds"] == free / (2 * MIB)
+    assert f.summary == summary("tensors kept alive (white: allocated bytes grow)", "120.0 MiB",
+                                "; out of memory in 4.3 h at this rate (30.2 GiB left)")  # 30.2 GiB / 2 MiB/s
+
+
+def test_the_longest_window_that_rises_is_the_one_reported():
+    # A linear rise judged at 200 s, 400 s and 700 s: the 90 s, 300 s and 600 s windows.
+    for seconds, window, confidence in ((200, 90.0, 0.55), (400, 300.0, 1.0), (700, 600.0, 1.0)):
+        (f,) = findings(build(seconds, black=lambda i: 8 * GIB + 2 * MIB * i))
+        assert (f.attrs["window_seconds"], f.attrs["confidence"]) == (window, confidence), seconds
+        assert f.attrs["growth_bytes"] == 2 * MIB * window * 5 / 6  # first to last bucket's floor
+    # A big allocation 50 s in: the 90 s window holds the jump and flattens, the 60 s one sees the rise.
+    black = lambda i: (GIB if i < 50 else 21 * GIB) + 3 * MIB * i  # noqa: E731
+    (f,) = findings(build(120, black=black))
+    assert (f.attrs["window_seconds"], f.attrs["growth_bytes"]) == (60.0, 150 * MIB)
+
+
+def test_a_younger_series_is_judged_with_less_confidence():
+    # 86 s of points fill the 90 s window enough (0.8 of it): confidence (86 / 300) ** 0.5 = 0.535.
+    (f,) = findings(build(87, black=lambda i: 8 * GIB + 2 * MIB * i))
+    assert (f.attrs["window_seconds"], f.attrs["confidence"]) == (86.0, 0.54)
+
+
+# --- where grey comes from ------------------------------------------------------------------
+
+LIVE = "gpuwatch.process.cuda.memory.live"
+GPU2 = "GPU-5b1e0f3c-7d2a-4c1b-9e8f-0a1b2c3d4e5f"
+
+
+def test_ebpf_live_bytes_that_grow_are_a_grey_leak():
+    live = lambda i: 4 * GIB + 2 * MIB * i  # noqa: E731
+    h = build(91, black=lambda i: live(i) + 600 * MIB, live=live)
+    add(h, 91, LIVE, lambda i: 0.0, {"pid": "77", "process": "gone"}, "")  # a process on no GPU: ignored
+    (f,) = findings(h)
+    assert (f.attrs["color"], f.attrs["grey_source"], f.attrs["rate_bytes_per_second"]) == (GREY, "ebpf", 2 * MIB)
+    assert f.summary == summary(
+        "the allocator's pool (grey: reserved bytes grow while allocated bytes do not)", "120.0 MiB",
+        "; out of memory in 19.4 h at this rate (136.2 GiB left)")  # 141 GiB less 4.8 GiB, at 2 MiB/s
+
+
+def test_ebpf_live_bytes_of_a_process_on_two_gpus_are_not_its_grey():
+    # eBPF counts a process's allocations on all its GPUs together: they are no one GPU's grey.
+    live = lambda i: 4 * GIB + 2 * MIB * i  # noqa: E731
+    h = build(91, black=lambda i: live(i) + 600 * MIB, live=live)
+    add(h, 91, USAGE, lambda i: 2 * GIB, resource=GPU2)
+    (f,) = findings(h)
+    assert (f.resource, f.attrs["color"], f.attrs["grey_source"]) == (GPU, BLACK, "none")
+    assert f.summary.endswith(" (no in-process agent or eBPF: which part of the process grows is unknown)")
+
+
+def test_the_in_process_agents_grey_wins_over_ebpf():
+    # The agent's reserved bytes are flat while eBPF's live bytes grow: the agent's are grey, so the
+    # growth is black (outside the allocator), and the message does not call the source unknown.
+    grow = lambda i: 8 * GIB + 2 * MIB * i  # noqa: E731
+    h = build(91, steps(GIB, 100 * MIB), lambda i: 2 * GIB, grow, live=grow)
+    (f,) = findings(h)
+    assert (f.attrs["color"], f.attrs["grey_source"]) == (BLACK, "agent")
+    assert f.summary == summary(
+        "memory outside the allocator (black: the driver's charge grows while the allocator's does not)",
+        "120.0 MiB", "; out of memory in 18.9 h at this rate (132.8 GiB left)")  # 141 GiB less 8.2 GiB, at 2 MiB/s
+
+
+def test_series_without_a_gpu_or_a_pid_and_folded_others_are_not_processes():
+    grow = lambda i: 8 * GIB + 2 * MIB * i  # noqa: E731
+    h = History()
+    add(h, 91, USAGE, grow, {"pid": "other", "process": "other"})  # listed first: the rest still counts
+    add(h, 91, USAGE, grow, {"process": "no-pid"})
+    add(h, 91, USAGE, grow, resource="")
+    assert findings(h) == []
+    add(h, 91, USAGE, grow, {"pid": "4242"})  # no process name: judged, named ""
+    (f,) = findings(h)
+    assert (f.attrs["pid"], f.attrs["process"]) == ("4242", "")
+    assert f.summary.startswith(f"process 4242 () on GPU {GPU} is leaking 120.0 MiB/min: ")
+
+
+# --- the rules one by one -------------------------------------------------------------------
+
+def test_trend_needs_12_points_spanning_0_8_of_the_window():
+    line = lambda t: 1e9 + t * 3 * MIB  # noqa: E731
+    sparse = [(T0 + t, line(t)) for t in range(0, 89, 8)]  # 12 points over 88 s
+    assert trend(sparse, 90, T0 + 88) is not None
+    assert trend(sparse[1:], 90, T0 + 88) is None  # 11
+    pts = [(T0 + t, line(t)) for t in range(73)]  # 72 s: 0.8 of 90 s
+    tr = trend(pts, 90, T0 + 72)
+    assert (tr.window, tr.growth, tr.rising, tr.latest) == (72.0, 180 * MIB, 1.0, line(72))  # 5 x 12 s x 3 MiB/s
+    assert tr.rate == pytest.approx(3 * MIB, rel=1e-12) and tr.r2 == pytest.approx(1.0, rel=1e-12)
+    assert trend(pts[1:], 90, T0 + 72) is None  # 71 s
+    assert trend(pts + [(T0 + 80, 0.0)], 90, T0 + 72).latest == line(72)  # points after `now` are not read
+    flat = [(T0 + t, 5e9) for t in range(91)]
+    assert trend(flat, 90, T0 + 90) is None
+
+
+def test_trend_allows_one_empty_bucket_not_two():
+    # 90 s in 15 s buckets, 3 MiB/s; without bucket 2 the 4 steps rise in 3 of 4 (0.75: enough).
+    line = lambda t: 1e9 + t * 3 * MIB  # noqa: E731
+    one_gap = [(T0 + t, line(t)) for t in range(91) if not 30 <= t < 45]
+    tr = trend(one_gap, 90, T0 + 90)
+    assert tr.rising == 1.0 and tr.growth == 225 * MIB
+    two_gaps = [(t, v) for t, v in one_gap if not 60 <= t - T0 < 75]
+    assert trend(two_gaps, 90, T0 + 90) is None
+    # 3 of 4 steps rising with a bucket missing: exactly the 0.75 needed.
+    stair = stairs(cum(1e9, 60 * MIB, 60 * MIB, 60 * MIB, 0, 60 * MIB), 15)
+    pts = [(T0 + t, stair(t)) for t in range(91) if not 15 <= t < 30]
+    tr = trend(pts, 90, T0 + 90)
+    assert (tr.rising, tr.growth) == (0.75, 240 * MIB)
+
+
+def test_still_rising_compares_the_floors_of_the_last_two_30_s():
+    s = LeakSettings()
+    assert still_rising([], s) is False
+    t1 = T0 + 100
+    base = [(t1 - 60, 0.0), (t1 - 59, 10 * MIB), (t1 - 31, 12 * MIB), (t1 - 30, 10 * MIB)]
+    # last 30 s: (t1-30, t1]; before: (t1-60, t1-30]. Floors 10 MiB and 10 MiB + 1 MiB (+1 byte).
+    assert still_rising(base + [(t1 - 29, 12 * MIB), (t1, 11 * MIB)], s) is False
+    assert still_rising(base + [(t1 - 29, 12 * MIB), (t1, 11 * MIB + 1)], s) is True
+    assert still_rising(base + [(t1 - 29, 11 * MIB + 1), (t1, 12 * MIB)], s) is True
+    assert still_rising([(t1 - 61, 0.0)] + base[1:] + [(t1, 12 * MIB)], s) is True
+    assert still_rising([(t1 - 30, 10 * MIB), (t1, 12 * MIB)], s) is True
+    assert still_rising([(t1 - 29, 10 * MIB), (t1, 12 * MIB)], s) is False  # nothing before
+    assert still_rising([(t1 - 45, 5 * MIB), (t1 - 31, 10 * MIB), (t1, 12 * MIB)], s) is True
+    # Floors, not the first or last value of each half.
+    assert still_rising([(t1 - 59, 12 * MIB), (t1 - 40, 10 * MIB), (t1, 11 * MIB + 1)], s) is True
+
+
+def test_sawtooth_is_a_15_s_floor_falling_by_half_the_rise_within_10_minutes():
+    s, now = LeakSettings(), T0 + 1000
+    # Floors of the 15 s buckets from now - 600 s: 200, then 50 (150: half of a 300 rise), then 80.
+    pts = [(now - 600, 200.0), (now - 590, 220.0), (now - 585, 50.0), (now - 570, 80.0)]
+    assert sawtooth(pts, now, 300.0, s) is True
+    assert sawtooth(pts, now, 301.0, s) is False
+    # A point before the lookback does not count: the floors are 220, 50, 80 (170: half of 340).
+    assert sawtooth([(now - 601, 200.0)] + pts[1:], now, 340.0, s) is True
+    assert sawtooth([(now - 601, 200.0)] + pts[1:], now, 341.0, s) is False
+    assert sawtooth([(now - 601, 1000.0)] + pts[1:], now, 400.0, s) is False  # 1000 -> 220 is too old
+    # A fall inside a bucket is a training step, not a tooth; the newest point counts.
+    assert sawtooth([(now - 20, 0.0), (now - 16, 100.0), (now - 15, 50.0)], now, 100.0, s) is False
+    assert sawtooth([(now - 15, 100.0), (now, 50.0)], now, 100.0, s) is True
+    assert sawtooth([(now - 15, 100.0), (now + 1, 0.0)], now, 100.0, s) is False
+
+
+def test_gave_back_is_a_fall_of_half_the_amount_within_the_last_60_s():
+    s, t1 = LeakSettings(), T0 + 100
+    assert gave_back([], 1.0, s) is False
+    # The peak of (t1 - 60 s, t1] is 150, the latest 50: 100 given back, half of 200.
+    pts = [(t1 - 60, 1000.0), (t1 - 59, 150.0), (t1 - 1, 100.0), (t1, 50.0)]
+    assert gave_back(pts, 200.0, s) is True
+    assert gave_back(pts, 201.0, s) is False
+    assert gave_back(pts[1:], 201.0, s) is False
+
+
+def test_the_rate_is_the_median_slope_of_the_floors():
+    # Floors 0 10 30 90 110 130 MiB: the median of the 15 slopes is floor 0 to floor 4's, 110 MiB over
+    # 60 s (the last half's, 20 MiB / 15 s, is the slower).
+    black = stairs(cum(8 * GIB, 10 * MIB, 20 * MIB, 60 * MIB, 20 * MIB, 20 * MIB), 15)
+    (f,) = findings(build(91, black=black))
+    assert f.attrs["rate_bytes_per_second"] == pytest.approx(110 * MIB / 60, rel=1e-12)
+
+
+def test_the_first_half_need_only_rise_at_all():
+    # Bucket 3 has no points; the first three floors rise by 1 MiB + 1 byte and give 1 MiB back: their
+    # median slope is 1 byte over 30 s, which is a rise. Then 100 MiB a bucket: the last half's
+    # 200 MiB over 45 s is the rate.
+    stair = stairs(cum(8 * GIB, MIB + 1, -MIB, 0, 100 * MIB, 100 * MIB), 15)
+    tr = trend([(T0 + t, stair(t)) for t in range(91) if not 45 <= t < 60], 90, T0 + 90)
+    assert (tr.rising, tr.growth) == (0.75, 200 * MIB + 1)
+    assert tr.rate == pytest.approx(200 * MIB / 45, rel=1e-12)
