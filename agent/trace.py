@@ -567,9 +567,9 @@ def since(now: dict, start: dict) -> dict:
     The agent's counters run from when it first saw the process, a trace reports what happened
     during the trace. Subtracted: per API calls, errors, bytes, seconds and every count by key (the
     latency histogram, errors by code); per kernel its launches; allocations, frees, dropped
-    events and the probe's drops by kind. APIs and kernels with no calls in between are left out. Kept as they are: live bytes
-    and allocations (the process's state now), each kernel's last launch configuration, every other
-    key. Raises TraceError when a count went down: the agent's probe restarted and lost them."""
+    events and the probe's drops by kind. APIs and kernels with no calls in between are left out.
+    Kept as they are: live bytes and allocations (the process's state now), each kernel's last launch
+    configuration, every other key. Raises TraceError when a count went down: the agent's probe restarted and lost them."""
     start_apis = start.get("apis", {})
     apis = {}
     for name, a in now.get("apis", {}).items():
