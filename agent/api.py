@@ -17,7 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.snapshot import Snapshot
 
 
-
 @dataclass(frozen=True, slots=True)
 class Sample:
     """One value of a registered metric.
@@ -48,7 +47,12 @@ class Event:
     ts: float = field(default_factory=time.time)
 
 
-class ProbeUnavailable(Exception):
+class GpuwatchError(Exception):
+    """Base of every error a person may see: its text says what is wrong and what to do. The CLI
+    catches this one type and prints the text; anything else escaping is a bug (a traceback)."""
+
+
+class ProbeUnavailable(GpuwatchError):
     """A probe cannot run here. The message must tell a person what to do about it."""
 
 
