@@ -23,7 +23,9 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+from gpuwatch.agent import wire
 
 log = logging.getLogger("gpuwatch.control")
 
@@ -91,15 +93,32 @@ def _gid(group: str) -> int:
         raise ControlError(f"no such group {group!r} for the control socket (control.group)") from None
 
 
-Handler = Callable[[dict, PeerCred], Any]
+def parse_params(method: str, raw: Any, types: Mapping[str, type[wire.Message]] = wire.METHODS) -> wire.Message:
+    """`raw` as the wire type of `method`'s params; ControlError naming the field that is wrong."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ControlError("malformed request: params must be a JSON object")
+    try:
+        return types[method].parse(raw)
+    except wire.WireError as e:
+        raise ControlError(f"{method} refused: {e}") from None
+
+
+# A handler gets its method's params parsed into their wire type (agent/wire.py), never raw JSON.
+Handler = Callable[[wire.Message, PeerCred], Any]
 
 
 class ControlServer:
     def __init__(self, path: str, handlers: dict[str, Handler], group: str | None = None, *,
                  timeout: float = TIMEOUT, max_clients: int = MAX_CLIENTS,
-                 max_request: int = MAX_REQUEST) -> None:
+                 max_request: int = MAX_REQUEST, types: Mapping[str, type[wire.Message]] = wire.METHODS) -> None:
+        untyped = sorted(set(handlers) - set(types))
+        if untyped:  # a method without a wire type would get unchecked input
+            raise ValueError(f"control methods without a wire type: {', '.join(untyped)}")
         self.path = path
         self.handlers = dict(handlers)
+        self.types = {m: types[m] for m in handlers}
         self.group = group or None
         self.timeout = timeout
         self.max_request = max_request
@@ -314,7 +333,7 @@ class ControlServer:
     def _handle(self, line: bytes, peer: PeerCred) -> Any:
         """The handler's result; ControlError with the reply's error text otherwise."""
         try:
-            req = json.loads(line)
+            req = json.loads(line, parse_constant=_no_constant)
         except ValueError as e:
             raise ControlError(f"malformed request: not JSON ({e})") from None
         except RecursionError:  # json recurses once per nested array or object
@@ -325,11 +344,7 @@ class ControlServer:
         handler = self.handlers.get(method) if isinstance(method, str) else None
         if handler is None:
             raise ControlError(f"unknown method {method!r}; known methods: {', '.join(sorted(self.handlers))}")
-        params = req.get("params")
-        if params is None:
-            params = {}
-        if not isinstance(params, dict):
-            raise ControlError("malformed request: params must be a JSON object")
+        params = parse_params(method, req.get("params"), self.types)
         try:
             return handler(params, peer)
         except ControlError:
@@ -337,6 +352,11 @@ class ControlServer:
         except Exception as e:
             log.exception("control method %s failed (caller pid %d uid %d)", method, peer.pid, peer.uid)
             raise ControlError(f"{method} failed in the agent: {type(e).__name__}: {e}") from None
+
+
+def _no_constant(name: str) -> Any:
+    # Python's json reads NaN and Infinity; JSON has no such numbers, and no field takes them.
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _encode(obj: Any) -> bytes:

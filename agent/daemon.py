@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from gpuwatch.agent import __version__, sdnotify
+from gpuwatch.agent import wire
 from gpuwatch.agent.api import Event, Probe
 from gpuwatch.agent.config import Config, ConfigError, load
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
@@ -206,7 +207,7 @@ class Daemon:
         }, group=cfg.control.group or None)
 
     # -- control socket handlers -----------------------------------------------------------
-    def _status(self, params: dict, peer: PeerCred) -> dict:
+    def _status(self, params: wire.NoParams, peer: PeerCred) -> dict:
         snap = self.runner.snapshot
         gpus: dict[str, dict] = {}
         for s in snap.samples:
@@ -244,7 +245,7 @@ class Daemon:
                               for e in snap.events[-20:]],
         }
 
-    def _trace_snapshot(self, params: dict, peer: PeerCred) -> dict:
+    def _trace_snapshot(self, params: wire.PidParams, peer: PeerCred) -> dict:
         """trace.snapshot {"pid": N}: the eBPF probe's snapshot(N) (see EbpfCudaProbe.snapshot), for
         root or the process's owner, with "libraries" narrowed to the attached libraries the process
         maps, each under the path the process sees. An empty "libraries": the process maps a libcuda
@@ -252,9 +253,7 @@ class Daemon:
         from gpuwatch.agent import trace
         from gpuwatch.probes.ebpf import loader
 
-        pid = params.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool):
-            raise ControlError(f'trace.snapshot needs {{"pid": N}} with N a process ID, got {pid!r}')
+        pid = params.pid
         if self.ebpf is None:
             raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its "
                                "config): enable it and restart the agent, or run trace as root")
@@ -293,22 +292,20 @@ class Daemon:
                                    f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
         return snap
 
-    def _cupti_report(self, params: dict, peer: PeerCred) -> dict:
+    def _cupti_report(self, params: wire.CuptiReport, peer: PeerCred) -> dict:
         """cupti.report {report}: an in-process agent's report about its own process (the kernel
         names the caller; see probes/cupti/reports.py). The reply asks for continuous kernel
         activity while a trace watches the process."""
         try:
-            return self.inprocess.accept(params, peer.pid, peer.uid)
+            return self.inprocess.accept(params.to_json(), peer.pid, peer.uid)
         except ReportError as e:
             raise ControlError(f"report refused: {e}") from None
 
-    def _cupti_process(self, params: dict, peer: PeerCred) -> dict | None:
+    def _cupti_process(self, params: wire.PidParams, peer: PeerCred) -> dict | None:
         """cupti.process {"pid": N}: the last in-process agent report of N (None when it has not
         reported), for root or the user N reported as (so it stays readable for a while after N
         exits); asks N for continuous kernel activity for a while."""
-        pid = params.get("pid")
-        if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
-            raise ControlError(f'cupti.process needs {{"pid": N}} with N a process ID, got {pid!r}')
+        pid = params.pid
         report = self.inprocess.get(pid)
         if report is None:
             return None
@@ -328,15 +325,11 @@ class Daemon:
             raise ControlError(f"the reference workload cannot run: {st.reason}")
         return self.baseline
 
-    def _baseline_run(self, params: dict, peer: PeerCred) -> list[dict]:
+    def _baseline_run(self, params: wire.BaselineRunParams, peer: PeerCred) -> list[dict]:
         """baseline.run {"gpu": N?, "force": bool?}: run the reference workload now on GPU N (each GPU
         without one), judged and stored; the results. Root only: it takes the GPU for a second or two,
         and force runs it beside other processes."""
-        gpu, force = params.get("gpu"), params.get("force", False)
-        if gpu is not None and (not isinstance(gpu, int) or isinstance(gpu, bool) or gpu < 0):
-            raise ControlError(f'baseline.run takes {{"gpu": N}} with N a GPU index >= 0, got {gpu!r}')
-        if not isinstance(force, bool):
-            raise ControlError(f'baseline.run takes {{"force": true|false}}, got {force!r}')
+        gpu, force = params.gpu, params.force
         if not peer.is_root:
             raise ControlError("only root may run the reference workload (it takes the GPU for a while)")
         try:
@@ -344,13 +337,9 @@ class Daemon:
         except TimeoutError as e:
             raise ControlError(str(e)) from None
 
-    def _baseline_show(self, params: dict, peer: PeerCred) -> dict:
+    def _baseline_show(self, params: wire.BaselineShowParams, peer: PeerCred) -> dict:
         """baseline.show {"gpu": UUID?, "limit": N?}: stored runs, oldest first, with their verdicts."""
-        gpu, limit = params.get("gpu"), params.get("limit", 30)
-        if gpu is not None and not isinstance(gpu, str):
-            raise ControlError(f'baseline.show takes {{"gpu": "GPU-..."}}, got {gpu!r}')
-        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 1000:
-            raise ControlError(f'baseline.show takes {{"limit": N}} with 1 <= N <= 1000, got {limit!r}')
+        gpu, limit = params.gpu, params.limit
         if self.store is None:
             raise ControlError(f"the agent runs without its store ({self.store_error}): no runs are kept")
         try:
@@ -358,13 +347,11 @@ class Daemon:
         except StoreError as e:
             raise ControlError(str(e)) from None
 
-    def _findings(self, params: dict, peer: PeerCred) -> dict:
+    def _findings(self, params: wire.FindingsParams, peer: PeerCred) -> dict:
         """findings {"kind": K?}: the detectors' open findings (of kind K) and the recent opened,
         updated and closed events, from the store across restarts. Anyone who may use the socket
         sees them, as on /metrics."""
-        kind = params.get("kind")
-        if kind is not None and not isinstance(kind, str):
-            raise ControlError(f'findings takes {{"kind": "memory_leak"}} or nothing, got kind={kind!r}')
+        kind = params.kind
         snap = self.runner.snapshot
         # History from the store (it outlives restarts); the agent's own memory when there is none.
         events = [e for e in snap.events if e.kind.startswith("finding.")]

@@ -10,11 +10,25 @@ import time
 
 import pytest
 
+from dataclasses import dataclass
+
+from gpuwatch.agent import wire
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred, call, process_uids
 
 
+@dataclass(frozen=True)
+class EchoParams(wire.Message):
+    """The test server's params: two optional fields it echoes back."""
+
+    verbose: bool = wire.wire(wire.Bool(), False)
+    a: int = wire.wire(wire.Int(), 0)
+
+
+TYPES = {"status": EchoParams, "boom": wire.NoParams, "refuse": wire.NoParams, "bad": wire.NoParams}
+
+
 def status(params, peer):
-    return {"up": True, "echo": params, "peer": {"pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
+    return {"up": True, "echo": params.to_json(), "peer": {"pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
                                                   "root": peer.is_root}}
 
 
@@ -38,7 +52,7 @@ def sock_path(tmp_path):
 @pytest.fixture
 def server(sock_path):
     srv = ControlServer(sock_path, {"status": status, "boom": boom, "refuse": refuse, "bad": not_json},
-                        timeout=0.5, max_clients=4)
+                        timeout=0.5, max_clients=4, types=TYPES)
     srv.start()
     yield srv
     srv.stop()
@@ -72,14 +86,14 @@ def raw(path, payload: bytes, shut=False, timeout=3.0) -> list[dict]:
 
 def test_status_round_trip_with_peer_credentials(server, sock_path):
     r = call(sock_path, "status", {"verbose": True})
-    assert r["up"] is True and r["echo"] == {"verbose": True}
+    assert r["up"] is True and r["echo"] == {"verbose": True, "a": 0}
     assert r["peer"] == {"pid": os.getpid(), "uid": os.getuid(), "gid": os.getgid(), "root": os.getuid() == 0}
 
 
 def test_several_requests_on_one_connection(server, sock_path):
     replies = raw(sock_path, b'{"method":"status"}\n{"method":"status","params":{"a":1}}\n', shut=True)
     assert [r["ok"] for r in replies] == [True, True]
-    assert replies[1]["result"]["echo"] == {"a": 1}
+    assert replies[1]["result"]["echo"] == {"verbose": False, "a": 1}
 
 
 def test_last_request_without_newline_before_half_close(server, sock_path):
@@ -138,7 +152,7 @@ def test_slow_client_times_out(server, sock_path):
 
 
 def test_concurrent_clients(sock_path):
-    srv = ControlServer(sock_path, {"status": status})
+    srv = ControlServer(sock_path, {"status": status}, types=TYPES)
     srv.start()
     results, errors = [], []
 
@@ -161,7 +175,7 @@ def test_concurrent_clients(sock_path):
 
 
 def test_clients_over_the_limit_are_told_the_agent_is_busy(sock_path):
-    server = ControlServer(sock_path, {"status": status}, timeout=3.0, max_clients=4)
+    server = ControlServer(sock_path, {"status": status}, types=TYPES, timeout=3.0, max_clients=4)
     server.start()
     idle = []
     try:
@@ -191,7 +205,7 @@ def test_socket_group(tmp_path):
     # Root may give the socket to any group; others only to a group they are in.
     gid = 65534 if os.geteuid() == 0 else (os.getgroups() or [os.getgid()])[-1]
     path = str(tmp_path / "g" / "c.sock")
-    srv = ControlServer(path, {"status": status}, group=str(gid), timeout=0.5)
+    srv = ControlServer(path, {"status": status}, types=TYPES, group=str(gid), timeout=0.5)
     srv.start()
     try:
         assert os.stat(path).st_gid == gid
@@ -217,7 +231,7 @@ def test_stale_socket_is_replaced(sock_path):
     dead.close()
     with pytest.raises(ControlError, match="no gpuwatch agent is listening on"):
         call(sock_path, "status")
-    srv = ControlServer(sock_path, {"status": status})
+    srv = ControlServer(sock_path, {"status": status}, types=TYPES)
     srv.start()
     try:
         assert call(sock_path, "status")["up"]
@@ -227,7 +241,7 @@ def test_stale_socket_is_replaced(sock_path):
 
 def test_second_server_on_a_live_socket_is_refused(server, sock_path):
     with pytest.raises(ControlError, match="another gpuwatch agent is already listening on"):
-        ControlServer(sock_path, {"status": status}).start()
+        ControlServer(sock_path, {"status": status}, types=TYPES).start()
     assert call(sock_path, "status")["up"]  # the first one is untouched
 
 
@@ -264,7 +278,7 @@ def test_access_for_other_users_is_the_socket_group(group):
     base = tempfile.mkdtemp(prefix="gpuwatch-ctl-")
     os.chmod(base, 0o755)
     path = os.path.join(base, "c.sock")
-    srv = ControlServer(path, {"status": status}, group=group)
+    srv = ControlServer(path, {"status": status}, types=TYPES, group=group)
     srv.start()
     try:
         out = subprocess.run([sys.executable, "-c", _NOBODY_CALL, path], capture_output=True, text=True,

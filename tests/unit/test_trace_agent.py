@@ -17,7 +17,8 @@ from gpuwatch.agent import config as config_mod
 from gpuwatch.agent import daemon as daemon_mod
 from gpuwatch.agent import trace
 from gpuwatch.agent.api import Probe, ProbeUnavailable
-from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
+from gpuwatch.agent.control import ControlError, ControlServer, PeerCred, parse_params
+from gpuwatch.agent.wire import PidParams
 from gpuwatch.probes.ebpf import loader
 
 
@@ -321,7 +322,7 @@ def test_agent_trace_counts_from_start(scripted, sleeper):
     assert t.attached() == START["libraries"]
     snap = t.snapshot(sleeper.pid)
     assert snap == trace.since(NOW, START)
-    assert scripted.asked == [{"pid": sleeper.pid}] * 2
+    assert scripted.asked == [PidParams(pid=sleeper.pid)] * 2
 
 
 def test_agent_trace_after_the_process_exits_keeps_the_last_counts(scripted, sleeper):
@@ -430,7 +431,7 @@ def test_snapshot_of_an_own_process_with_its_libraries_as_it_sees_them(agent):
     fake = FakeEbpf(f"/proc/{os.getpid()}/root{MINE}")  # as a rescan finds a library
     d = agent(fake)
     d.runner.tick_once()
-    snap = d._trace_snapshot({"pid": os.getpid()}, ME)
+    snap = d._trace_snapshot(PidParams(pid=os.getpid()), ME)
     assert snap["apis"]["cuLaunchKernel"]["calls"] == 1
     assert snap["libraries"] == [{"path": MINE, "attached": ["cuLaunchKernel"], "skipped": [], "uprobes": 1}]
 
@@ -442,7 +443,7 @@ def test_snapshot_refused_for_another_users_process(agent):
     d.runner.tick_once()
     other = PeerCred(pid=1, uid=os.geteuid() + 1, gid=os.getegid() + 1)
     with pytest.raises(ControlError) as e:
-        d._trace_snapshot({"pid": os.getpid()}, other)
+        d._trace_snapshot(PidParams(pid=os.getpid()), other)
     assert str(e.value) == (f"process {os.getpid()} belongs to user {pwd.getpwuid(os.geteuid()).pw_name}: "
                             f"you can trace only your own processes")
 
@@ -450,23 +451,24 @@ def test_snapshot_refused_for_another_users_process(agent):
 def test_snapshot_errors_say_why(agent, sleeper):
     d = agent(FakeEbpf(MINE))
     d.runner.tick_once()
-    for params, message in [({}, 'trace.snapshot needs {"pid": N} with N a process ID, got None'),
+    for params, message in [({}, "trace.snapshot refused: pid: is required"),
                             ({"pid": True}, "got True"),
+                            ({"pid": 0}, "pid: must be an integer from 1 to 4194304, got 0"),
                             ({"pid": trace.pid_max() + 1}, "is above this system's largest PID"),
                             ({"pid": sleeper.pid}, f"process {sleeper.pid} (sleep) does not use CUDA")]:
         with pytest.raises(ControlError, match=message.replace("(", r"\(").replace(")", r"\)")):
-            d._trace_snapshot(params, ME)
+            d._trace_snapshot(parse_params("trace.snapshot", params), ME)
 
 
 def test_snapshot_when_the_probe_is_disabled_or_down(agent):
     with pytest.raises(ControlError, match=r"does not run the eBPF probe \(ebpf.enabled is false"):
-        agent(None)._trace_snapshot({"pid": os.getpid()}, ME)
+        agent(None)._trace_snapshot(PidParams(pid=os.getpid()), ME)
     d = agent(FakeEbpf(MINE, fail="bcc is missing: install python3-bpfcc"))
     with pytest.raises(ControlError, match="eBPF probe is not running: it is starting"):
-        d._trace_snapshot({"pid": os.getpid()}, ME)
+        d._trace_snapshot(PidParams(pid=os.getpid()), ME)
     d.runner.tick_once()
     with pytest.raises(ControlError) as e:
-        d._trace_snapshot({"pid": os.getpid()}, ME)
+        d._trace_snapshot(PidParams(pid=os.getpid()), ME)
     assert str(e.value) == "the gpuwatch agent's eBPF probe is not running: bcc is missing: install python3-bpfcc"
 
 
@@ -476,8 +478,8 @@ def test_snapshot_while_the_probe_starts_is_busy_not_stuck(agent, monkeypatch):
     d.runner.tick_once()
     with d.ebpf.lock:  # what a start (compiling, attaching) holds
         with pytest.raises(ControlError, match="eBPF probe is busy"):
-            d._trace_snapshot({"pid": os.getpid()}, ME)
-    assert d._trace_snapshot({"pid": os.getpid()}, ME)["libraries"]
+            d._trace_snapshot(PidParams(pid=os.getpid()), ME)
+    assert d._trace_snapshot(PidParams(pid=os.getpid()), ME)["libraries"]
 
 
 def test_snapshots_during_restarts_are_answers_or_errors_never_a_freed_read(agent):
@@ -498,7 +500,7 @@ def test_snapshots_during_restarts_are_answers_or_errors_never_a_freed_read(agen
     def read():
         while not stop.is_set():
             try:
-                d._trace_snapshot({"pid": os.getpid()}, ME)
+                d._trace_snapshot(PidParams(pid=os.getpid()), ME)
                 answers["ok"] += 1
             except ControlError as e:
                 assert "not running" in str(e) or "busy" in str(e), e

@@ -1,0 +1,354 @@
+"""Wire types: every message that crosses a process boundary, typed and bounded.
+
+A message is a frozen dataclass whose fields each carry a *spec* (`Int`, `Float`, `Str`, `Bool`,
+`ListOf`, `Fixed`, `Obj`, `Opt`): the JSON type it accepts and its bounds. `Message.parse(raw)`
+checks a decoded JSON object against the specs and returns the typed message, or raises
+`WireError` naming the first field that breaks one (``kernels[3].launches: must be an integer
+from 0 to 9223372036854775807, got 1e+308``). Nothing that has not been parsed here reaches a
+probe, a detector or the store.
+
+Bounds are physical where there is physics (a ratio is 0..1, a block has at most 1024 threads,
+a GPU at most 1 PiB), int64 for counters, and small caps on every string and list, so a message
+can neither overflow arithmetic nor make the agent hold much. Unknown fields are refused: a
+field nobody reads is a field nobody bounds.
+
+Tests build hostile but well-formed values from these specs (tests/wire_strategies.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from gpuwatch.agent.api import GpuwatchError
+
+INT64_MAX = 2**63 - 1
+PID_MAX = 4_194_304  # the kernel's limit for /proc/sys/kernel/pid_max (PID_MAX_LIMIT on 64-bit)
+MAX_GPUS = 1024  # device ordinals and indices
+MAX_BYTES = 2**50  # 1 PiB: more than any GPU's memory, far below int64
+MAX_SECONDS = 1e9  # cumulative seconds (31 years)
+UNIX_TIME_MAX = 4_102_444_800.0  # 2100-01-01: a wall-clock time past this is not a time
+
+
+class WireError(GpuwatchError, ValueError):
+    """A message that breaks its wire type. `field` is the path of the offending field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}" if field else problem)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def printable(text: str) -> str:
+    """Text safe for a terminal, a log line and a label: what is not printable (newlines,
+    escape sequences, lone surrogates) becomes "?"."""
+    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text)
+
+
+# -- specs ---------------------------------------------------------------------------------------
+
+class Spec:
+    def check(self, v: Any, where: str) -> Any:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Int(Spec):
+    lo: int = 0
+    hi: int = INT64_MAX
+
+    def check(self, v: Any, where: str) -> int:
+        # bool is an int in Python and 1e308 a float: neither is an integer on the wire.
+        if isinstance(v, bool) or not isinstance(v, int) or not self.lo <= v <= self.hi:
+            raise WireError(where, f"must be an integer from {self.lo} to {self.hi}, got {_show(v)}")
+        return v
+
+
+@dataclass(frozen=True)
+class Float(Spec):
+    lo: float = 0.0
+    hi: float = MAX_SECONDS
+
+    def check(self, v: Any, where: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise WireError(where, f"must be a number from {self.lo:g} to {self.hi:g}, got {_show(v)}")
+        try:
+            f = float(v)
+        except OverflowError:  # an integer too large for a float
+            f = math.inf
+        if not math.isfinite(f) or not self.lo <= f <= self.hi:
+            raise WireError(where, f"must be a number from {self.lo:g} to {self.hi:g}, got {_show(v)}")
+        return f
+
+
+@dataclass(frozen=True)
+class Str(Spec):
+    """A string of at most `max_len` characters. `clean`: data (a kernel name, a reason) whose
+    excess is cut and whose unprintable characters become "?"; otherwise such a string is refused."""
+
+    max_len: int = 256
+    choices: tuple[str, ...] = ()
+    pattern: str = ""
+    clean: bool = False
+
+    def check(self, v: Any, where: str) -> str:
+        if not isinstance(v, str):
+            raise WireError(where, f"must be a string, got {type(v).__name__}")
+        if self.clean:
+            v = printable(v[:self.max_len])
+        elif len(v) > self.max_len:
+            raise WireError(where, f"must be at most {self.max_len} characters, got {len(v)}")
+        elif printable(v) != v:
+            raise WireError(where, "must be printable text")
+        if self.choices and v not in self.choices:
+            raise WireError(where, f"must be one of {', '.join(self.choices)}, got {_show(v)}")
+        if self.pattern and not re.fullmatch(self.pattern, v):
+            raise WireError(where, f"must match {self.pattern}, got {_show(v)}")
+        return v
+
+
+@dataclass(frozen=True)
+class Bool(Spec):
+    def check(self, v: Any, where: str) -> bool:
+        if not isinstance(v, bool):
+            raise WireError(where, f"must be true or false, got {_show(v)}")
+        return v
+
+
+@dataclass(frozen=True)
+class ListOf(Spec):
+    item: Spec
+    max_len: int
+
+    def check(self, v: Any, where: str) -> tuple:
+        if not isinstance(v, list):
+            raise WireError(where, f"must be a list, got {type(v).__name__}")
+        if len(v) > self.max_len:
+            raise WireError(where, f"must have at most {self.max_len} entries, got {len(v)}")
+        return tuple(self.item.check(x, f"{where}[{i}]") for i, x in enumerate(v))
+
+
+@dataclass(frozen=True)
+class Fixed(Spec):
+    """A list of exactly `n` items (grid and block dimensions)."""
+
+    item: Spec
+    n: int
+
+    def check(self, v: Any, where: str) -> tuple:
+        if not isinstance(v, list) or len(v) != self.n:
+            raise WireError(where, f"must be a list of {self.n} entries, got {_show(v)}")
+        return tuple(self.item.check(x, f"{where}[{i}]") for i, x in enumerate(v))
+
+
+@dataclass(frozen=True)
+class Obj(Spec):
+    message: type  # a Message subclass
+
+    def check(self, v: Any, where: str) -> Any:
+        return self.message.parse(v, where)
+
+
+@dataclass(frozen=True)
+class Opt(Spec):
+    """The inner spec, or null."""
+
+    inner: Spec
+
+    def check(self, v: Any, where: str) -> Any:
+        return None if v is None else self.inner.check(v, where)
+
+
+def wire(spec: Spec, default: Any = dataclasses.MISSING) -> Any:
+    """A message field with its spec; without a default the field is required."""
+    if isinstance(default, (list, dict)):
+        raise TypeError("use a tuple or None as a default")
+    return dataclasses.field(default=default, metadata={"wire": spec})
+
+
+M = TypeVar("M", bound="Message")
+
+
+class Message:
+    """Base of the wire types. Subclasses are frozen dataclasses whose fields use `wire()`."""
+
+    name: ClassVar[str] = ""
+
+    @classmethod
+    def specs(cls) -> dict[str, tuple[Spec, Any]]:
+        """Each field's spec and default (dataclasses.MISSING when required)."""
+        return {f.name: (f.metadata["wire"], f.default) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+
+    @classmethod
+    def parse(cls: type[M], raw: Any, where: str = "") -> M:
+        if not isinstance(raw, dict):
+            raise WireError(where or cls.name or cls.__name__, f"must be a JSON object, got {type(raw).__name__}")
+        specs = cls.specs()
+        unknown = sorted(k for k in raw if k not in specs)
+        if unknown:
+            raise WireError(f"{where}.{unknown[0]}" if where else str(unknown[0])[:64],
+                            "is not a field of this message")
+        values = {}
+        for key, (spec, default) in specs.items():
+            path = f"{where}.{key}" if where else key
+            if key not in raw:
+                if default is dataclasses.MISSING:
+                    raise WireError(path, "is required")
+                values[key] = default
+            else:
+                values[key] = spec.check(raw[key], path)
+        return cls(**values)
+
+    def to_json(self) -> dict:
+        """The message as JSON-ready data (tuples as lists, nested messages as objects)."""
+        return _jsonable(self)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, Message):
+        return {f.name: _jsonable(getattr(v, f.name)) for f in dataclasses.fields(v)}  # type: ignore[arg-type]
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+# -- control methods' params -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NoParams(Message):
+    name: ClassVar[str] = "params"
+
+
+@dataclass(frozen=True)
+class PidParams(Message):
+    """trace.snapshot and cupti.process: the process asked about."""
+
+    name: ClassVar[str] = "params"
+    pid: int = wire(Int(1, PID_MAX))
+
+
+@dataclass(frozen=True)
+class FindingsParams(Message):
+    name: ClassVar[str] = "params"
+    kind: str | None = wire(Opt(Str(64, pattern=r"[a-z][a-z0-9_]*")), None)
+
+
+@dataclass(frozen=True)
+class BaselineRunParams(Message):
+    name: ClassVar[str] = "params"
+    gpu: int | None = wire(Opt(Int(0, MAX_GPUS - 1)), None)
+    force: bool = wire(Bool(), False)
+
+
+@dataclass(frozen=True)
+class BaselineShowParams(Message):
+    name: ClassVar[str] = "params"
+    gpu: str | None = wire(Opt(Str(96, pattern=r"[A-Za-z0-9_.:-]+")), None)
+    limit: int = wire(Int(1, 1000), 30)
+
+
+# -- the in-process agent's report (cupti.report's params; probes/cupti/records.py builds it) ------
+
+CUPTI_STATES = ("idle", "on", "yielded", "unavailable", "failed")
+UUID_RE = r"(GPU|MIG)-[0-9A-Za-z-]{1,60}"
+DIMENSION = Int(0, 2**31 - 1)
+SMALL = Int(0, 2**32)
+
+
+@dataclass(frozen=True)
+class ReportCupti(Message):
+    state: str = wire(Str(16, choices=CUPTI_STATES))
+    reason: str = wire(Str(1024, clean=True), "")
+    mode: str = wire(Str(64, clean=True), "")
+    observed_seconds: float = wire(Float(), 0.0)
+    records: int = wire(Int(), 0)
+    dropped: int = wire(Int(), 0)
+    decode_seconds: float = wire(Float(), 0.0)
+    variants_folded: int = wire(Int(), 0)
+    libcupti: str = wire(Str(256, clean=True), "")
+
+
+@dataclass(frozen=True)
+class ReportKernel(Message):
+    name: str = wire(Str(512, clean=True))
+    device: int = wire(Int(0, MAX_GPUS - 1), 0)
+    uuid: str = wire(Str(64, clean=True), "")
+    launches: int = wire(Int(), 0)
+    gpu_seconds: float = wire(Float(), 0.0)
+    min_seconds: float = wire(Float(), 0.0)
+    max_seconds: float = wire(Float(), 0.0)
+    grid: tuple = wire(Fixed(DIMENSION, 3), (0, 0, 0))
+    block: tuple = wire(Fixed(Int(0, 1024), 3), (0, 0, 0))
+    registers: int = wire(Int(0, 255), 0)
+    static_shared_memory: int = wire(SMALL, 0)
+    dynamic_shared_memory: int = wire(SMALL, 0)
+    carveout: int | None = wire(Opt(Int(-1, 2**32)), None)
+    occupancy: float | None = wire(Opt(Float(0.0, 1.0)), None)
+    occupancy_limiter: str = wire(Str(32, clean=True), "")
+
+
+@dataclass(frozen=True)
+class ReportKernelsOther(Message):
+    variants: int = wire(Int(), 0)
+    launches: int = wire(Int(), 0)
+    gpu_seconds: float = wire(Float(), 0.0)
+
+
+@dataclass(frozen=True)
+class ReportCopy(Message):
+    device: int = wire(Int(0, MAX_GPUS - 1), 0)
+    uuid: str = wire(Str(64, clean=True), "")
+    kind: str = wire(Str(16, clean=True), "")
+    count: int = wire(Int(), 0)
+    bytes: int = wire(Int(), 0)
+    gpu_seconds: float = wire(Float(), 0.0)
+
+
+@dataclass(frozen=True)
+class ReportMemory(Message):
+    device: int = wire(Int(0, MAX_GPUS - 1), 0)
+    uuid: str = wire(Str(64, clean=True), "")
+    allocated: int = wire(Int(0, MAX_BYTES), 0)
+    reserved: int = wire(Int(0, MAX_BYTES), 0)
+    ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)  # the client's clock: an ordering hint only
+
+
+@dataclass(frozen=True)
+class CuptiReport(Message):
+    """What an in-process agent sends (`cupti.report`) or writes to its report file. Its pid,
+    process name and times are the client's word: the server replaces them with what it knows."""
+
+    name: ClassVar[str] = "report"
+    version: int = wire(Int(1, 1))
+    cupti: ReportCupti = wire(Obj(ReportCupti))
+    pid: int = wire(Int(0, PID_MAX), 0)
+    process: str = wire(Str(64, clean=True), "")
+    started: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+    ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+    kernels: tuple = wire(ListOf(Obj(ReportKernel), 200), ())
+    kernels_other: ReportKernelsOther = wire(Obj(ReportKernelsOther), ReportKernelsOther())
+    copies: tuple = wire(ListOf(Obj(ReportCopy), 64), ())
+    memory: tuple = wire(ListOf(Obj(ReportMemory), 64), ())
+
+
+# -- the control methods ---------------------------------------------------------------------------
+
+# method -> the wire type of its params. The control server parses params with it before the
+# handler runs; a method not listed here does not exist.
+METHODS: dict[str, type[Message]] = {
+    "ping": NoParams,
+    "status": NoParams,
+    "trace.snapshot": PidParams,
+    "cupti.report": CuptiReport,
+    "cupti.process": PidParams,
+    "findings": FindingsParams,
+    "baseline.run": BaselineRunParams,
+    "baseline.show": BaselineShowParams,
+}
