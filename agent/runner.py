@@ -27,6 +27,11 @@ log = logging.getLogger("gpuwatch.runner")
 # (NTP after a bad boot time, an admin's `date -s`), not drift: history is moved with it.
 WALL_STEP = 60.0
 
+# Findings open at once: a judgement that finds more keeps those open already, then the most
+# severe; the rest are counted (gpuwatch_findings_dropped_total), not opened, stored or exported.
+MAX_OPEN_FINDINGS = 256
+_SEVERITY = {"critical": 0, "warning": 1}
+
 # Backoff for probes that cannot start: 1 s, 2 s, 4 s ... capped.
 BACKOFF_START = 1.0
 BACKOFF_MAX = 300.0
@@ -46,6 +51,7 @@ class _ProbeSlot:
         self.samples: tuple[Sample, ...] = ()
         self.samples_mono = 0.0
         self.appended_until = float("-inf")  # newest sample time already in history
+        self.future_points = 0  # points dated more than WALL_STEP ahead of the clock: not kept
         self.status = ProbeStatus(name=probe.name, up=False, reason="not started yet",
                                   interval=probe.interval)
         self.go = threading.Event()
@@ -113,6 +119,8 @@ class Runner:
         self._detector_due = [0.0] * len(self.detectors)
         self._detector_out: list[tuple[list[Finding], list[Sample]]] = [([], []) for _ in self.detectors]
         self._open_findings: dict[tuple, Finding] = {}
+        self._dropped_findings: set[tuple] = set()  # keys left out at the last pass
+        self.findings_dropped = 0
         self.exporters = list(exporters)
         self.history = history or History()
         self.events: deque[Event] = deque(maxlen=max_events)
@@ -265,9 +273,10 @@ class Runner:
                                    last_success=wall)
             # Probes re-emit slow and static values between reads; history only needs each point once.
             if not straddles_step:
-                self.history.append(payload, newer_than=slot.appended_until)
-                if payload:
-                    slot.appended_until = max(slot.appended_until, max(s.ts for s in payload))
+                points = self._not_future(slot, payload, wall)
+                self.history.append(points, newer_than=slot.appended_until)
+                if points:
+                    slot.appended_until = max(slot.appended_until, max(s.ts for s in points))
             for ev in events:
                 self._add_event(ev)
         else:
@@ -293,6 +302,22 @@ class Runner:
                 self._add_event(Event("probe.down", attrs={"probe": slot.probe.name, "reason": payload}))
             slot.status = _replace(st, up=False, state=state, reason=payload, last_duration=duration,
                                    errors_total=st.errors_total + (kind == "error"))
+
+    @staticmethod
+    def _not_future(slot: _ProbeSlot, samples: tuple[Sample, ...], wall: float) -> tuple[Sample, ...]:
+        """The samples not dated in the future. Detectors take "now" from the newest point and a probe
+        skips what is not newer than its newest: one point from the future would blind them both
+        until then (a clock that steps moves history with it instead: _follow_wall_clock)."""
+        limit = wall + WALL_STEP
+        if all(s.ts <= limit for s in samples):
+            return samples
+        kept = tuple(s for s in samples if s.ts <= limit)
+        if not slot.future_points:
+            log.warning("probe %s gave points dated more than %.0f s ahead of the clock: not kept for detectors "
+                        "(counted in gpuwatch_history_points_future_total; not logged again)", slot.probe.name,
+                        WALL_STEP)
+        slot.future_points += len(samples) - len(kept)
+        return kept
 
     def _add_event(self, ev: Event) -> None:
         self.events.append(ev)
@@ -322,10 +347,14 @@ class Runner:
                     self._detector_out[i] = (found, list(det.samples(found)))
                 except Exception:
                     log.exception("detector %s failed", det.name)
+            findings.extend(self._detector_out[i][0])
+        findings = self._track_findings(findings, wall)
+        kept = {id(f) for f in findings}
+        for i, det in enumerate(self.detectors):
             found, det_samples = self._detector_out[i]
-            findings.extend(found)
+            if self._dropped_findings and any(id(f) not in kept for f in found):
+                det_samples = list(det.samples([f for f in found if id(f) in kept]))  # only what is open
             samples.extend(det_samples)
-        self._track_findings(findings, wall)
         self.ticks += 1
         if self.ticks % 100 == 0:
             self.history.expire(wall)
@@ -339,10 +368,22 @@ class Runner:
             except Exception:
                 log.exception("exporter %s failed to publish", exp.name)
 
-    def _track_findings(self, findings: list[Finding], wall: float) -> None:
+    def _track_findings(self, findings: list[Finding], wall: float) -> list[Finding]:
         """A finding opens the first time a detector reports it and closes when it no longer does
-        (the growth stopped, the process exited): both are events, so the store keeps its history."""
+        (the growth stopped, the process exited): both are events, so the store keeps its history.
+        At most MAX_OPEN_FINDINGS are open; returns those."""
         current = {finding_key(f): f for f in findings}
+        dropped: set[tuple] = set()
+        if len(current) > MAX_OPEN_FINDINGS:
+            ranked = sorted(current.items(), key=lambda kv: (kv[0] not in self._open_findings,
+                                                             _SEVERITY.get(kv[1].severity, 2)))
+            current = dict(ranked[:MAX_OPEN_FINDINGS])
+            dropped = {k for k, _ in ranked[MAX_OPEN_FINDINGS:]}
+            if not self.findings_dropped:
+                log.warning("detectors report more than %d findings at once: the rest are not opened (counted in "
+                            "gpuwatch_findings_dropped_total; not logged again)", MAX_OPEN_FINDINGS)
+            self.findings_dropped += len(dropped - self._dropped_findings)  # each left-out finding once
+        self._dropped_findings = dropped
         for key, f in current.items():
             before = self._open_findings.get(key)
             if before is None or before.severity != f.severity:
@@ -352,6 +393,7 @@ class Runner:
             if key not in current:
                 self._add_event(Event("finding.closed", f.resource, finding_attrs(f), wall))
         self._open_findings = current
+        return list(current.values())
 
     def _agent_samples(self, wall: float) -> Iterable[Sample]:
         yield Sample("gpuwatch.build", 1.0, labels={"version": __version__,
@@ -363,6 +405,12 @@ class Runner:
             yield Sample("gpuwatch.probe.duration", st.last_duration, labels=lab, ts=wall)
             yield Sample("gpuwatch.probe.late", float(st.late_total), labels=lab, ts=wall)
             yield Sample("gpuwatch.probe.errors", float(st.errors_total), labels=lab, ts=wall)
+            yield Sample("gpuwatch.history.points.future", float(slot.future_points), labels=lab, ts=wall)
+        yield Sample("gpuwatch.history.series", float(len(self.history)), ts=wall)
+        for reason in ("expired", "cap"):
+            yield Sample("gpuwatch.history.series.evicted", float(self.history.evicted[reason]),
+                         labels={"reason": reason}, ts=wall)
+        yield Sample("gpuwatch.findings.dropped", float(self.findings_dropped), ts=wall)
 
 
 def _replace(st: ProbeStatus, **kw) -> ProbeStatus:

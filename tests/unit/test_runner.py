@@ -180,7 +180,7 @@ def test_findings_open_update_and_close_as_events_and_export_their_metrics():
     now = [0.0]
     events = []
     r = Runner([MemorySeriesProbe(values)], detectors=[LeakDetector()], clock=lambda: now[0],
-               on_event=events.append)
+               wallclock=lambda: 1_800_000_000.0 + now[0], on_event=events.append)  # the probe's time line
     judged_open, exported = [], set()
     for tick in range(len(values)):
         now[0] = float(tick)
@@ -519,6 +519,11 @@ def test_a_good_collection_publishes_its_samples_status_events_and_the_agents_ow
         Sample("gpuwatch.probe.duration", 0.25, "", lab, wall),
         Sample("gpuwatch.probe.late", 0.0, "", lab, wall),
         Sample("gpuwatch.probe.errors", 0.0, "", lab, wall),
+        Sample("gpuwatch.history.points.future", 0.0, "", lab, wall),
+        Sample("gpuwatch.history.series", 1.0, "", {}, wall),
+        Sample("gpuwatch.history.series.evicted", 0.0, "", {"reason": "expired"}, wall),
+        Sample("gpuwatch.history.series.evicted", 0.0, "", {"reason": "cap"}, wall),
+        Sample("gpuwatch.findings.dropped", 0.0, "", {}, wall),
     ]
     assert [(k, pts) for k, pts in r.history.series("hw.power")] == [(("hw.power", "GPU-ok", ()), [(W0, 100.0)])]
     # Due again one interval after it was collected (3.5), not after it was started.
@@ -853,3 +858,70 @@ def test_run_steps_and_beats_every_pass_until_stopped():
     r2 = clocked([Scripted("r2", interval=100.0)], c)
     r2.run(stop=own, heartbeat=own.set, max_sleep=0.01)  # a stop event of the caller's own
     assert own.is_set()
+
+
+class ManyFindings:
+    """A detector that finds `n` findings; the first `critical` of them critical."""
+
+    name = "many"
+    interval = 0.0
+
+    def __init__(self, n, critical=0):
+        self.n, self.critical = n, critical
+
+    def observe(self, history):
+        return [Finding("memory_leak", f"GPU-{i}", "critical" if i < self.critical else "warning", f"finding {i}",
+                        {"pid": str(i)}, 0.0) for i in range(self.n)]
+
+    def samples(self, findings):
+        return [Sample("gpuwatch.leak.suspected", 1.0, f.resource, {"pid": f.attrs["pid"], "process": "x",
+                                                                   "color": "white"}, 0.0) for f in findings]
+
+
+def test_findings_open_at_once_are_capped_and_the_rest_counted_once(caplog):
+    from gpuwatch.agent.runner import MAX_OPEN_FINDINGS
+
+    events = []
+    det = ManyFindings(10, critical=0)
+    r = Runner([CountingProbe()], detectors=[det], on_event=events.append)
+    r.tick_once()
+    det.n, det.critical = 3 * MAX_OPEN_FINDINGS, 2 * MAX_OPEN_FINDINGS  # a flood, the critical ones last
+    for _ in range(3):
+        r.tick_once()
+        r._detector_due = [0.0]
+    snap = r.snapshot
+    assert len(snap.findings) == MAX_OPEN_FINDINGS
+    # Those open before stay open; then the critical ones.
+    assert {f.resource for f in snap.findings} >= {f"GPU-{i}" for i in range(10)}
+    assert all(f.severity == "critical" for f in snap.findings if int(f.resource[4:]) >= 10)
+    assert sum(1 for e in events if e.kind == "finding.opened") == MAX_OPEN_FINDINGS
+    assert len([s for s in snap.samples if s.metric == "gpuwatch.leak.suspected"]) == MAX_OPEN_FINDINGS
+    dropped = next(s.value for s in snap.samples if s.metric == "gpuwatch.findings.dropped")
+    assert dropped == 3 * MAX_OPEN_FINDINGS - MAX_OPEN_FINDINGS  # each left out once, not once per pass
+    assert len([x for x in caplog.records if "findings at once" in x.getMessage()]) == 1
+
+
+def test_points_from_the_future_are_not_kept_and_do_not_blind_the_probe(caplog):
+    class Forger(Probe):
+        name, interval = "forger", 1.0
+
+        def __init__(self):
+            self.forge = True
+
+        def collect(self):
+            now = time.time()
+            out = [Sample("hw.power", 1.0, "GPU-a", {}, now)]
+            if self.forge:
+                out.append(Sample("hw.power", 1.0, "GPU-b", {}, 4e9))
+            return out
+
+    p = Forger()
+    r = Runner([p])
+    r.tick_once()
+    p.forge = False
+    time.sleep(0.01)
+    r.tick_once()
+    ((_, pts),) = list(r.history.series("hw.power", "GPU-a"))
+    assert len(pts) == 2 and not list(r.history.series("hw.power", "GPU-b"))
+    assert r.slots[0].appended_until < time.time() + 1
+    assert next(s.value for s in r.snapshot.samples if s.metric == "gpuwatch.history.points.future") == 1.0
