@@ -23,7 +23,7 @@ from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner, finding_attrs
 from gpuwatch.agent.store import Store, StoreError
-from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
+from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError, nvml_view
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -172,7 +172,8 @@ class Daemon:
         self.ebpf: LockedProbe | None = next((p for p in probes if isinstance(p, LockedProbe)), None)
         # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
         # only reads what processes send.
-        self.inprocess = InProcessReports()
+        self.inprocess = InProcessReports(gpus=self._nvml_view)
+        self._view: tuple = (None, {})  # (snapshot, NVML's view of it): one view per snapshot
         probes.append(InProcessProbe(self.inprocess))
         # The reference workload: judged runs kept in the store; unavailable without torch/triton.
         self.baseline = None
@@ -237,8 +238,9 @@ class Daemon:
             "state_dir": self.cfg.agent.state_dir,
             "store": {"path": self.store.path, "write_errors": self.store.write_errors} if self.store
                      else {"error": self.store_error},
-            "inprocess_agents": [{"pid": r.pid, "process": r.process, "state": r.state, "reason": r.reason,
-                                  "mode": r.mode, "records": r.records, "dropped": r.dropped,
+            "inprocess_agents": [{"pid": r.pid, "process": r.process, "state": r.cupti.state,
+                                  "reason": r.cupti.reason, "mode": r.cupti.mode, "records": r.cupti.records,
+                                  "dropped": r.cupti.dropped, "self_reported": not r.verified,
                                   "report_age_seconds": round(time.time() - r.received, 1)}
                                  for r in sorted(self.inprocess.current(), key=lambda r: r.pid)],
             "recent_events": [{"ts": e.ts, "kind": e.kind, "resource": e.resource, "attrs": dict(e.attrs)}
@@ -292,19 +294,28 @@ class Daemon:
                                    f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
         return snap
 
+    def _nvml_view(self) -> dict:
+        """NVML's GPUs and the pids it lists on each, from the runner's latest snapshot (the NVML
+        probe's samples; see reports.nvml_view): what in-process reports are checked against."""
+        snap = self.runner.snapshot
+        if self._view[0] is not snap:
+            self._view = (snap, nvml_view(snap.samples))
+        return self._view[1]
+
     def _cupti_report(self, params: wire.CuptiReport, peer: PeerCred) -> dict:
         """cupti.report {report}: an in-process agent's report about its own process (the kernel
-        names the caller; see probes/cupti/reports.py). The reply asks for continuous kernel
-        activity while a trace watches the process."""
+        names the caller; the server stamps time, name and GPUs itself: see probes/cupti/reports.py).
+        The reply asks for continuous kernel activity while a trace watches the process."""
         try:
-            return self.inprocess.accept(params.to_json(), peer.pid, peer.uid)
+            return self.inprocess.accept(params, peer.pid, peer.uid)
         except ReportError as e:
             raise ControlError(f"report refused: {e}") from None
 
     def _cupti_process(self, params: wire.PidParams, peer: PeerCred) -> dict | None:
-        """cupti.process {"pid": N}: the last in-process agent report of N (None when it has not
-        reported), for root or the user N reported as (so it stays readable for a while after N
-        exits); asks N for continuous kernel activity for a while."""
+        """cupti.process {"pid": N}: the last in-process agent report of the process that has pid N
+        (None when it has not reported; once it has exited, its last report for a while), for root
+        or the user it reported as; asks it for continuous kernel activity for a while. A reused pid
+        is a new process: its former owner's report is neither shown to nor held against it."""
         pid = params.pid
         report = self.inprocess.get(pid)
         if report is None:
@@ -313,7 +324,7 @@ class Daemon:
             from gpuwatch.agent import trace
 
             raise ControlError(trace.not_yours_message(pid, peer.uid))
-        self.inprocess.watch(pid)
+        self.inprocess.watch(report)
         return report.as_dict()
 
     def _baseline_probe(self):

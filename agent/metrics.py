@@ -203,6 +203,21 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.process.gpu.memory.reserved", "By", Kind.GAUGE,
            "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved), "
            "from the in-process agent: the 'grey' color.", ("gpu", "pid", "process")),
+    # Bytes an in-process agent reports for a GPU whose processes NVML cannot list (not supported,
+    # folded beyond its cap, another PID namespace): shown, never judged.
+    Metric("gpuwatch.process.gpu.memory.allocated.self_reported", "By", Kind.GAUGE,
+           "Bytes in live tensors as the in-process agent reports them for a GPU NVML cannot confirm the "
+           "process on: not read by the leak detector or alert rules.", ("gpu", "pid", "process")),
+    Metric("gpuwatch.process.gpu.memory.reserved.self_reported", "By", Kind.GAUGE,
+           "Bytes the allocator holds as the in-process agent reports them for a GPU NVML cannot confirm the "
+           "process on: not read by the leak detector or alert rules.", ("gpu", "pid", "process")),
+    Metric("gpuwatch.cupti.reports.refused", "", Kind.COUNTER,
+           "In-process reports not kept: too_often (more than one per process every 0.2 s), user_limit "
+           "(16 reporting processes per user), total_limit (256 in all), unknown_process (gone).",
+           ("reason",)),
+    Metric("gpuwatch.cupti.memory.refused", "", Kind.COUNTER,
+           "Memory entries of in-process reports dropped: unknown_gpu (a GPU NVML does not know), "
+           "not_on_gpu (NVML lists that GPU's processes and the reporter is not among them).", ("reason",)),
     Metric("gpuwatch.process.kernel.duration", "s", Kind.COUNTER,
            "GPU time of the kernel (CUPTI kernel activity, start to end on the GPU) while kernel "
            "activity was on.", ("pid", "process", "kernel")),

@@ -2,8 +2,8 @@
 
 Per GPU and process, three series (ARCHITECTURE.md, "Three-color memory"):
 
-  white  bytes in live tensors          gpuwatch.process.gpu.memory.allocated (in-process agent)
-  grey   bytes the allocator holds      gpuwatch.process.gpu.memory.reserved  (in-process agent),
+  white  bytes in live tensors          gpuwatch.process.gpu.memory.allocated (in-process agent, verified)
+  grey   bytes the allocator holds      gpuwatch.process.gpu.memory.reserved  (in-process agent, verified),
                                         else gpuwatch.process.cuda.memory.live (eBPF: driver
                                         allocations seen since it attached)
   black  bytes the driver charges       gpuwatch.process.gpu.memory.usage     (NVML)
@@ -38,7 +38,9 @@ WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"
 MIB = 1 << 20
 
-# Per-GPU, per-process series of each color (grey's eBPF fallback is handled on its own).
+# Per-GPU, per-process series of each color (grey's eBPF fallback is handled on its own). White and
+# grey only as verified (NVML lists the process on that GPU): what an in-process agent reports for a
+# GPU NVML cannot confirm goes to *.self_reported metrics, which nothing here reads.
 COLOR_METRICS = {
     "gpuwatch.process.gpu.memory.usage": BLACK,
     "gpuwatch.process.gpu.memory.allocated": WHITE,

@@ -1,11 +1,25 @@
 """The daemon's side of the in-process agents: their reports, checked, kept and turned into samples.
 
 In-process agents (probes/cupti/inprocess.py) call the control method `cupti.report` every
-interval with a report (probes/cupti/records.py describes it). The caller's process ID comes
-from the kernel (SO_PEERCRED), never from the report, so a process can only speak for
-itself; a report that does not parse is refused with the reason, and nothing else changes.
-The reply tells the agent whether someone (`gpuwatch trace --pid`) wants continuous kernel
-activity from it now.
+interval; the control server has parsed the report into a `wire.CuptiReport` (the one validator)
+before it gets here. A report is the client's word about its CUDA work and nothing more: what the
+server can know it takes from the kernel and NVML, never from the report —
+
+- who: the caller's pid from SO_PEERCRED; its name (`/proc/PID/comm`) and start time from /proc.
+  Reports are keyed by (pid, start time), so a reused pid is a new process;
+- when: the time of receipt (the client's `ts` and `started` are at most ordering hints);
+- where: a memory entry counts only for a GPU NVML knows, and only as *verified* for a GPU NVML
+  lists the process on. Where NVML cannot list the GPU's processes (per-process info unsupported,
+  processes folded beyond its cap, or its pids are not in our PID namespace) the entry is kept as
+  *self-reported*: exported under metrics of its own that no detector or alert rule reads.
+  Where NVML lists the GPU's processes and this one is not among them, the entry is dropped.
+
+What each user can make the agent hold is bounded: MAX_REPORTERS_PER_USER processes per uid,
+MAX_REPORTERS in all, one report per process every MIN_REPORT_INTERVAL (faster ones are dropped,
+the reply is the same). Refusals and drops are counted per cause
+(`gpuwatch_cupti_reports_refused_total`, `gpuwatch_cupti_memory_refused_total`) and logged once
+per cause. The reply tells the agent whether someone (`gpuwatch trace --pid`) wants continuous
+kernel activity from it now.
 
 `InProcessProbe` (name "cupti") exports what the reports say: per process the allocator's
 white and grey bytes per GPU, per kernel the GPU time, launches, mean duration and
@@ -14,215 +28,267 @@ theoretical occupancy (the busiest kernels of the busiest processes; the rest fo
 """
 from __future__ import annotations
 
-import math
+import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Callable, Iterable, Mapping, NamedTuple
 
+from gpuwatch.agent import wire
 from gpuwatch.agent.api import Probe, Sample
 
-MAX_PROCESSES = 32
+log = logging.getLogger("gpuwatch.cupti")
+
+MAX_PROCESSES = 32  # processes with series of their own on /metrics; the rest fold into pid="other"
 KERNELS_PER_PROCESS = 10
+MAX_REPORTERS_PER_USER = 16
+MAX_REPORTERS = 256
+MIN_REPORT_INTERVAL = 0.2  # seconds between two kept reports of one process
 KEEP_AFTER_EXIT = 60.0  # seconds a finished process's last report stays readable (trace summaries)
 STALE = 10.0  # a live process that stops reporting for this long is shown as not reporting
 WATCH_SECONDS = 10.0  # continuous kernels are asked for this long after each trace poll
-STATES = ("idle", "on", "yielded", "unavailable", "failed")
+STATES = wire.CUPTI_STATES
 MAX_LABEL = 120
+REFUSED = ("too_often", "user_limit", "total_limit", "unknown_process")
+MEMORY_REFUSED = ("unknown_gpu", "not_on_gpu")
+OTHER = {"pid": "other", "process": "other"}
+
+# uuid -> the pids NVML lists on that GPU, or None where NVML cannot say (see nvml_view).
+NvmlView = Mapping[str, "frozenset[int] | None"]
 
 
 class ReportError(ValueError):
-    """A report that does not parse; str() says what is wrong."""
+    """A report the agent will not keep; str() says why."""
 
 
-def _num(obj: Any, key: str, where: str, integer: bool = False) -> float:
-    v = obj.get(key, 0) if isinstance(obj, dict) else None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ReportError(f"{where}.{key} must be a non-negative number, got {v!r}")
-    return int(v) if integer else float(v)
+class _Identity(NamedTuple):
+    pid: int
+    start_time: int  # clock ticks after boot: with the pid, names one process for its whole life
+    comm: str
 
 
-def _process_label(name: str) -> str:
-    """The name a process gave for itself, as the NVML and eBPF probes name the same process (its
-    comm, sanitised): one `process` label value across probes, and nothing a client chose that
-    could forge terminal output in `gpuwatch status` or break a label."""
+def _identify(pid: int) -> _Identity | None:
+    """pid, start time and comm from /proc/PID/stat; None when there is no such process. The one
+    place that reads them here: it becomes probes/process/identity.identify when that lands."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            data = f.read()
+        lo, hi = data.index(b"("), data.rindex(b")")
+        return _Identity(pid, int(data[hi + 2:].split()[19]), data[lo + 1:hi].decode(errors="replace"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _process_label(comm: str) -> str:
+    """The process as the NVML and eBPF probes name it: one `process` label value across probes."""
     from gpuwatch.probes.nvml.probe import sanitise_process_name
 
-    return sanitise_process_name(name) if name else "unknown"
+    return sanitise_process_name(comm)
 
 
-def _printable(text: str) -> str:
-    """A kernel name as the eBPF probe shows one: what is not printable (newlines, terminal escape
-    sequences, lone surrogates) as "?", since it reaches findings and terminals."""
-    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text)
-
-
-def _str(obj: dict, key: str, where: str, limit: int = 512) -> str:
-    v = obj.get(key, "")
-    if not isinstance(v, str):
-        raise ReportError(f"{where}.{key} must be a string, got {type(v).__name__}")
-    return v[:limit]
-
-
-def _list(obj: dict, key: str, limit: int) -> list:
-    v = obj.get(key) or []
-    if not isinstance(v, list):
-        raise ReportError(f"{key} must be a list, got {type(v).__name__}")
-    if len(v) > limit:
-        raise ReportError(f"{key} has {len(v)} entries, at most {limit} are accepted")
-    for i, item in enumerate(v):
-        if not isinstance(item, dict):
-            raise ReportError(f"{key}[{i}] must be an object")
-    return v
+def nvml_view(samples: Iterable[Sample], exists: Callable[[int], bool] | None = None) -> dict:
+    """NVML's view of the GPUs from the NVML probe's samples (NvmlView): each GPU it knows, with the
+    pids it lists there, or None where that list cannot be checked against: NVML does not list the
+    GPU's processes (not supported, the GPU lost), folded some beyond its cap, charged some no
+    memory, or lists pids none of which is a process here (the agent runs in another PID
+    namespace than the GPU's processes)."""
+    exists = exists or (lambda pid: os.path.exists(f"/proc/{pid}"))
+    gpus: set[str] = set()
+    counted: dict[str, float] = {}
+    listed: dict[str, set[int]] = {}
+    folded: set[str] = set()
+    for s in samples:
+        if s.metric == "gpuwatch.gpu.up":
+            gpus.add(s.resource)
+        elif s.metric == "gpuwatch.gpu.processes":
+            counted[s.resource] = counted.get(s.resource, 0.0) + s.value
+        elif s.metric == "gpuwatch.process.gpu.memory.usage":
+            pid = s.labels.get("pid", "")
+            if pid.isdigit():
+                listed.setdefault(s.resource, set()).add(int(pid))
+            else:
+                folded.add(s.resource)
+    view: dict[str, frozenset[int] | None] = {}
+    for uuid in gpus:
+        pids = listed.get(uuid, set())
+        unsure = (uuid not in counted or uuid in folded or len(pids) < counted[uuid]
+                  or (pids and not any(exists(p) for p in pids)))
+        view[uuid] = None if unsure else frozenset(pids)
+    return view
 
 
 @dataclass(frozen=True)
-class Kernel:
-    name: str
-    device: int
+class Memory:
+    """The allocator's bytes on one GPU. verified: NVML lists the process on that GPU; otherwise
+    self-reported (kept out of the series detectors and alert rules read)."""
+
     uuid: str
-    launches: int
-    gpu_seconds: float
-    min_seconds: float
-    max_seconds: float
-    grid: tuple
-    block: tuple
-    registers: int
-    static_shared_memory: int
-    dynamic_shared_memory: int
-    occupancy: float | None
-    occupancy_limiter: str
+    device: int
+    allocated: int
+    reserved: int
+    verified: bool
 
 
 @dataclass(frozen=True)
 class Report:
     pid: int
-    process: str
+    start_time: int
+    process: str  # from /proc/PID/comm, sanitised as the other probes name processes
     uid: int  # the reporting process's user as the kernel said: who may read the report
-    received: float
-    started: float
-    state: str
-    reason: str
-    mode: str
-    observed_seconds: float
-    records: int
-    dropped: int
-    decode_seconds: float
-    kernels: tuple[Kernel, ...]
-    other_launches: int
-    other_gpu_seconds: float
-    copies: tuple[dict, ...]
-    memory: tuple[dict, ...]
+    received: float  # wall time of receipt: the time of every sample from this report
+    cupti: wire.ReportCupti
+    kernels: tuple  # of wire.ReportKernel
+    kernels_other: wire.ReportKernelsOther
+    copies: tuple  # of wire.ReportCopy
+    memory: tuple[Memory, ...]
 
     @classmethod
-    def parse(cls, raw: Any, pid: int, received: float, uid: int = 0) -> "Report":
-        if not isinstance(raw, dict):
-            raise ReportError("a report must be a JSON object")
-        if raw.get("version") != 1:
-            raise ReportError(f"report version {raw.get('version')!r} is not supported (this agent reads 1)")
-        cupti = raw.get("cupti")
-        if not isinstance(cupti, dict):
-            raise ReportError("report.cupti must be an object")
-        state = _str(cupti, "state", "cupti")
-        if state not in STATES:
-            raise ReportError(f"cupti.state {state!r} is not one of {', '.join(STATES)}")
-        kernels = []
-        for i, k in enumerate(_list(raw, "kernels", 200)):
-            where = f"kernels[{i}]"
-            occ = k.get("occupancy")
-            if occ is not None and (isinstance(occ, bool) or not isinstance(occ, (int, float))
-                                    or not 0 <= occ <= 1):
-                raise ReportError(f"{where}.occupancy must be a ratio from 0 to 1 or null, got {occ!r}")
-            dims = []
-            for key in ("grid", "block"):
-                v = k.get(key) or [0, 0, 0]
-                if not (isinstance(v, list) and len(v) == 3 and all(isinstance(x, int) and x >= 0 for x in v)):
-                    raise ReportError(f"{where}.{key} must be three non-negative integers")
-                dims.append(tuple(v))
-            kernels.append(Kernel(
-                _printable(_str(k, "name", where)), int(_num(k, "device", where, True)), _str(k, "uuid", where, 64),
-                int(_num(k, "launches", where, True)), _num(k, "gpu_seconds", where),
-                _num(k, "min_seconds", where), _num(k, "max_seconds", where), dims[0], dims[1],
-                int(_num(k, "registers", where, True)), int(_num(k, "static_shared_memory", where, True)),
-                int(_num(k, "dynamic_shared_memory", where, True)),
-                None if occ is None else float(occ), _str(k, "occupancy_limiter", where, 32)))
-        other = raw.get("kernels_other") or {}
-        copies = tuple({"device": int(_num(c, "device", "copies", True)), "uuid": _str(c, "uuid", "copies", 64),
-                        "kind": _str(c, "kind", "copies", 16), "count": int(_num(c, "count", "copies", True)),
-                        "bytes": int(_num(c, "bytes", "copies", True)),
-                        "gpu_seconds": _num(c, "gpu_seconds", "copies")}
-                       for c in _list(raw, "copies", 64))
-        memory = tuple({"device": int(_num(m, "device", "memory", True)), "uuid": _str(m, "uuid", "memory", 64),
-                        "allocated": int(_num(m, "allocated", "memory", True)),
-                        "reserved": int(_num(m, "reserved", "memory", True)), "ts": _num(m, "ts", "memory")}
-                       for m in _list(raw, "memory", 64))
-        return cls(pid=pid, uid=uid, process=_process_label(_str(raw, "process", "report", 64)), received=received,
-                   started=_num(raw, "started", "report"), state=state, reason=_str(cupti, "reason", "cupti", 1024),
-                   mode=_str(cupti, "mode", "cupti", 64), observed_seconds=_num(cupti, "observed_seconds", "cupti"),
-                   records=int(_num(cupti, "records", "cupti", True)),
-                   dropped=int(_num(cupti, "dropped", "cupti", True)),
-                   decode_seconds=_num(cupti, "decode_seconds", "cupti"), kernels=tuple(kernels),
-                   other_launches=int(_num(other, "launches", "kernels_other", True)),
-                   other_gpu_seconds=_num(other, "gpu_seconds", "kernels_other"), copies=copies, memory=memory)
+    def build(cls, msg: wire.CuptiReport, who: _Identity, uid: int, received: float,
+              view: NvmlView) -> tuple["Report", Counter]:
+        """The report as the server knows it, and the memory entries dropped by cause."""
+        dropped: Counter = Counter()
+        latest: dict[str, wire.ReportMemory] = {}
+        for m in msg.memory:
+            if m.uuid not in view:
+                dropped["unknown_gpu"] += 1
+            elif m.uuid not in latest or m.ts >= latest[m.uuid].ts:  # the client's ts orders its own entries
+                latest[m.uuid] = m
+        memory = []
+        for uuid, m in latest.items():
+            pids = view[uuid]
+            if pids is not None and who.pid not in pids:
+                dropped["not_on_gpu"] += 1
+            else:
+                memory.append(Memory(uuid, m.device, m.allocated, m.reserved, verified=pids is not None))
+        return cls(pid=who.pid, start_time=who.start_time, process=_process_label(who.comm), uid=uid,
+                   received=received, cupti=msg.cupti, kernels=msg.kernels, kernels_other=msg.kernels_other,
+                   copies=msg.copies, memory=tuple(memory)), dropped
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.pid, self.start_time
+
+    @property
+    def verified(self) -> bool:
+        return any(m.verified for m in self.memory)
+
+    @property
+    def gpu_seconds(self) -> float:
+        return sum(k.gpu_seconds for k in self.kernels) + self.kernels_other.gpu_seconds
 
     def as_dict(self) -> dict:
+        c = self.cupti
         return {
-            "pid": self.pid, "process": self.process, "received": self.received, "state": self.state,
-            "reason": self.reason, "mode": self.mode, "observed_seconds": self.observed_seconds,
-            "records": self.records, "dropped": self.dropped, "decode_seconds": self.decode_seconds,
-            "kernels": [dict(k.__dict__, grid=list(k.grid), block=list(k.block)) for k in self.kernels],
-            "kernels_other": {"launches": self.other_launches, "gpu_seconds": self.other_gpu_seconds},
-            "copies": list(self.copies), "memory": list(self.memory),
+            "pid": self.pid, "process": self.process, "received": self.received, "state": c.state,
+            "reason": c.reason, "mode": c.mode, "observed_seconds": c.observed_seconds,
+            "records": c.records, "dropped": c.dropped, "decode_seconds": c.decode_seconds,
+            "kernels": [k.to_json() for k in self.kernels],
+            "kernels_other": {"launches": self.kernels_other.launches,
+                              "gpu_seconds": self.kernels_other.gpu_seconds},
+            "copies": [c.to_json() for c in self.copies],
+            "memory": [{"device": m.device, "uuid": m.uuid, "allocated": m.allocated, "reserved": m.reserved,
+                        "self_reported": not m.verified} for m in self.memory],
         }
 
 
-def _alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}")
-
-
 class InProcessReports:
-    """The latest report of each in-process agent, and who is watching which process."""
+    """The latest report of each in-process agent, and who is watching which process: the one
+    owner of both. `gpus` returns NVML's view now (NvmlView; the daemon reads the runner's
+    snapshot)."""
 
-    def __init__(self, clock=time.monotonic, alive=_alive) -> None:
+    def __init__(self, gpus: Callable[[], NvmlView] = dict, clock=time.monotonic, wallclock=time.time,
+                 identify: Callable[[int], _Identity | None] = _identify) -> None:
         self._lock = threading.Lock()
-        self._reports: dict[int, Report] = {}
-        self._watch: dict[int, float] = {}  # pid -> monotonic time until which kernels are wanted
+        self._reports: dict[tuple[int, int], Report] = {}
+        self._watch: dict[tuple[int, int], float] = {}  # key -> monotonic time until which kernels are wanted
+        self._gpus = gpus
         self._clock = clock
-        self._alive = alive
-        self.refused = 0
+        self._wall = wallclock
+        self._identify = identify
+        self.refused: Counter = Counter()  # reports, by cause (REFUSED)
+        self.memory_refused: Counter = Counter()  # memory entries, by cause (MEMORY_REFUSED)
+        self._logged: set[str] = set()
 
-    def accept(self, raw: Any, pid: int, uid: int = 0) -> dict:
-        """Store a report from process `pid` of user `uid` (as the kernel named the caller).
-        ReportError if bad."""
-        try:
-            report = Report.parse(raw, pid, time.time(), uid)
-        except ReportError:
-            self.refused += 1
-            raise
+    def _count(self, counter: Counter, cause: str, n: int, what: str) -> None:
+        counter[cause] += n
+        if cause not in self._logged:  # once per cause: a flood must not become a flood of log lines
+            self._logged.add(cause)
+            log.warning('%s (counted in gpuwatch_cupti_%s_refused_total{reason="%s"}; not logged again)', what,
+                        "reports" if counter is self.refused else "memory", cause)
+
+    def _refuse(self, cause: str, message: str) -> ReportError:
+        self._count(self.refused, cause, 1, f"in-process report refused: {message}")
+        return ReportError(message)
+
+    def accept(self, msg: wire.CuptiReport, pid: int, uid: int) -> dict:
+        """Keep a report from process `pid` of user `uid` (as the kernel named the caller).
+        ReportError when it is not kept and the agent should know why."""
+        received = self._wall()
+        who = self._identify(pid)
+        if who is None:
+            raise self._refuse("unknown_process", f"process {pid} is gone")
+        view = self._gpus()
         now = self._clock()
         with self._lock:
-            self._reports[pid] = report
-            until = self._watch.get(pid, 0.0)
+            last = self._reports.get((who.pid, who.start_time))
+            if last is None:
+                self._prune(received)
+                if len(self._reports) >= MAX_REPORTERS:
+                    raise self._refuse("total_limit", f"the agent keeps reports of {MAX_REPORTERS} processes "
+                                                      "already")
+                if sum(1 for r in self._reports.values() if r.uid == uid) >= MAX_REPORTERS_PER_USER:
+                    raise self._refuse("user_limit", f"the agent keeps reports of {MAX_REPORTERS_PER_USER} "
+                                                     f"processes of user {uid} already")
+            if last is not None and 0 <= received - last.received < MIN_REPORT_INTERVAL:
+                self._count(self.refused, "too_often", 1, f"in-process reports of process {pid} dropped: more "
+                            f"than one every {MIN_REPORT_INTERVAL:g} s")
+            else:
+                report, dropped = Report.build(msg, who, uid, received, view)
+                for cause, n in dropped.items():
+                    why = "a GPU NVML does not know" if cause == "unknown_gpu" else "a GPU NVML does not list it on"
+                    self._count(self.memory_refused, cause, n, f"memory entries of process {pid} dropped: {why}")
+                self._reports[report.key] = report
+            until = self._watch.get((who.pid, who.start_time), 0.0)
         return {"detail_seconds": round(until - now, 1) if until > now else 0}
 
-    def watch(self, pid: int, seconds: float = WATCH_SECONDS) -> None:
+    def watch(self, report: Report, seconds: float = WATCH_SECONDS) -> None:
         with self._lock:
-            self._watch[pid] = self._clock() + seconds
+            self._watch[report.key] = self._clock() + seconds
 
     def get(self, pid: int) -> Report | None:
+        """The report of the process that has pid `pid` now; when none has, the last report of the
+        process that had it (gone, kept a while for trace summaries). Never a former owner's report
+        for the pid's new owner."""
+        who = self._identify(pid)
         with self._lock:
-            return self._reports.get(pid)
+            if who is not None:
+                return self._reports.get((pid, who.start_time))
+            gone = [r for r in self._reports.values() if r.pid == pid]
+            return max(gone, key=lambda r: r.received) if gone else None
+
+    def _alive(self, r: Report) -> bool:
+        who = self._identify(r.pid)
+        return who is not None and who.start_time == r.start_time
+
+    def _prune(self, now: float) -> None:
+        """Drop reports of processes gone for STALE seconds, or silent for KEEP_AFTER_EXIT. Lock held."""
+        for key, r in list(self._reports.items()):
+            age = now - r.received
+            if age > KEEP_AFTER_EXIT or (age > STALE and not self._alive(r)):
+                del self._reports[key]
+                self._watch.pop(key, None)
 
     def current(self) -> list[Report]:
-        """Reports of processes alive (or gone for less than KEEP_AFTER_EXIT), dropping the rest."""
-        now = time.time()
+        """Reports of processes alive (or gone for less than STALE), dropping the rest."""
         with self._lock:
-            for pid, r in list(self._reports.items()):
-                if now - r.received > KEEP_AFTER_EXIT or (not self._alive(pid) and now - r.received > STALE):
-                    del self._reports[pid]
-                    self._watch.pop(pid, None)
+            self._prune(self._wall())
             return list(self._reports.values())
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        with self._lock:
+            return dict(self.refused), dict(self.memory_refused)
 
 
 def _label(name: str) -> str:
@@ -247,65 +313,102 @@ class InProcessProbe(Probe):
         return self._demangle(names)
 
     def collect(self) -> list[Sample]:
-        reports = sorted(self.reports.current(),
-                         key=lambda r: -(sum(k.gpu_seconds for k in r.kernels) + r.other_gpu_seconds))
-        wall = time.time()
-        names = self._names({k.name for r in reports for k in r.kernels})
+        wall = time.time()  # before the reports are read: a report received later is newer than it
+        # Processes NVML vouches for first: their series feed the leak detector, and a busier claim
+        # must not fold them away; then the busiest.
+        reports = sorted(self.reports.current(), key=lambda r: (not r.verified, -r.gpu_seconds, r.pid))
+        own, rest = reports[:MAX_PROCESSES], reports[MAX_PROCESSES:]
+        names = self._names({k.name for r in own for k in r.kernels})
         out: list[Sample] = []
-        other = [0.0, 0]  # GPU seconds and launches folded into pid="other", kernel="other"
-        for rank, r in enumerate(reports):
+        for r in own:
             proc = {"pid": str(r.pid), "process": r.process}
-            for st in STATES:
-                out.append(Sample("gpuwatch.cupti.state", 1.0 if r.state == st else 0.0, "", dict(proc, state=st), wall))
-            out += [Sample("gpuwatch.cupti.observed", r.observed_seconds, "", proc, wall),
-                    Sample("gpuwatch.cupti.records", float(r.records), "", proc, wall),
-                    Sample("gpuwatch.cupti.records.dropped", float(r.dropped), "", proc, wall),
-                    Sample("gpuwatch.cupti.decode.duration", r.decode_seconds, "", proc, wall)]
+            out += self._agent_samples(proc, {st: float(r.cupti.state == st) for st in STATES}, r.cupti, r.received)
             for m in r.memory:
-                if m["uuid"]:
-                    out.append(Sample("gpuwatch.process.gpu.memory.allocated", float(m["allocated"]), m["uuid"],
-                                      proc, m["ts"] or wall))
-                    out.append(Sample("gpuwatch.process.gpu.memory.reserved", float(m["reserved"]), m["uuid"],
-                                      proc, m["ts"] or wall))
-            if rank >= MAX_PROCESSES:
-                other[0] += sum(k.gpu_seconds for k in r.kernels) + r.other_gpu_seconds
-                other[1] += sum(k.launches for k in r.kernels) + r.other_launches
-                continue
-            # One series per kernel name (variants of a name are summed), busiest first.
-            by_name: dict[str, list] = {}
-            for k in r.kernels:
-                acc = by_name.setdefault(_label(names.get(k.name, k.name)), [0.0, 0, None, None])
-                acc[0] += k.gpu_seconds
-                acc[1] += k.launches
-                if k.occupancy is not None and (acc[2] is None or k.gpu_seconds > 0):
-                    acc[2] = k.occupancy if acc[2] is None else min(acc[2], k.occupancy)
-                blocks = k.grid[0] * k.grid[1] * k.grid[2]
-                if blocks:
-                    acc[3] = blocks if acc[3] is None else min(acc[3], blocks)
-            ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
-            rest = [r.other_gpu_seconds, r.other_launches]
-            for i, (name, (secs, launches, occ, blocks)) in enumerate(ranked):
-                if i >= KERNELS_PER_PROCESS:
-                    rest[0] += secs
-                    rest[1] += launches
-                    continue
-                out += self._kernel_samples(dict(proc, kernel=name), secs, launches, occ, wall)
-                if blocks is not None:
-                    out.append(Sample("gpuwatch.process.kernel.grid_blocks", float(blocks), "",
-                                      dict(proc, kernel=name), wall))
-            if rest[1]:
-                out += self._kernel_samples(dict(proc, kernel="other"), rest[0], rest[1], None, wall)
-        if other[1]:
-            out += self._kernel_samples({"pid": "other", "process": "other", "kernel": "other"},
-                                        other[0], other[1], None, wall)
+                out += self._memory_samples(m.verified, m.uuid, proc, m.allocated, m.reserved, r.received)
+            out += self._kernels(r, proc, names)
+        # The rest folded: their states counted, their counters and bytes summed; verified bytes
+        # stay per process (bounded by what NVML lists), the leak detector reads them.
+        if rest:
+            states = {st: float(sum(r.cupti.state == st for r in rest)) for st in STATES}
+            total = wire.ReportCupti(state="idle", observed_seconds=sum(r.cupti.observed_seconds for r in rest),
+                                     records=sum(r.cupti.records for r in rest),
+                                     dropped=sum(r.cupti.dropped for r in rest),
+                                     decode_seconds=sum(r.cupti.decode_seconds for r in rest))
+            out += self._agent_samples(OTHER, states, total, wall)
+            folded: dict[str, list[int]] = {}
+            for r in rest:
+                for m in r.memory:
+                    if m.verified:
+                        out += self._memory_samples(True, m.uuid, {"pid": str(r.pid), "process": r.process},
+                                                    m.allocated, m.reserved, r.received)
+                    else:
+                        acc = folded.setdefault(m.uuid, [0, 0])
+                        acc[0] += m.allocated
+                        acc[1] += m.reserved
+            for uuid, (allocated, reserved) in sorted(folded.items()):
+                out += self._memory_samples(False, uuid, OTHER, allocated, reserved, wall)
+            secs = sum(r.gpu_seconds for r in rest)
+            launches = sum(sum(k.launches for k in r.kernels) + r.kernels_other.launches for r in rest)
+            if launches:
+                out += self._kernel_samples(dict(OTHER, kernel="other"), secs, launches, None, wall)
+        refused, memory_refused = self.reports.counts()
+        out += [Sample("gpuwatch.cupti.reports.refused", float(refused.get(c, 0)), "", {"reason": c}, wall)
+                for c in REFUSED]
+        out += [Sample("gpuwatch.cupti.memory.refused", float(memory_refused.get(c, 0)), "", {"reason": c}, wall)
+                for c in MEMORY_REFUSED]
         return out
 
     @staticmethod
-    def _kernel_samples(labels: dict, secs: float, launches: int, occ: float | None, wall: float) -> list[Sample]:
-        out = [Sample("gpuwatch.process.kernel.duration", secs, "", labels, wall),
-               Sample("gpuwatch.process.kernel.launches", float(launches), "", labels, wall)]
+    def _agent_samples(proc: dict, states: dict[str, float], c: wire.ReportCupti, ts: float) -> list[Sample]:
+        out = [Sample("gpuwatch.cupti.state", v, "", dict(proc, state=st), ts) for st, v in states.items()]
+        return out + [Sample("gpuwatch.cupti.observed", c.observed_seconds, "", proc, ts),
+                      Sample("gpuwatch.cupti.records", float(c.records), "", proc, ts),
+                      Sample("gpuwatch.cupti.records.dropped", float(c.dropped), "", proc, ts),
+                      Sample("gpuwatch.cupti.decode.duration", c.decode_seconds, "", proc, ts)]
+
+    @staticmethod
+    def _memory_samples(verified: bool, uuid: str, proc: dict, allocated: int, reserved: int,
+                        ts: float) -> list[Sample]:
+        # Self-reported bytes under metrics of their own: the leak detector and alert rules read
+        # only what NVML vouches for.
+        suffix = "" if verified else ".self_reported"
+        return [Sample("gpuwatch.process.gpu.memory.allocated" + suffix, float(allocated), uuid, proc, ts),
+                Sample("gpuwatch.process.gpu.memory.reserved" + suffix, float(reserved), uuid, proc, ts)]
+
+    def _kernels(self, r: Report, proc: dict, names: dict[str, str]) -> list[Sample]:
+        """One series per kernel name (variants of a name are summed), busiest first."""
+        out: list[Sample] = []
+        by_name: dict[str, list] = {}
+        for k in r.kernels:
+            acc = by_name.setdefault(_label(names.get(k.name, k.name)), [0.0, 0, None, None])
+            acc[0] += k.gpu_seconds
+            acc[1] += k.launches
+            if k.occupancy is not None and (acc[2] is None or k.gpu_seconds > 0):
+                acc[2] = k.occupancy if acc[2] is None else min(acc[2], k.occupancy)
+            blocks = k.grid[0] * k.grid[1] * k.grid[2]
+            if blocks:
+                acc[3] = blocks if acc[3] is None else min(acc[3], blocks)
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
+        rest = [r.kernels_other.gpu_seconds, r.kernels_other.launches]
+        for i, (name, (secs, launches, occ, blocks)) in enumerate(ranked):
+            if i >= KERNELS_PER_PROCESS:
+                rest[0] += secs
+                rest[1] += launches
+                continue
+            out += self._kernel_samples(dict(proc, kernel=name), secs, launches, occ, r.received)
+            if blocks is not None:
+                out.append(Sample("gpuwatch.process.kernel.grid_blocks", float(blocks), "",
+                                  dict(proc, kernel=name), r.received))
+        if rest[1]:
+            out += self._kernel_samples(dict(proc, kernel="other"), rest[0], rest[1], None, r.received)
+        return out
+
+    @staticmethod
+    def _kernel_samples(labels: dict, secs: float, launches: int, occ: float | None, ts: float) -> list[Sample]:
+        out = [Sample("gpuwatch.process.kernel.duration", secs, "", labels, ts),
+               Sample("gpuwatch.process.kernel.launches", float(launches), "", labels, ts)]
         if launches:
-            out.append(Sample("gpuwatch.process.kernel.mean_duration", secs / launches, "", labels, wall))
+            out.append(Sample("gpuwatch.process.kernel.mean_duration", secs / launches, "", labels, ts))
         if occ is not None:
-            out.append(Sample("gpuwatch.process.kernel.theoretical_occupancy", occ, "", labels, wall))
+            out.append(Sample("gpuwatch.process.kernel.theoretical_occupancy", occ, "", labels, ts))
         return out

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from gpuwatch.agent import metrics
+from gpuwatch.agent import metrics, wire
 from gpuwatch.probes.cupti import reports as R
 from gpuwatch.probes.cupti.inprocess import InProcessAgent, Settings
 
@@ -34,62 +34,176 @@ def report(**over) -> dict:
     return base
 
 
+def parsed(**over) -> wire.CuptiReport:
+    return wire.CuptiReport.parse(report(**over))
+
+
+IDS = {pid: R._Identity(pid, 1000 + pid, "python3") for pid in (7, 8, 4242, *range(100, 400))}
+ON_GPU = {UUID: None}  # NVML knows the GPU but cannot list its processes: memory is self-reported
+
+
+def store(view=ON_GPU, ids=IDS, **kw) -> R.InProcessReports:
+    clock = kw.pop("wallclock", None)
+    if clock is None:  # each report a second after the last: none is dropped as too frequent
+        t = [1000.0]
+        def clock():
+            t[0] += 1.0
+            return t[0]
+    return R.InProcessReports(gpus=lambda: view, identify=ids.get, wallclock=clock, **kw)
+
+
 def test_the_agents_own_report_parses():
     """What InProcessAgent.build_report produces is what the daemon accepts."""
     agent = InProcessAgent(Settings())
     agent.state, agent.reason = "unavailable", "no NVIDIA driver"
-    r = R.Report.parse(agent.build_report(), pid=os.getpid(), received=0.0)
-    assert (r.pid, r.state, r.reason, r.kernels) == (os.getpid(), "unavailable", "no NVIDIA driver", ())
+    me = R._identify(os.getpid())
+    r, dropped = R.Report.build(wire.CuptiReport.parse(agent.build_report()), me, os.getuid(), 0.0, {})
+    assert (r.pid, r.cupti.state, r.cupti.reason, r.kernels, dropped) == (
+        os.getpid(), "unavailable", "no NVIDIA driver", (), {})
+    assert r.start_time == int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
 
 
-def test_pid_comes_from_the_caller_not_the_report():
-    store = R.InProcessReports()
-    store.accept(report(pid=1), pid=4242)
-    assert store.get(1) is None and store.get(4242).pid == 4242
+def test_pid_name_and_time_come_from_the_server_not_the_report():
+    s = store(wallclock=lambda: 5000.0)
+    s.accept(parsed(pid=1, process="nvidia-smi", ts=4e9, started=4e9), pid=4242, uid=0)
+    r = s.get(4242)
+    assert s.get(1) is None and (r.pid, r.process, r.received, r.start_time) == (4242, "python3", 5000.0, 5242)
 
 
 @pytest.mark.parametrize("mutate, message", [
-    (lambda r: r.update(version=2), "report version 2 is not supported"),
-    (lambda r: r["cupti"].update(state="dancing"), "cupti.state 'dancing' is not one of"),
-    (lambda r: r["kernels"][0].update(launches=-1), "kernels[0].launches must be a non-negative number"),
+    (lambda r: r.update(version=2), "version: must be an integer from 1 to 1, got 2"),
+    (lambda r: r["cupti"].update(state="dancing"), "cupti.state: must be one of"),
+    (lambda r: r["kernels"][0].update(launches=-1), "kernels[0].launches: must be an integer"),
+    (lambda r: r["kernels"][0].update(launches=10**308), "kernels[0].launches: must be an integer"),
     (lambda r: r["kernels"][0].update(gpu_seconds=float("nan")), "kernels[0].gpu_seconds"),
-    (lambda r: r["kernels"][1].update(occupancy=1.5), "kernels[1].occupancy must be a ratio"),
-    (lambda r: r["kernels"][0].update(block=[1, 2]), "kernels[0].block must be three non-negative integers"),
-    (lambda r: r.update(kernels=[{}] * 201), "kernels has 201 entries, at most 200"),
-    (lambda r: r.update(memory="lots"), "memory must be a list"),
-    (lambda r: r["memory"][0].update(allocated="1G"), "memory.allocated must be a non-negative number"),
-    (lambda r: r.update(cupti=None), "report.cupti must be an object"),
+    (lambda r: r["kernels"][1].update(occupancy=1.5), "kernels[1].occupancy: must be a number from 0 to 1"),
+    (lambda r: r["kernels"][0].update(block=[1, 2]), "kernels[0].block: must be a list of 3 entries"),
+    (lambda r: r.update(kernels=[{}] * 201), "kernels: must have at most 200 entries"),
+    (lambda r: r.update(memory="lots"), "memory: must be a list"),
+    (lambda r: r["memory"][0].update(allocated="1G"), "memory[0].allocated: must be an integer"),
+    (lambda r: r["memory"][0].update(ts=4e10), "memory[0].ts: must be a number"),
+    (lambda r: r.update(cupti=None), "cupti: must be a JSON object"),
 ])
-def test_bad_reports_are_refused_with_the_reason_and_change_nothing(mutate, message):
-    store = R.InProcessReports()
-    store.accept(report(), pid=7)
+def test_bad_reports_are_refused_by_the_wire_type_with_the_reason(mutate, message):
     bad = copy.deepcopy(report())
     mutate(bad)
-    with pytest.raises(R.ReportError, match=message.replace("[", r"\[").replace("(", r"\(")):
-        store.accept(bad, pid=7)
-    assert store.get(7).kernels[1].launches == 1000 and store.refused == 1
+    with pytest.raises(wire.WireError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        wire.CuptiReport.parse(bad)
 
 
 def test_watching_a_process_asks_it_for_continuous_kernels():
     now = [100.0]
-    store = R.InProcessReports(clock=lambda: now[0])
-    assert store.accept(report(), pid=7) == {"detail_seconds": 0}
-    store.watch(7, seconds=10)
+    s = store(clock=lambda: now[0])
+    assert s.accept(parsed(), pid=7, uid=0) == {"detail_seconds": 0}
+    s.watch(s.get(7), seconds=10)
     now[0] += 4
-    assert store.accept(report(), pid=7) == {"detail_seconds": 6.0}
+    assert s.accept(parsed(), pid=7, uid=0) == {"detail_seconds": 6.0}
     now[0] += 7
-    assert store.accept(report(), pid=7) == {"detail_seconds": 0}
+    assert s.accept(parsed(), pid=7, uid=0) == {"detail_seconds": 0}
 
 
 def test_reports_of_exited_processes_are_dropped():
-    alive = {7: True, 8: True}
-    store = R.InProcessReports(alive=lambda pid: alive[pid])
-    store.accept(report(), pid=7)
-    store.accept(report(), pid=8)
-    alive[8] = False
-    assert {r.pid for r in store.current()} == {7, 8}  # kept a while for trace summaries
-    store._reports[8] = store._reports[8].__class__(**{**store._reports[8].__dict__, "received": 0.0})
-    assert {r.pid for r in store.current()} == {7}
+    ids = dict(IDS)
+    t = [1000.0]
+    s = store(ids=ids, wallclock=lambda: t[0])
+    s.accept(parsed(), pid=7, uid=0)
+    s.accept(parsed(), pid=8, uid=0)
+    del ids[8]
+    t[0] += R.STALE - 1
+    assert {r.pid for r in s.current()} == {7, 8}  # kept a while for trace summaries
+    t[0] += 2
+    assert {r.pid for r in s.current()} == {7}
+    t[0] += R.KEEP_AFTER_EXIT
+    assert s.current() == []  # alive but silent
+
+
+def test_a_reused_pid_is_a_new_process():
+    ids = dict(IDS)
+    s = store(ids=ids)
+    s.accept(parsed(), pid=7, uid=1001)
+    assert s.get(7).uid == 1001
+    del ids[7]
+    assert s.get(7).uid == 1001  # gone: its last report stays readable a while
+    ids[7] = R._Identity(7, 99999, "bash")  # pid 7 reused by another user's process
+    assert s.get(7) is None  # never the former owner's report, nor refused for it
+    s.accept(parsed(), pid=7, uid=1002)
+    assert (s.get(7).uid, s.get(7).process, s.get(7).start_time) == (1002, "bash", 99999)
+
+
+def test_reports_more_often_than_the_minimum_interval_are_dropped():
+    t = [1000.0]
+    s = store(wallclock=lambda: t[0])
+    s.accept(parsed(), pid=7, uid=0)
+    t[0] += R.MIN_REPORT_INTERVAL / 2
+    assert s.accept(parsed(kernels=[]), pid=7, uid=0) == {"detail_seconds": 0}  # same reply: the client goes on
+    assert len(s.get(7).kernels) == 2 and s.refused == {"too_often": 1}
+    t[0] += R.MIN_REPORT_INTERVAL
+    s.accept(parsed(kernels=[]), pid=7, uid=0)
+    assert s.get(7).kernels == ()
+
+
+def test_reporting_processes_are_capped_per_user_and_in_all(caplog):
+    t = [1000.0]
+    def clock():  # all within a minute: none is silent long enough to be forgotten
+        t[0] += 0.21
+        return t[0]
+    s = store(wallclock=clock)
+    for pid in range(100, 100 + R.MAX_REPORTERS_PER_USER):
+        s.accept(parsed(), pid=pid, uid=1000)
+    with pytest.raises(R.ReportError, match="16 processes of user 1000 already"):
+        s.accept(parsed(), pid=300, uid=1000)
+    s.accept(parsed(), pid=100, uid=1000)  # one already kept reports on
+    with pytest.raises(R.ReportError):
+        s.accept(parsed(), pid=301, uid=1000)
+    assert s.refused == {"user_limit": 2}
+    assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1  # once per cause
+    for i, pid in enumerate(range(116, 116 + R.MAX_REPORTERS - R.MAX_REPORTERS_PER_USER)):
+        s.accept(parsed(), pid=pid, uid=2000 + i // R.MAX_REPORTERS_PER_USER)
+    s._identify = {**IDS, 999: R._Identity(999, 1, "python3")}.get
+    with pytest.raises(R.ReportError, match="256 processes already"):
+        s.accept(parsed(), pid=999, uid=5)
+    assert s.refused["total_limit"] == 1 and len(s.current()) == R.MAX_REPORTERS
+
+
+def test_a_process_that_is_gone_before_its_report_is_read_is_refused():
+    with pytest.raises(R.ReportError, match="process 5 is gone"):
+        store().accept(parsed(), pid=5, uid=0)
+
+
+def test_memory_counts_only_for_gpus_nvml_knows_and_is_verified_only_where_nvml_lists_the_process():
+    other = "GPU-00000000-0000-0000-0000-000000000001"
+    listing = "GPU-00000000-0000-0000-0000-000000000002"
+    view = {UUID: None, other: frozenset({7}), listing: frozenset({8})}
+    mem = [dict(report()["memory"][0], uuid=u, allocated=n) for n, u in enumerate(
+        [UUID, other, listing, "GPU-fake", "GPU-fake2", UUID], start=1)]
+    mem[-1]["ts"] = 1.0  # an older entry for UUID than the first: the client's ts orders its own entries
+    s = store(view=view)
+    s.accept(parsed(memory=mem), pid=7, uid=0)
+    got = {m.uuid: (m.allocated, m.verified) for m in s.get(7).memory}
+    assert got == {UUID: (1, False), other: (2, True)}
+    assert s.memory_refused == {"unknown_gpu": 2, "not_on_gpu": 1}
+
+
+def test_nvml_view_says_where_it_can_vouch_for_a_process():
+    from gpuwatch.agent.api import Sample
+
+    def gpu(uuid, processes=None, pids=(), folded=False):
+        out = [Sample("gpuwatch.gpu.up", 1.0, uuid, {}, 0.0)]
+        if processes is not None:
+            out.append(Sample("gpuwatch.gpu.processes", float(processes), uuid, {"type": "compute"}, 0.0))
+        out += [Sample("gpuwatch.process.gpu.memory.usage", 1.0, uuid, {"pid": str(p), "process": "x"}, 0.0)
+                for p in pids]
+        if folded:
+            out.append(Sample("gpuwatch.process.gpu.memory.usage", 1.0, uuid, {"pid": "other", "process": "other"}, 0.0))
+        return out
+
+    here = {1, 2, 3}.__contains__
+    samples = (gpu("GPU-a", 2, (1, 2)) + gpu("GPU-unsupported") + gpu("GPU-folded", 20, (1, 2), folded=True)
+               + gpu("GPU-uncharged", 2, (1,)) + gpu("GPU-elsewhere", 1, (425,)) + gpu("GPU-idle", 0)
+               + [Sample("gpuwatch.process.gpu.memory.allocated", 1.0, "GPU-cupti", {"pid": "7"}, 0.0)])
+    assert R.nvml_view(samples, exists=here) == {
+        "GPU-a": frozenset({1, 2}), "GPU-unsupported": None, "GPU-folded": None, "GPU-uncharged": None,
+        "GPU-elsewhere": None, "GPU-idle": frozenset()}
 
 
 def series(samples, name):
@@ -97,15 +211,21 @@ def series(samples, name):
             for s in samples if s.metric == name}
 
 
+def probe_samples(s):
+    return R.InProcessProbe(s, demangle=lambda names: {n: n for n in names}).collect()
+
+
 def test_probe_exports_colors_kernels_and_agent_health():
-    store = R.InProcessReports()
-    store.accept(report(), pid=7)
-    samples = R.InProcessProbe(store, demangle=lambda names: {n: n for n in names}).collect()
-    for s in samples:
-        metrics.get(s.metric)  # every sample is a registered metric
+    s = store(view={UUID: frozenset({7})}, wallclock=lambda: 5000.0)
+    s.accept(parsed(), pid=7, uid=0)
+    samples = probe_samples(s)
+    for x in samples:
+        metrics.get(x.metric)  # every sample is a registered metric
+        assert x.ts == 5000.0 or x.metric.endswith(".refused")  # the time of receipt, not the client's
     proc = (("pid", "7"), ("process", "python3"))
     assert series(samples, "gpuwatch.process.gpu.memory.allocated") == {proc + (("gpu", UUID),): float(1 << 30)}
     assert series(samples, "gpuwatch.process.gpu.memory.reserved") == {proc + (("gpu", UUID),): float(2 << 30)}
+    assert series(samples, "gpuwatch.process.gpu.memory.allocated.self_reported") == {}
     k = series(samples, "gpuwatch.process.kernel.launches")
     assert k == {(("kernel", "_Z6gemm_kv"),) + proc: 20.0, (("kernel", "add_kernel"),) + proc: 1000.0}
     mean = series(samples, "gpuwatch.process.kernel.mean_duration")
@@ -115,6 +235,20 @@ def test_probe_exports_colors_kernels_and_agent_health():
     states = series(samples, "gpuwatch.cupti.state")
     assert states[proc + (("state", "on"),)] == 1.0 and sum(states.values()) == 1.0
     assert series(samples, "gpuwatch.cupti.observed") == {proc: 1.5}
+    assert series(samples, "gpuwatch.cupti.reports.refused")[(("reason", "too_often"),)] == 0.0
+
+
+def test_self_reported_memory_has_metrics_of_its_own_that_the_leak_detector_does_not_read():
+    from gpuwatch.detectors.leak import COLOR_METRICS
+
+    s = store()  # NVML cannot list the GPU's processes
+    s.accept(parsed(), pid=7, uid=0)
+    samples = probe_samples(s)
+    proc = (("pid", "7"), ("process", "python3"))
+    assert series(samples, "gpuwatch.process.gpu.memory.allocated") == {}
+    assert series(samples, "gpuwatch.process.gpu.memory.allocated.self_reported") == {
+        proc + (("gpu", UUID),): float(1 << 30)}
+    assert not {x.metric for x in samples} & set(COLOR_METRICS)
 
 
 def test_grid_blocks_are_the_product_of_all_three_dimensions_and_the_smallest_of_a_names_variants():
@@ -124,38 +258,57 @@ def test_grid_blocks_are_the_product_of_all_three_dimensions_and_the_smallest_of
                # two variants of one name: the smallest grid is kept; an empty (0-block) grid is no grid
                dict(base, name="varied", grid=[8, 2, 1]), dict(base, name="varied", grid=[3, 1, 1]),
                dict(base, name="varied", grid=[0, 1, 1]), dict(base, name="empty", grid=[0, 7, 7])]
-    store = R.InProcessReports()
-    store.accept(report(kernels=kernels), pid=7)
-    samples = R.InProcessProbe(store, demangle=lambda names: {n: n for n in names}).collect()
-    blocks = {dict(k)["kernel"]: v for k, v in series(samples, "gpuwatch.process.kernel.grid_blocks").items()}
+    s = store()
+    s.accept(parsed(kernels=kernels), pid=7, uid=0)
+    blocks = {dict(k)["kernel"]: v for k, v in series(probe_samples(s), "gpuwatch.process.kernel.grid_blocks").items()}
     assert blocks == {"z_only": 4.0, "y_only": 3.0, "one": 1.0, "cube": 30.0, "varied": 3.0}
 
 
 def test_busy_processes_and_kernels_are_capped_and_the_rest_folded():
-    store = R.InProcessReports()
+    s = store()
     many = [dict(report()["kernels"][1], name=f"k{i}", gpu_seconds=float(i + 1), launches=i + 1) for i in range(15)]
-    store.accept(report(kernels=many), pid=7)
+    s.accept(parsed(kernels=many), pid=7, uid=0)
     for pid in range(100, 100 + R.MAX_PROCESSES):
-        store.accept(report(), pid=pid)
-    samples = R.InProcessProbe(store, demangle=lambda names: {n: n for n in names}).collect()
+        s.accept(parsed(), pid=pid, uid=pid)
+    samples = probe_samples(s)
     launches = series(samples, "gpuwatch.process.kernel.launches")
     mine = {dict(k)["kernel"]: v for k, v in launches.items() if dict(k)["pid"] == "7"}
     assert len(mine) == R.KERNELS_PER_PROCESS + 1
     assert mine["other"] == sum(range(1, 6))  # the five least busy of 15
-    assert launches[(("kernel", "other"), ("pid", "other"), ("process", "other"))] == 1020.0  # one process folded
+    other = (("pid", "other"), ("process", "other"))
+    assert launches[(("kernel", "other"),) + other] == 1020.0  # one process folded
+    # Its state, health and self-reported bytes folded too: per-process series stay bounded.
+    assert {dict(k)["pid"] for k in series(samples, "gpuwatch.cupti.state")} == {
+        "7", "other", *map(str, range(100, 100 + R.MAX_PROCESSES - 1))}
+    assert series(samples, "gpuwatch.cupti.state")[other + (("state", "on"),)] == 1.0
+    assert series(samples, "gpuwatch.process.gpu.memory.allocated.self_reported")[other + (("gpu", UUID),)] == 1 << 30
 
 
-@pytest.mark.parametrize("name, label", [("python3", "python3"), ("\x1b[31mevil\n", "__31mevil_"),
+def test_verified_processes_are_never_folded_away_by_busier_claims():
+    s = store(view={UUID: frozenset({7, 8})})
+    busy = [dict(report()["kernels"][1], gpu_seconds=1e6)]
+    for pid in range(100, 100 + R.MAX_PROCESSES + 5):
+        s.accept(parsed(kernels=busy), pid=pid, uid=pid)  # not on the GPU: memory dropped
+    s.accept(parsed(), pid=7, uid=0)
+    s.accept(parsed(), pid=8, uid=0)
+    samples = probe_samples(s)
+    assert {dict(k)["pid"] for k in series(samples, "gpuwatch.process.gpu.memory.allocated")} == {"7", "8"}
+    assert {"7", "8"} <= {dict(k)["pid"] for k in series(samples, "gpuwatch.process.kernel.launches")}
+
+
+@pytest.mark.parametrize("comm, label", [("python3", "python3"), ("\x1b[31mevil\n", "__31mevil_"),
                                          ("my job (1)", "my_job__1_"), ("", "unknown"), ("pt_main_thread", "pt_main_thread")])
-def test_the_process_name_a_client_sends_is_named_as_the_other_probes_name_it(name, label):
+def test_the_process_is_named_by_its_comm_as_the_other_probes_name_it(comm, label):
     from gpuwatch.probes.nvml.probe import sanitise_process_name
 
-    r = R.Report.parse(report(process=name), pid=7, received=2.0)
-    assert r.process == label and (not name or r.process == sanitise_process_name(name))
+    s = store(ids={7: R._Identity(7, 1, comm)})
+    s.accept(parsed(process="nvidia-smi"), pid=7, uid=0)
+    assert s.get(7).process == label == sanitise_process_name(comm)
 
 
 def test_kernel_names_from_a_client_are_made_printable():
     bad = report()
     bad["kernels"][0]["name"] = "void k<\"x\">(float*)\n\x1b[2J\udcff"
-    r = R.Report.parse(bad, pid=7, received=2.0)
-    assert r.kernels[0].name == 'void k<"x">(float*)??[2J?' or r.kernels[1].name == 'void k<"x">(float*)??[2J?'
+    s = store()
+    s.accept(wire.CuptiReport.parse(bad), pid=7, uid=0)
+    assert s.get(7).kernels[0].name == 'void k<"x">(float*)??[2J?'
