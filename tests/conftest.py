@@ -34,6 +34,19 @@ def wait_for(cond, timeout: float, step: float = 0.02):
     return cond()
 
 
+def nvml_recording(tmp: Path, pids=()) -> Path:
+    """The H200 recording with NVML listing `pids` (each charged 1 GiB) beside its own process (an
+    edit, not recorded): the agent then verifies in-process memory those processes report."""
+    import json
+
+    rec = json.loads(FIXTURE.read_text())
+    for tick in rec["gpus"][0]["compute_processes"]:
+        tick["value"] = tick["value"] + [{"pid": p, "used_memory": 1 << 30} for p in pids]
+    path = tmp / "nvml-listing.json"
+    path.write_text(json.dumps(rec))
+    return path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

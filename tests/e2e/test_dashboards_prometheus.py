@@ -7,6 +7,7 @@ this machine cannot give the agent (eBPF on CUDA processes, CUPTI PM sampling, a
 fans, failing NVML calls): those only parse here.
 """
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from gpuwatch.agent import control
-from tests.conftest import FIXTURE, load_script
+from tests.conftest import FIXTURE, load_script, nvml_recording
 from tests.e2e.test_baseline_cli import BASELINE, gpuwatch
 from tests.e2e.test_cupti_daemon import h200_report
 from tests.e2e.test_prometheus_scrape import prometheus, wait_query  # noqa: F401 (a fixture)
@@ -68,7 +69,9 @@ def test_every_dashboard_query_and_rule_runs_on_prometheus(agent_factory, promet
         r["uuid"] = uuid
     replay = tmp_path / "runs.json"
     replay.write_text(json.dumps({"runs": runs}))
-    agent = agent_factory("--nvml-replay", str(FIXTURE), "--nvml-replay-gpus", str(GPUS), "--no-ebpf",
+    # NVML lists this process on the GPU its report names: its white and grey are verified.
+    listing = nvml_recording(tmp_path, [os.getpid()])
+    agent = agent_factory("--nvml-replay", str(listing), "--nvml-replay-gpus", str(GPUS), "--no-ebpf",
                           "--baseline-replay", str(replay))
     agent.metrics()
     sock = str(agent.socket)
