@@ -198,11 +198,12 @@ METRICS: tuple[Metric, ...] = (
     # divide by gpuwatch.cupti.observed for the fraction of time. The busiest kernels
     # of the busiest processes are kept, the rest folded into kernel="other" / pid="other".
     Metric("gpuwatch.process.gpu.memory.allocated", "By", Kind.GAUGE,
-           "Bytes in live tensors (torch.cuda.memory_allocated), from the in-process agent: the "
-           "'white' color of the leak detector.", ("gpu", "pid", "process")),
+           "Bytes in live tensors (torch.cuda.memory_allocated), from the in-process agent, for a GPU NVML "
+           "lists the process on: the 'white' color of the leak detector.", ("gpu", "pid", "process")),
     Metric("gpuwatch.process.gpu.memory.reserved", "By", Kind.GAUGE,
            "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved), "
-           "from the in-process agent: the 'grey' color.", ("gpu", "pid", "process")),
+           "from the in-process agent, for a GPU NVML lists the process on: the 'grey' color.",
+           ("gpu", "pid", "process")),
     # Bytes an in-process agent reports for a GPU whose processes NVML cannot list (not supported,
     # folded beyond its cap, another PID namespace): shown, never judged.
     Metric("gpuwatch.process.gpu.memory.allocated.self_reported", "By", Kind.GAUGE,

@@ -41,6 +41,8 @@ NEEDS = {
     "nvlink": "GPUs with NVLink",
     "fan": "GPUs with fans (passively cooled boards have none)",
     "nvml_errors": "NVML calls that failed",
+    "self_reported": "in-process agents reporting memory for GPUs NVML cannot list their processes on (per-process "
+                     "information not supported, or the agent in another PID namespace)",
     "kubernetes": "GPU processes in Kubernetes pods (their cgroups name the pod; /var/log/pods names it)",
     "otlp": "OTLP export switched on (otlp.enabled)",
 }
@@ -451,6 +453,14 @@ def gpu_memory() -> Dashboard:
             ts("Black: charged by the driver",
                Q(with_index(sel("gpuwatch.process.gpu.memory.usage", **proc)), who), unit="bytes", min=0, width=8,
                description="NVML's per-process used memory."),
+            ts("Self-reported white and grey (not judged)",
+               Q(with_index(sel("gpuwatch.process.gpu.memory.allocated.self_reported", **proc)), "white " + who,
+                 needs="self_reported"),
+               Q(with_index(sel("gpuwatch.process.gpu.memory.reserved.self_reported", **proc)), "grey " + who,
+                 needs="self_reported"),
+               unit="bytes", min=0, width=24,
+               description="What in-process agents report for a GPU NVML cannot confirm them on: shown, never "
+                           "judged by the leak detector or alert rules."),
             table("Kubernetes pods of GPU processes", Q(sel("gpuwatch.process.kubernetes", **proc), needs="kubernetes"),
                   width=24, height=6, hide_columns=("Value",),
                   description="Namespace, pod and container of each GPU process, from its cgroup (docs/kubernetes.md); "
@@ -713,6 +723,24 @@ def agent() -> Dashboard:
                description="NVML calls that failed (other than not-supported), by NVML error."),
             ts("eBPF attachments", Q(sel("gpuwatch.ebpf.attached"), "{{instance}} {{what}}", needs="ebpf"),
                unit="none", min=0),
+            Row("Bounds"),
+            ts("History series", Q(sel("gpuwatch.history.series"), "{{instance}}"),
+               Q(f'sum by (instance, reason) ({rate("gpuwatch.history.series.evicted")})',
+                 "{{instance}} evicted ({{reason}}) /s"), unit="none", min=0, width=8,
+               description="Series held for the detectors (at most 16384; a process's are forgotten 10 min after "
+                           "it ends), and the rate they are forgotten at."),
+            ts("In-process reports refused",
+               Q(f'sum by (instance, reason) ({rate("gpuwatch.cupti.reports.refused")})',
+                 "{{instance}} report {{reason}}"),
+               Q(f'sum by (instance, reason) ({rate("gpuwatch.cupti.memory.refused")})',
+                 "{{instance}} memory {{reason}}"), unit="cps", width=8,
+               description="Reports over the bounds (16 processes per user, 256 in all, one per 0.2 s) and memory "
+                           "entries for GPUs NVML does not know or list the process on."),
+            ts("Dropped by the agent",
+               Q(f'sum by (instance) ({rate("gpuwatch.findings.dropped")})', "{{instance}} findings"),
+               Q(f'sum by (instance, probe) ({rate("gpuwatch.history.points.future")})',
+                 "{{instance}} {{probe}} points from the future"), unit="cps", width=8,
+               description="Findings beyond the 256 open at once; points dated over a minute ahead."),
             Row("CUPTI PM sampler"),
             table("Sampler state", Q(f'{sel("gpuwatch.profiling.state")} == 1', needs="pm_sampling"), width=8,
                   hide_columns=("Value",)),
