@@ -235,7 +235,7 @@ class AtomicFile:
         self.path = path
         head, name = os.path.split(os.path.abspath(path))
         self.name = check_name(name, path)
-        self.dir = Dir(head)
+        self.dir = Dir(head)  # open until commit or discard
         self.fsync = fsync
         try:
             st = os.stat(self.name, dir_fd=self.dir.fd, follow_symlinks=False)

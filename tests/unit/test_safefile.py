@@ -145,3 +145,110 @@ def test_symlinks_in_trusted_directories_are_followed(tmp_path):
     (tmp_path / "via").symlink_to("real")
     safefile.write_atomic(str(tmp_path / "via" / "f"), b"1")
     assert (tmp_path / "real" / "f").read_bytes() == b"1"
+
+
+# -- gpuwatch trace's outputs (agent/trace.py TraceOutputs), with real links and real uids ------
+
+def _records(n: int) -> bytes:
+    from gpuwatch.probes.ebpf.events import RECORD
+
+    return b"".join(RECORD.pack(1000 * i, 500, 0, 0, 42, 42, 0, 0, 0, 0, 0, 0, 0, 0) for i in range(n))
+
+
+def _finish(outs, summary: dict | None = None, records: bytes = b"") -> None:
+    """What run_trace does with its outputs at the end: records written while tracing, the summary,
+    the Chrome trace from the records."""
+    from rich.console import Console
+
+    from gpuwatch.agent import trace
+
+    if outs.events_fd >= 0:
+        with outs.events_writer() as f:
+            f.write(records)
+    if outs.summary is not None:
+        outs.summary.file.write(json_dumps(summary or {}))
+        outs.summary.commit()
+    if outs.trace is not None:
+        target = trace.Target(pid=42, process="p", start_time=0)
+        trace._write_output(outs, {}, target, {"recorded": len(records) // 72, "not_written": 0},
+                            Console(stderr=True))
+    outs.close()
+
+
+def json_dumps(v) -> str:
+    import json
+
+    return json.dumps(v)
+
+
+def test_trace_outputs_replace_links_to_a_secret_never_write_through_them(tmp_path):
+    """run.json -> the secret, run.trace.json -> the secret, run.trace.json.events -> the secret: the
+    old code opened each path and overwrote the secret."""
+    from gpuwatch.agent import trace
+
+    secret = tmp_path / "secret"
+    secret.write_text("root only\n")
+    secret.chmod(0o600)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("run.json", "run.trace.json", "run.trace.json.events"):
+        (out / name).symlink_to(secret)
+    outs = trace.TraceOutputs(str(out / "run.json"), str(out / "run.trace.json"))
+    _finish(outs, {"calls": 3}, _records(3))
+    assert secret.read_text() == "root only\n"
+    assert sorted(os.listdir(out)) == ["run.json", "run.trace.json"]
+    assert not any((out / n).is_symlink() for n in os.listdir(out))
+    assert json_loads((out / "run.json").read_text()) == {"calls": 3}
+    events = json_loads((out / "run.trace.json").read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 3
+
+
+def json_loads(text: str):
+    import json
+
+    return json.loads(text)
+
+
+@root_only
+def test_trace_outputs_under_sudo_are_the_sudo_users(tmp_path, monkeypatch):
+    """sudo gpuwatch trace --output: the files are created as SUDO_UID (theirs, not root's), and only
+    where that user may write."""
+    from gpuwatch.agent import trace
+
+    monkeypatch.setenv("SUDO_UID", str(NOBODY))
+    monkeypatch.setenv("SUDO_GID", str(NOBODY))
+    home = _shared_dir(NOBODY)
+    outs = trace.TraceOutputs(str(home / "run.json"), str(home / "run.trace.json"))
+    assert os.geteuid() == 0  # back to root once the files are open
+    _finish(outs, {"calls": 1}, _records(1))
+    owners = {n: (os.stat(home / n).st_uid, os.stat(home / n).st_gid) for n in os.listdir(home)}
+    assert owners == {"run.json": (NOBODY, NOBODY), "run.trace.json": (NOBODY, NOBODY)}
+    # A root-only directory: refused up front with one line naming the option and the path.
+    rootdir = _shared_dir(0)
+    with pytest.raises(trace.TraceError) as e:
+        trace.validate_output_path(str(rootdir / "run.json"), "--summary-json")
+    assert str(e.value) == f"--summary-json {rootdir}/run.json: not writable"
+    with pytest.raises(trace.TraceError, match=r"^--output cannot create a file in .*: Permission denied$"):
+        trace.TraceOutputs(None, str(rootdir / "t.json"))
+    assert os.listdir(rootdir) == [] and os.geteuid() == 0 and os.getegid() == 0
+
+
+@root_only
+def test_trace_output_in_a_directory_another_user_controls_is_refused(tmp_path):
+    """Root, no sudo, --output into nobody's directory: nobody could swap names under it."""
+    from gpuwatch.agent import trace
+
+    theirs = _shared_dir(NOBODY)
+    with pytest.raises(trace.TraceError, match=r"^--output .*: not a safe directory to write in: it belongs to nobody"):
+        trace.validate_output_path(str(theirs / "t.json"), "--output")
+    with pytest.raises(trace.TraceError, match="belongs to nobody"):
+        trace.TraceOutputs(None, str(theirs / "t.json"))
+    assert os.listdir(theirs) == []
+
+
+def test_trace_outputs_not_committed_leave_nothing(tmp_path):
+    from gpuwatch.agent import trace
+
+    outs = trace.TraceOutputs(str(tmp_path / "s.json"), str(tmp_path / "t.json"))
+    outs.close()
+    assert os.listdir(tmp_path) == []
