@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent.api import Event, Probe
-from gpuwatch.agent.config import Config, ConfigError, load
+from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
@@ -33,6 +33,9 @@ log = logging.getLogger("gpuwatch.agent")
 # the new one waits for the old one's state directory lock and for its metrics port.
 START_WAIT = 10.0
 LOCK_NAME = "agent.lock"  # in agent.state_dir: "PID\n", "PID stopping\n" once it shuts down
+
+# What a SIGHUP applies at once; every other setting takes effect on restart.
+LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 
 # How long trace.snapshot waits for the eBPF probe's own work (a collection, or a start that
 # compiles and attaches) before answering that it is busy: well within the client's timeout.
@@ -232,6 +235,8 @@ class Daemon:
 
             self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config)))
         self.lock_fd = lock_state_dir(cfg.agent.state_dir, self.stop_event)  # before the store and listeners
+        self._reload_lock = threading.Lock()
+        self._reload_error = ""  # the last rejected reload's error, said once
         # Without its database the agent still serves metrics; status says why nothing is kept.
         self.store: Store | None = None
         self.store_error = ""
@@ -487,24 +492,33 @@ class Daemon:
 
     # -- lifecycle -----------------------------------------------------------------------
     def reload(self) -> None:
-        """SIGHUP: re-read the config. An invalid file keeps the running config."""
-        try:
-            new = load(self.config_path, self.overrides)
-        except ConfigError as e:
-            log.error("config reload rejected, keeping the running config: %s", e)
-            return
-        setup_logging(new.agent.log_level, new.agent.log_format)
-        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "ebpf", "history", "cupti")
-                   if getattr(new, sec) != getattr(self.cfg, sec)]
-        self.cfg = new
-        if changed:
-            log.warning("config reloaded; log level applied now, changes in %s take effect on restart",
-                        ", ".join(changed))
-        else:
-            log.info("config reloaded: no changes")
-        if new.prometheus.web_config:  # read at start only: new certificates or users need a restart
-            log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
-                     new.prometheus.web_config)
+        """SIGHUP: re-read the config. An invalid file keeps the running config; the same error on
+        every SIGHUP is logged once (until a reload works or the error changes)."""
+        with self._reload_lock:  # one reload at a time, in SIGHUP order
+            try:
+                new = load(self.config_path, self.overrides)
+            except ConfigError as e:
+                if str(e) != self._reload_error:
+                    self._reload_error = str(e)
+                    log.error("config reload rejected, keeping the running config: %s", e)
+                return
+            self._reload_error = ""
+            setup_logging(new.agent.log_level, new.agent.log_format)
+            changed = changed_settings(self.cfg, new)
+            self.cfg = new
+            now = [n for n in changed if n in LIVE_SETTINGS]
+            later = [n for n in changed if n not in LIVE_SETTINGS]
+            if later:
+                log.warning("config reloaded: %s changed%s; %s take%s effect on restart", ", ".join(changed),
+                            f" ({', '.join(now)} applied now)" if now else "", ", ".join(later),
+                            "s" if len(later) == 1 else "")
+            elif now:
+                log.warning("config reloaded: %s changed, applied now", ", ".join(now))
+            else:
+                log.info("config reloaded: no changes")
+            if new.prometheus.web_config:  # read at start only: new certificates or users need a restart
+                log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
+                         new.prometheus.web_config)
 
     def _stop(self) -> None:
         self.stop_event.set()
