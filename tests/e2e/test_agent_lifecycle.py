@@ -114,3 +114,16 @@ def test_ready_is_sent_once_running(agent_factory, tmp_path):
     assert "hw_power_watts" in agent.metrics()
     os.kill(agent.proc.pid, signal.SIGTERM)
     assert agent.proc.wait(10) == 0
+
+
+def test_web_config_with_tls10_stops_the_agent_saying_it_cannot_work(tmp_path, pki):
+    """OpenSSL 3 at its default security level negotiates no TLS 1.0/1.1: an agent that accepted
+    min_version: TLS10 served a port no TLS 1.0 client could reach."""
+    web = tmp_path / "web.yml"
+    web.write_text(f"tls_server_config:\n  cert_file: {pki.server_cert}\n  key_file: {pki.server_key}\n"
+                   "  min_version: TLS10\n")
+    out = gpuwatch("agent", "--config", "", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"),
+                   "--runtime-dir", str(tmp_path / "r"), *REPLAY, "--web-config", str(web))
+    assert out.returncode == 1, out.stderr
+    assert f"{web}: tls_server_config.min_version: TLS10 cannot work: OpenSSL 3" in out.stderr, out.stderr
+    assert "use TLS12 or TLS13" in out.stderr and "Traceback" not in out.stderr
