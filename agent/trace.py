@@ -181,6 +181,8 @@ def validate_output_path(path: str | None, option: str) -> None:
     if path is None:
         return
     head, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(head):
+        raise TraceError(f"{option} {path}: the directory {head} does not exist")
     try:
         with safefile.as_invoking_user():
             safefile.check_name(name, path)
