@@ -5,6 +5,9 @@ The daemon stays up whatever a probe does: probes that cannot run are reported
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import functools
 import logging
 import os
@@ -17,7 +20,7 @@ from typing import Any, Callable
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent import wire
 from gpuwatch.agent.api import Event, Probe
-from gpuwatch.agent.config import Config, ConfigError, load
+from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
@@ -26,6 +29,14 @@ from gpuwatch.agent.store import Store, StoreError
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
 
 log = logging.getLogger("gpuwatch.agent")
+
+# A restart may begin while the old agent still stops (detaching uprobes takes seconds): this long
+# the new one waits for the old one's state directory lock and for its metrics port.
+START_WAIT = 10.0
+LOCK_NAME = "agent.lock"  # in agent.state_dir: "PID\n", "PID stopping\n" once it shuts down
+
+# What a SIGHUP applies at once; every other setting takes effect on restart.
+LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 
 # How long trace.snapshot waits for the eBPF probe's own work (a collection, or a start that
 # compiles and attaches) before answering that it is busy: well within the client's timeout.
@@ -114,6 +125,74 @@ def build_probes(cfg: Config) -> list[Probe]:
     return probes
 
 
+def lock_state_dir(state_dir: str, stop: threading.Event) -> int | None:
+    """flock STATE_DIR/agent.lock for the agent's life (the fd; the kernel drops the lock when the
+    process ends, however it ends): two agents on one state directory would write one store and
+    one CUPTI status file. Held by an agent that is stopping: wait up to START_WAIT. Held
+    otherwise: DaemonError naming its pid. A directory that cannot be written: None and a warning
+    (the store says the same and the agent serves metrics without it)."""
+    path = os.path.join(state_dir, LOCK_NAME)
+    try:
+        os.makedirs(state_dir, mode=0o750, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        log.warning("cannot lock the state directory %s (%s): a second agent on it would not be noticed",
+                    state_dir, e.strerror or e)
+        return None
+    deadline = time.monotonic() + START_WAIT
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").split()
+            pid = holder[0] if holder and holder[0].isdigit() else "unknown"
+            if "stopping" not in holder or time.monotonic() >= deadline or stop.is_set():
+                os.close(fd)
+                raise DaemonError(f"another gpuwatch agent (pid {pid}) uses {state_dir}; stop it or set "
+                                  "agent.state_dir") from None
+            if not said:
+                log.warning("waiting up to %.0f s for the gpuwatch agent (pid %s) that is stopping to release %s",
+                            START_WAIT, pid, state_dir)
+                said = True
+            stop.wait(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def port_holder(port: int) -> str:
+    """Who listens on TCP `port`: "pid N (comm)" from /proc/net/tcp{,6} and the fds in /proc
+    that this user may read; a plain description where it cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{fields[9]}]")
+        except (OSError, ValueError, IndexError):
+            continue
+    if not inodes:
+        return "another process"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    with open(f"/proc/{pid}/comm") as f:
+                        return f"pid {pid} ({f.read().strip()})"
+            except OSError:
+                continue
+    return "a process this user cannot see (run as root to find it: ss -ltnp)"
+
+
 def web_config(path: str):
     """The checked web config (TLS, basic auth) for /metrics; None for plain HTTP. A bad file is a
     DaemonError: the agent does not start rather than serve what was meant to be protected."""
@@ -147,12 +226,18 @@ class Daemon:
         self.overrides = overrides
         self.started = time.time()
         self.stop_event = threading.Event()
+        # A SIGTERM while we start (imports, the first tick) stops us cleanly, without READY.
+        signal.signal(signal.SIGTERM, lambda *_: self._stop())
+        signal.signal(signal.SIGINT, lambda *_: self._stop())
         # The exporter first: a bad web config stops the agent before it opens anything.
         self.exporters = []
         if cfg.prometheus.enabled:
             from gpuwatch.exporters.prometheus import PrometheusExporter
 
             self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config)))
+        self.lock_fd = lock_state_dir(cfg.agent.state_dir, self.stop_event)  # before the store and listeners
+        self._reload_lock = threading.Lock()
+        self._reload_error = ""  # the last rejected reload's error, said once
         # Without its database the agent still serves metrics; status says why nothing is kept.
         self.store: Store | None = None
         self.store_error = ""
@@ -394,38 +479,64 @@ class Daemon:
 
     # -- lifecycle -----------------------------------------------------------------------
     def reload(self) -> None:
-        """SIGHUP: re-read the config. An invalid file keeps the running config."""
-        try:
-            new = load(self.config_path, self.overrides)
-        except ConfigError as e:
-            log.error("config reload rejected, keeping the running config: %s", e)
-            return
-        setup_logging(new.agent.log_level, new.agent.log_format)
-        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "ebpf", "history", "cupti")
-                   if getattr(new, sec) != getattr(self.cfg, sec)]
-        self.cfg = new
-        if changed:
-            log.warning("config reloaded; log level applied now, changes in %s take effect on restart",
-                        ", ".join(changed))
-        else:
-            log.info("config reloaded: no changes")
-        if new.prometheus.web_config:  # read at start only: new certificates or users need a restart
-            log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
-                     new.prometheus.web_config)
+        """SIGHUP: re-read the config. An invalid file keeps the running config; the same error on
+        every SIGHUP is logged once (until a reload works or the error changes)."""
+        with self._reload_lock:  # one reload at a time, in SIGHUP order
+            try:
+                new = load(self.config_path, self.overrides)
+            except ConfigError as e:
+                if str(e) != self._reload_error:
+                    self._reload_error = str(e)
+                    log.error("config reload rejected, keeping the running config: %s", e)
+                return
+            self._reload_error = ""
+            setup_logging(new.agent.log_level, new.agent.log_format)
+            changed = changed_settings(self.cfg, new)
+            self.cfg = new
+            now = [n for n in changed if n in LIVE_SETTINGS]
+            later = [n for n in changed if n not in LIVE_SETTINGS]
+            if later:
+                log.warning("config reloaded: %s changed%s; %s take%s effect on restart", ", ".join(changed),
+                            f" ({', '.join(now)} applied now)" if now else "", ", ".join(later),
+                            "s" if len(later) == 1 else "")
+            elif now:
+                log.warning("config reloaded: %s changed, applied now", ", ".join(now))
+            else:
+                log.info("config reloaded: no changes")
+            if new.prometheus.web_config:  # read at start only: new certificates or users need a restart
+                log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
+                         new.prometheus.web_config)
 
     def _stop(self) -> None:
         self.stop_event.set()
-        self.runner.stop()  # wakes the runner loop now rather than at its next due probe
+        runner = getattr(self, "runner", None)  # None while __init__ builds it
+        if runner is not None:
+            runner.stop()  # wakes the runner loop now rather than at its next due probe
 
     def start_listeners(self) -> None:
-        """Open the metrics port and the control socket; raise DaemonError saying what is in the way."""
+        """Open the metrics port and the control socket; raise DaemonError saying what is in the way.
+        A port in use is waited for up to START_WAIT (an agent being restarted may still stop)."""
+        deadline = time.monotonic() + START_WAIT
         for exp in self.exporters:
-            try:
-                exp.start()
-            except OSError as e:
-                raise DaemonError(f"cannot serve metrics on {self.cfg.prometheus.listen}: {e.strerror or e} "
-                                  f"(another gpuwatch agent or exporter on that port? set prometheus.listen "
-                                  f"or --listen)") from None
+            said = False
+            while True:
+                try:
+                    exp.start()
+                    break
+                except OSError as e:
+                    if e.errno == errno.EADDRINUSE and time.monotonic() < deadline and not self.stop_event.is_set():
+                        if not said:
+                            log.warning("%s is in use; waiting up to %.0f s for it (an agent still stopping?)",
+                                        self.cfg.prometheus.listen, START_WAIT)
+                            said = True
+                        self.stop_event.wait(0.2)
+                        continue
+                    for started in self.exporters[:self.exporters.index(exp)]:
+                        started.shutdown()
+                    who = f" by {port_holder(getattr(exp, 'port', 0))}" if e.errno == errno.EADDRINUSE else ""
+                    raise DaemonError(f"cannot serve metrics on {self.cfg.prometheus.listen}: {e.strerror or e}{who} "
+                                      f"(another gpuwatch agent or exporter on that port? stop it, or set "
+                                      f"prometheus.listen or --listen)") from None
         try:
             self.control.start()
         except ControlError as e:
@@ -448,31 +559,52 @@ class Daemon:
                 log.warning("missing capability %s (%s): %s", needs, what, effect)
 
     def run(self) -> int:
-        # Handlers first: a SIGTERM as soon as the port answers must still stop us cleanly.
-        signal.signal(signal.SIGTERM, lambda *_: self._stop())
-        signal.signal(signal.SIGINT, lambda *_: self._stop())
+        # SIGTERM and SIGINT were set in __init__: a stop asked as soon as the port answers still counts.
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, daemon=True).start())
+        if self.stop_event.is_set():
+            log.info("stopped before start-up completed")
+            if self.store is not None:
+                self.store.close()
+            return 0
         self.start_listeners()
-        if self.store is not None:
-            self.store.record_run(__version__)
-        watchdog = sdnotify.Watchdog()
-        self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY
-        sdnotify.ready()
-        self._log_missing_capabilities()
-        log.info("gpuwatch %s started on %s (state %s, control socket %s)", __version__,
-                 socket.gethostname(), self.cfg.agent.state_dir, self.cfg.control.socket)
+        try:
+            if self.store is not None:
+                self.store.record_run(__version__)
+            watchdog = sdnotify.Watchdog()
+            self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY
+            if self.stop_event.is_set():  # READY would tell systemd we run: we are stopping instead
+                log.info("stopped before start-up completed")
+            else:
+                sdnotify.ready()
+                self._log_missing_capabilities()
+                log.info("gpuwatch %s started on %s (state %s, control socket %s)", __version__,
+                         socket.gethostname(), self.cfg.agent.state_dir, self.cfg.control.socket)
+        except BaseException:
+            self.stop_event.set()
+            raise
+        finally:
+            if self.stop_event.is_set():
+                self._shutdown()
+        if self.stop_event.is_set():
+            return 0
         try:
             # The watchdog is pinged from the runner loop, never from inside a probe call:
             # a hung loop stops the pings, a hung NVML call does not.
             self.runner.run(stop=self.stop_event, heartbeat=watchdog.ping)
         finally:
-            sdnotify.notify("STOPPING=1")
-            log.info("shutting down")
-            self.control.stop()
-            self.runner.shutdown()
-            if self.store is not None:
-                self.store.close()
+            self._shutdown()
         return 0
+
+    def _shutdown(self) -> None:
+        sdnotify.notify("STOPPING=1")
+        log.info("shutting down")
+        if self.lock_fd is not None:  # a restarted agent waits for us rather than failing at once
+            with contextlib.suppress(OSError):
+                os.pwrite(self.lock_fd, f"{os.getpid()} stopping\n".encode(), 0)
+        self.control.stop()
+        self.runner.shutdown()
+        if self.store is not None:
+            self.store.close()
 
 
 def _exporter_info(exp) -> dict:

@@ -23,6 +23,7 @@ value lies between half of it and it.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -35,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpuwatch.agent import safefile
 from gpuwatch.agent.control import ControlError, PeerCred, call, process_uids
 from gpuwatch.probes.ebpf import loader
 
@@ -173,16 +175,84 @@ def validate_library(library: str | None) -> None:
 
 
 def validate_output_path(path: str | None, option: str) -> None:
-    """A file the trace will write at the end (option: the flag that named it, for the error)."""
+    """A file the trace will write at the end (option: the flag that named it, for the error): its
+    directory is one the user who runs the trace (the sudo user under sudo) may safely write in.
+    Checked early, before a --wait; the files themselves are opened by TraceOutputs."""
     if path is None:
         return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise TraceError(f"{option} {path} is a directory")
-    if not os.path.isdir(parent):
-        raise TraceError(f"{option} {path}: the directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise TraceError(f"{option} {path}: not writable")
+    head, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(head):
+        raise TraceError(f"{option} {path}: the directory {head} does not exist")
+    try:
+        with safefile.as_invoking_user():
+            safefile.check_name(name, path)
+            with safefile.Dir(head) as d:
+                if os.path.isdir(d.join(name)) and not os.path.islink(d.join(name)):
+                    raise safefile.SafeFileError(f"{path} is a directory")
+                if not os.access(head, os.W_OK, effective_ids=True):
+                    raise safefile.SafeFileError(f"{path}: not writable")
+    except safefile.SafeFileError as e:
+        raise TraceError(f"{option} {e}") from None
+
+
+class TraceOutputs:
+    """The files a trace writes (--summary-json, --output and its PATH.events records), created
+    before tracing starts: as the sudo user under sudo (the effective ids are process-wide, so this
+    runs before any thread) and kept open, so nothing is opened by path as root later. A symlink
+    at a name is replaced, never followed (see agent/safefile.py). close() removes what was not
+    committed."""
+
+    def __init__(self, summary_json: str | None, output: str | None) -> None:
+        self.summary: safefile.AtomicFile | None = None
+        self.trace: safefile.AtomicFile | None = None
+        self.events_dir: safefile.Dir | None = None
+        self.events_name, self.events_fd = "", -1
+        option = "--summary-json"
+        try:
+            with safefile.as_invoking_user():
+                if summary_json:
+                    self.summary = safefile.AtomicFile(summary_json)
+                if output:
+                    option = "--output"
+                    self.trace = safefile.AtomicFile(output)
+                    self.events_dir = safefile.Dir(os.path.dirname(os.path.abspath(output)))
+                    self.events_name = os.path.basename(output) + ".events"
+                    self.events_fd = self.events_dir.create(self.events_name, 0o600, os.O_RDWR)
+        except BaseException as e:
+            self.close()
+            if isinstance(e, safefile.SafeFileError):
+                raise TraceError(f"{option} {e}") from None
+            raise
+
+    @property
+    def events_path(self) -> str:
+        return self.events_dir.join(self.events_name) if self.events_dir else ""
+
+    def events_writer(self):
+        """The records file for the eBPF probe's recorder (which closes it)."""
+        f = open(os.dup(self.events_fd), "wb", buffering=1 << 20)  # noqa: SIM115
+        f.raw.name = self.events_path  # for its messages
+        return f
+
+    def events_reader(self) -> int:
+        """A new fd reading the records from the start (read_records closes it)."""
+        return self.events_dir.reopen(self.events_name, self.events_fd)
+
+    def remove_events(self) -> None:
+        self.events_dir.remove(self.events_name)
+
+    def close(self) -> None:
+        for f in (self.summary, self.trace):
+            if f is not None:
+                f.discard()
+        if self.events_fd >= 0:
+            if os.fstat(self.events_fd).st_size == 0:  # none recorded; records are kept for a retry
+                with contextlib.suppress(OSError):
+                    self.remove_events()
+            os.close(self.events_fd)
+            self.events_fd = -1
+        if self.events_dir is not None:
+            self.events_dir.close()
 
 
 def validate(pid: int, library: str | None = None, wait: bool = False, proc: str = "/proc",
@@ -767,7 +837,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                          "of the trace's own (the gpuwatch agent keeps counts only)")
     raw_events = None  # raw records while tracing: next to the output, or in a private directory for --otlp
     if output:
-        raw_events = f"{output}.events"
+        raw_events = f"{output}.events"  # opened by TraceOutputs below
     elif otlp is not None:
         import tempfile
 
@@ -779,15 +849,21 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                   f"{library or 'libcuda'}… (Ctrl-C to give up)")
         wait_for_cuda(target, library)
 
-    if agent is not None:
-        probe = AgentTrace(agent, target, wait)
-    else:
-        if probe_factory is None:
-            from gpuwatch.probes.ebpf import EbpfCudaProbe
-            probe_factory = EbpfCudaProbe
-        extra = {"events_path": raw_events, "max_events": max_events} if raw_events else {}
-        probe = probe_factory(libraries=target.libraries, pid=pid, rescan_interval=3600, **extra)
-    probe = GpuKernels(probe, agent or _control_socket(socket_path, config_path))
+    outputs = TraceOutputs(summary_json, output)  # before the probe's threads; closed in the finally below
+    try:
+        if agent is not None:
+            probe = AgentTrace(agent, target, wait)
+        else:
+            if probe_factory is None:
+                from gpuwatch.probes.ebpf import EbpfCudaProbe
+                probe_factory = EbpfCudaProbe
+            events_to = outputs.events_writer() if output else raw_events
+            extra = {"events_path": events_to, "max_events": max_events} if raw_events else {}
+            probe = probe_factory(libraries=target.libraries, pid=pid, rescan_interval=3600, **extra)
+        probe = GpuKernels(probe, agent or _control_socket(socket_path, config_path))
+    except BaseException:
+        outputs.close()
+        raise
 
     # SIGTERM ends the trace like Ctrl-C does: summary printed, probes detached.
     def _term(signum, frame):
@@ -844,17 +920,21 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
             summary["events"] = events
         out.print(render_summary(summary))
         out.file.flush()
-        if summary_json:
-            with open(summary_json, "w") as f:
-                json.dump(summary, f, indent=2, sort_keys=True)
-                f.write("\n")
-            err.print(f"summary written to {summary_json}", highlight=False)
+        if outputs.summary is not None:
+            try:
+                outputs.summary.file.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+                outputs.summary.commit()
+                err.print(f"summary written to {summary_json}", highlight=False)
+            except OSError as e:
+                err.print(f"[red]could not write {summary_json}: {e.strerror or e}[/red]")
         if otlp is not None and events is not None:
-            _send_spans(raw_events, otlp, final, target, events, err, keep=bool(output))
+            _send_spans(outputs.events_reader() if output else raw_events, otlp, final, target, events, err,
+                        keep=bool(output))
         if output and events is not None:
-            _write_output(raw_events, output, final, target, events, err)
+            _write_output(outputs, final, target, events, err)
         return summary
     finally:
+        outputs.close()
         if started and agent is None:  # the agent's uprobes stay: they are its own
             _detach(probe, err, uprobes)
         if main_thread:
@@ -894,17 +974,19 @@ def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, 
               "refused, was down or could not keep up)" if lost else ""), highlight=False)
 
 
-def _write_output(raw: str, output: str, final: dict, target: Target, events: dict, err) -> None:
+def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: dict, err) -> None:
     """The recorded calls as a Chrome/Perfetto trace, kernels named as the final snapshot names them."""
     from gpuwatch.probes.ebpf.events import write_chrome_trace
     names = _kernel_names(final)
+    output, raw = outputs.trace.path, outputs.events_path
     err.print(f"writing {events['recorded']} calls to {output}…", highlight=False)
     try:
-        n = write_chrome_trace(raw, output, kernel_names=names, processes={target.pid: target.process})
+        n = write_chrome_trace(outputs.events_reader(), outputs.trace, kernel_names=names,
+                               processes={target.pid: target.process})
+        outputs.remove_events()
     except OSError as e:
         err.print(f"[red]could not write {output}: {e.strerror or e}[/red] (the raw records stay in {raw})")
         return
-    os.unlink(raw)
     lost = events["not_written"] + final.get("dropped_events", 0)
     err.print(f"trace written to {output}: {n} calls" + (f"; {lost} calls not in it (dropped or over "
               f"--max-events; see the summary)" if lost else "") + " — open it in https://ui.perfetto.dev",

@@ -59,7 +59,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import BinaryIO, Callable, Iterable
 
 from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
 from gpuwatch.probes.ebpf import driver_names as driver_names_
@@ -89,13 +89,14 @@ class EbpfCudaProbe(Probe):
     def __init__(self, libraries: Iterable[str] = (), pid: int | None = None, interval: float = 1.0,
                  rescan_interval: float = 10.0, max_processes: int = 32, apis: Iterable[str] | None = None,
                  clock: Callable[[], float] = time.monotonic, launch_latency: bool = False,
-                 driver_names: bool = True, events_path: str | None = None,
+                 driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
                  max_events: int = 5_000_000) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
         entry and return probes on the launch APIs too (latency and errors; see the module doc);
         driver_names: name the kernels no hook saw from the driver's memory (driver_names.py);
-        events_path: record one event per call there (raw records, see events.py; implies
+        events_path: record one event per call there, a path or a binary file open for writing
+        (raw records, see events.py; implies
         launch_latency, so that launches are calls with a duration too), at most max_events."""
         self.apis = None if apis is None else tuple(apis)
         self.events_path = events_path
@@ -138,7 +139,7 @@ class EbpfCudaProbe(Probe):
                 try:
                     self._recorder = events_.EventRecorder(self._loader.bpf, self.events_path, self.max_events)
                 except OSError as e:
-                    raise ProbeUnavailable(f"cannot record per-call events in {self.events_path}: "
+                    raise ProbeUnavailable(f"cannot record per-call events in {getattr(self.events_path, 'name', self.events_path)}: "
                                            f"{e.strerror or e}") from None
             for path in self.libraries:
                 self._loader.attach(path)

@@ -414,7 +414,9 @@ def agent(tmp_path, monkeypatch):
     def make(fake: Probe | None):
         monkeypatch.setattr(daemon_mod, "build_probes",
                             lambda cfg: [daemon_mod.LockedProbe(fake)] if fake is not None else [])
-        cfg = config_mod.load("", {"agent.state_dir": str(tmp_path), "agent.runtime_dir": str(tmp_path),
+        # A state directory each: a Daemon holds its directory's lock (agent.lock) for its life.
+        cfg = config_mod.load("", {"agent.state_dir": str(tmp_path / f"state{len(made)}"),
+                                   "agent.runtime_dir": str(tmp_path),
                                    "nvml.enabled": False, "prometheus.enabled": False})
         d = daemon_mod.Daemon(cfg, None, {})
         made.append(d)
