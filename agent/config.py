@@ -226,6 +226,10 @@ SETTINGS: tuple[Setting, ...] = (
             "headers; see docs/security.md. Read at start (restart the agent after changing it); a bad file "
             "stops the agent. Empty: plain HTTP, no auth.",
             "--web-config", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("prometheus", "max_requests", int, 40,
+            "Connections to /metrics served at once (node_exporter's --web.max-requests); past it new ones "
+            "get 503 at once. Each holds a thread, so this bounds what a flood of idle connections costs.",
+            "--max-requests", "an integer >= 1", _at_least(1)),
     Setting("nvml", "enabled", bool, True, "Read GPU metrics through NVML.",
             "--nvml", "true or false"),
     Setting("nvml", "interval", float, 1.0, "Seconds between reads of the fast NVML metrics.",

@@ -234,7 +234,8 @@ class Daemon:
         if cfg.prometheus.enabled:
             from gpuwatch.exporters.prometheus import PrometheusExporter
 
-            self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config)))
+            self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config),
+                                                     max_requests=cfg.prometheus.max_requests))
         self.lock_fd = lock_state_dir(cfg.agent.state_dir, self.stop_event)  # before the store and listeners
         self._reload_lock = threading.Lock()
         self._reload_error = ""  # the last rejected reload's error, said once
