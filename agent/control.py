@@ -52,6 +52,7 @@ IDLE_TIMEOUT = 2.0  # a connection with no request in progress is closed after t
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
 # result label of gpuwatch_control_requests_total; method "none" where no request was read
 RESULTS = ("ok", "refused", "error", "busy", "gone", "idle", "timeout")
+BACKLOG = 1024  # pending connections the kernel queues for accept()
 _BUSY_WAIT = 0.2  # how long a connection over the total limit waits for a slot being released
 _MAX_LOGGED = 4096  # distinct (uid, cause) refusals logged; past that they are only counted
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
@@ -202,7 +203,9 @@ class ControlServer:
             os.chmod(tmp, 0o660)
             if gid is not None:
                 os.chown(tmp, -1, gid)
-            sock.listen(128)  # queue bursts; the accept loop sheds load beyond max_clients
+            # A deep queue (the kernel caps it at net.core.somaxconn): one user must hold over a
+            # thousand connections at once to fill it, and the accept loop sheds load fast.
+            sock.listen(BACKLOG)
             os.rename(tmp, self.path)
         except OSError as e:
             sock.close()
