@@ -522,3 +522,18 @@ def test_requests_are_counted_and_refusals_logged_once(server, sock_path, caplog
     lines = [r.getMessage() for r in caplog.records if "logged once" in r.getMessage()]
     assert len([m for m in lines if "refused (refuse)" in m]) == 1
     assert len([m for m in lines if "refused (unknown)" in m]) == 1
+
+
+def test_results_parse_as_their_wire_type(server, sock_path):
+    @dataclass(frozen=True)
+    class Up(wire.Result):
+        up: bool = wire.wire(wire.Bool())
+
+    assert call(sock_path, "status", result_type=Up) == Up(up=True)  # the fields it does not read: ignored
+
+    @dataclass(frozen=True)
+    class Down(wire.Result):
+        up: int = wire.wire(wire.Int())
+
+    with pytest.raises(ControlError, match=r"unexpected reply to 'status' from .*: result.up: must be an integer"):
+        call(sock_path, "status", result_type=Down)
