@@ -179,19 +179,23 @@ def doctor(config_path: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Ask the running agent how it is doing."""
-    st = _ask(config_path, socket_path, "status", {})
+    from gpuwatch.agent.wire import StatusResult
+
+    st = _ask(config_path, socket_path, "status", {}, result_type=StatusResult).to_json()
     if as_json:
         _echo_json(st)
         return
     _print_status(st)
 
 
-def _ask(config_path: str | None, socket_path: str | None, method: str, params: dict, timeout: float = 5.0):
+def _ask(config_path: str | None, socket_path: str | None, method: str, params: dict, timeout: float = 5.0,
+         result_type=None):
     """Call the running agent; its errors become click's (one line, exit status 1)."""
     from gpuwatch.agent.control import ControlError, call
 
     try:
-        return call(socket_path or _load(config_path, {}).control.socket, method, params, timeout=timeout)
+        return call(socket_path or _load(config_path, {}).control.socket, method, params, timeout=timeout,
+                    result_type=result_type)
     except ControlError as e:
         raise click.ClickException(str(e)) from None
 

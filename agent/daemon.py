@@ -21,11 +21,12 @@ from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent import wire
 from gpuwatch.agent.api import Event, Probe
 from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
-from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
+from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner, finding_attrs
 from gpuwatch.agent.store import Store, StoreError
+from gpuwatch.probes.process.identity import identify, is_alive, owns
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
 
 log = logging.getLogger("gpuwatch.agent")
@@ -278,9 +279,6 @@ class Daemon:
         from gpuwatch.detectors.leak import LeakDetector
         from gpuwatch.detectors.thermal import ThermalDetector
 
-        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector(), HealthDetector()],
-                             exporters=self.exporters,
-                             history=History(maxlen=cfg.history.points), on_event=self._on_event)
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",
             "status": self._status,
@@ -291,6 +289,10 @@ class Daemon:
             "baseline.run": self._baseline_run,
             "baseline.show": self._baseline_show,
         }, group=cfg.control.group or None)
+        probes.append(ControlStatsProbe(self.control))  # gpuwatch_control_requests_total
+        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector(), HealthDetector()],
+                             exporters=self.exporters,
+                             history=History(maxlen=cfg.history.points), on_event=self._on_event)
 
     # -- control socket handlers -----------------------------------------------------------
     def _status(self, params: wire.NoParams, peer: PeerCred) -> dict:
@@ -347,7 +349,12 @@ class Daemon:
             target = trace.check_pid(pid, privileged=lambda: True)
         except trace.TraceError as e:
             raise ControlError(str(e)) from None
-        if not peer.owns(pid):
+        # The process checked, by pid and start time: if the PID is reused from here on, the
+        # snapshot below is of a process this caller was not allowed.
+        process = identify(pid)
+        if process is None or process.start_time != target.start_time:
+            raise ControlError(f"process {pid} has exited")
+        if not owns(peer.uid, process):
             raise ControlError(trace.not_yours_message(pid, peer.uid))
         # Matched by file (device, inode): the probe may have found a library through another process.
         mapped: dict[tuple[int, int], str] = {}
@@ -367,6 +374,8 @@ class Daemon:
             snap = probe.snapshot(pid)
         finally:
             self.ebpf.lock.release()
+        if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
+            raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
         snap["libraries"] = [dict(lib, path=mapped[files[lib["path"]]]) for lib in snap.get("libraries", [])
                              if files.get(lib["path"]) in mapped]
         if not snap["libraries"]:

@@ -523,3 +523,18 @@ def test_snapshots_during_restarts_are_answers_or_errors_never_a_freed_read(agen
         t.join(5)
     assert not failures, failures
     assert answers["ok"] > 0 and answers["refused"] > 0
+
+
+def test_snapshots_parse_as_their_wire_result(agent):
+    from gpuwatch.agent.wire import TraceSnapshotResult, WireError
+
+    for snap in (START, NOW):
+        got = TraceSnapshotResult.parse(snap)
+        assert got.apis["cuMemAlloc_v2"].histogram == snap["apis"]["cuMemAlloc_v2"]["histogram"]
+        assert got.to_json()["kernels"] == snap["kernels"]
+    d = agent(FakeEbpf(MINE))
+    d.runner.tick_once(timeout=5)
+    got = TraceSnapshotResult.parse(d._trace_snapshot(PidParams(pid=os.getpid()), ME))
+    assert got.pid == os.getpid() and got.libraries[0].attached == ("cuLaunchKernel",)
+    with pytest.raises(WireError, match=r"apis\['cuMemAlloc_v2'\].calls: must be an integer"):
+        TraceSnapshotResult.parse(dict(START, apis={"cuMemAlloc_v2": _api(-1)}))
