@@ -15,7 +15,6 @@ import os
 import re
 from dataclasses import dataclass
 
-import psutil
 
 _DEAD = ("Z", "X", "x")  # zombie, dead: the process has exited, whatever /proc still shows
 
@@ -65,6 +64,8 @@ def identify(pid: int) -> ProcessIdentity | None:
     first = _stat(pid)
     if first is None or first[1] in _DEAD:
         return None
+    import psutil  # here, not at the top: the control client runs inside users' programs, stdlib only
+
     try:
         uids = tuple(psutil.Process(pid).uids())
     except (psutil.NoSuchProcess, psutil.AccessDenied):  # AccessDenied: hidepid; ZombieProcess is NoSuchProcess
