@@ -422,7 +422,8 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
 
     Exit status: 0 when the trace ran (whatever ended it), 1 when it could not start, 2 for usage.
     """
-    from gpuwatch.agent.trace import TraceError, run_trace
+    from gpuwatch.agent.trace.errors import TraceError
+    from gpuwatch.agent.trace.session import run_trace
 
     otlp_cfg = _load(config_path, {}).otlp if otlp else None
     try:

@@ -249,7 +249,8 @@ class Daemon:
         root or the process's owner, with "libraries" narrowed to the attached libraries the process
         maps, each under the path the process sees. An empty "libraries": the process maps a libcuda
         the probe has not attached to yet (it rescans for new ones)."""
-        from gpuwatch.agent import trace
+        from gpuwatch.agent.trace import pids
+        from gpuwatch.agent.trace.errors import TraceError
         from gpuwatch.probes.ebpf import loader
 
         pid = params.get("pid")
@@ -259,11 +260,11 @@ class Daemon:
             raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its "
                                "config): enable it and restart the agent, or run trace as root")
         try:
-            target = trace.check_pid(pid, privileged=lambda: True)
-        except trace.TraceError as e:
+            target = pids.check_pid(pid, privileged=lambda: True)
+        except TraceError as e:
             raise ControlError(str(e)) from None
         if not peer.owns(pid):
-            raise ControlError(trace.not_yours_message(pid, peer.uid))
+            raise ControlError(pids.not_yours_message(pid, peer.uid))
         # Matched by file (device, inode): the probe may have found a library through another process.
         mapped: dict[tuple[int, int], str] = {}
         for path in loader.mapped_files(pid):
@@ -287,7 +288,7 @@ class Daemon:
         if not snap["libraries"]:
             cuda = sorted(p for p in mapped.values() if loader.LIBCUDA_RE.search(p))
             if not cuda:
-                raise ControlError(trace.no_cuda_message(target, None))
+                raise ControlError(pids.no_cuda_message(target, None))
             if probe.libraries:
                 raise ControlError(f"process {pid} ({target.process}) maps {', '.join(cuda)}, but this gpuwatch "
                                    f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
@@ -313,9 +314,9 @@ class Daemon:
         if report is None:
             return None
         if not (peer.is_root or peer.uid == report.uid):
-            from gpuwatch.agent import trace
+            from gpuwatch.agent.trace.pids import not_yours_message
 
-            raise ControlError(trace.not_yours_message(pid, peer.uid))
+            raise ControlError(not_yours_message(pid, peer.uid))
         self.inprocess.watch(pid)
         return report.as_dict()
 

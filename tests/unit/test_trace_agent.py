@@ -16,6 +16,7 @@ import pytest
 from gpuwatch.agent import config as config_mod
 from gpuwatch.agent import daemon as daemon_mod
 from gpuwatch.agent import trace
+from gpuwatch.agent.trace import session, summary
 from gpuwatch.agent.api import Probe, ProbeUnavailable
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
 from gpuwatch.probes.ebpf import loader
@@ -149,7 +150,7 @@ def test_since_drops_by_kind_count_from_the_start_of_the_trace():
 
 
 def test_int_keys_turns_only_integer_text_into_integers():
-    assert trace._int_keys({"-3": 1, "7": 2, "CUDA_ERROR_X": 3, 5: 4, "1.5": 6, "X12": 7}) == {
+    assert summary._int_keys({"-3": 1, "7": 2, "CUDA_ERROR_X": 3, 5: 4, "1.5": 6, "X12": 7}) == {
         -3: 1, 7: 2, "CUDA_ERROR_X": 3, 5: 4, "1.5": 6, "X12": 7}
 
 
@@ -337,7 +338,7 @@ def test_agent_trace_after_the_process_exits_keeps_the_last_counts(scripted, sle
 
 
 def test_agent_trace_waits_for_the_agent_to_attach_only_with_wait(scripted, sleeper, monkeypatch):
-    monkeypatch.setattr(trace, "AGENT_ATTACH_POLL_S", 0.01)
+    monkeypatch.setattr(session, "AGENT_ATTACH_POLL_S", 0.01)
     pending = dict(START, libraries=[])
     scripted.answers[:] = [pending]
     with pytest.raises(trace.TraceError, match=r"has not attached to the libcuda of process \d+ \(sleep\) yet.*--wait"):
@@ -350,13 +351,13 @@ def test_agent_trace_waits_for_the_agent_to_attach_only_with_wait(scripted, slee
 
 def test_unreachable_agent_and_library_say_what_to_do(tmp_path):
     with pytest.raises(trace.TraceError) as e:
-        trace._agent_socket(4242, None, str(tmp_path / "none.sock"), None)
+        session._agent_socket(4242, None, str(tmp_path / "none.sock"), None)
     assert str(e.value) == (f"attaching eBPF uprobes to process 4242 needs root, and the gpuwatch agent cannot be "
                             f"asked instead (no gpuwatch agent is listening on {tmp_path}/none.sock (is `gpuwatch "
                             f"agent` / the gpuwatch service running?)): {trace.NOT_ROOT}")
     assert "start the gpuwatch daemon (systemctl start gpuwatch)" in trace.NOT_ROOT
     with pytest.raises(trace.TraceError, match="--library needs root"):
-        trace._agent_socket(4242, "/x/libcuda.so.1", str(tmp_path / "none.sock"), None)
+        session._agent_socket(4242, "/x/libcuda.so.1", str(tmp_path / "none.sock"), None)
 
 
 # ---- the agent's trace.snapshot, with a stand-in probe ----------------------------------------------
