@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from gpuwatch.agent.api import GpuwatchError
+
 log = logging.getLogger("gpuwatch.control")
 
 MAX_REQUEST = 64 * 1024
@@ -34,7 +36,7 @@ _BUSY_WAIT = 0.5  # how long a connection over max_clients waits for a free slot
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
 
 
-class ControlError(Exception):
+class ControlError(GpuwatchError):
     """A control socket problem, phrased for the person at the terminal.
 
     Handlers may raise it to refuse a request; its text is the reply's error.

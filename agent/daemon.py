@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from gpuwatch.agent import __version__, sdnotify
-from gpuwatch.agent.api import Event, Probe
+from gpuwatch.agent.api import Event, GpuwatchError, Probe
 from gpuwatch.agent.config import Config, ConfigError, load
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
 from gpuwatch.agent.history import History
@@ -31,7 +31,7 @@ log = logging.getLogger("gpuwatch.agent")
 TRACE_LOCK_WAIT = 3.0
 
 
-class DaemonError(Exception):
+class DaemonError(GpuwatchError):
     """The agent cannot start; the message says what is in the way."""
 
 

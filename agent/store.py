@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from gpuwatch.agent.api import Event
+from gpuwatch.agent.api import Event, GpuwatchError
 
 log = logging.getLogger("gpuwatch.store")
 
@@ -60,7 +60,7 @@ MAX_EVENTS = 100_000
 _PRUNE_EVERY = 1000
 
 
-class StoreError(Exception):
+class StoreError(GpuwatchError):
     """The store cannot be opened or read. The message names the file and what to do."""
 
 
