@@ -12,10 +12,10 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gpuwatch.agent import __version__, sdnotify
-from gpuwatch.agent.api import Event, GpuwatchError, Probe
+from gpuwatch.agent.api import Event, GpuwatchError, Probe, ProbeBusy, ProbeNotRunning
 from gpuwatch.agent.config import Config, ConfigError, load
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
 from gpuwatch.agent.history import History
@@ -23,6 +23,9 @@ from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner, finding_attrs
 from gpuwatch.agent.store import Store, StoreError
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -51,32 +54,6 @@ def nvml_backend_factory(cfg: Config):
     return RealBackend
 
 
-class LockedProbe(Probe):
-    """A probe whose start, collect and shutdown (on the runner's threads) never overlap a read
-    from a control socket thread holding `lock`: shutdown frees the BPF maps that a read uses, and
-    a rescan adds libraries while a read lists them."""
-
-    def __init__(self, probe: Probe) -> None:
-        self.probe = probe
-        self.name, self.interval, self.deadline = probe.name, probe.interval, probe.deadline
-        self.lock = threading.Lock()
-
-    def start(self) -> None:
-        with self.lock:
-            self.probe.start()
-
-    def collect(self) -> list:
-        with self.lock:
-            return list(self.probe.collect())
-
-    def events(self) -> list[Event]:
-        return self.probe.events()
-
-    def shutdown(self) -> None:
-        with self.lock:
-            self.probe.shutdown()
-
-
 def build_probes(cfg: Config) -> list[Probe]:
     probes: list[Probe] = []
     if cfg.nvml.enabled:
@@ -98,7 +75,7 @@ def build_probes(cfg: Config) -> list[Probe]:
         e = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (),
                           max_processes=cfg.ebpf.max_processes)
         e.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
-        probes.append(LockedProbe(e))  # read by trace.snapshot from the control socket's threads
+        probes.append(e)
     # Counters of the real GPUs would not match recorded ones: no sampling while replaying NVML.
     if cfg.cupti.sampling and not cfg.nvml.replay:
         from gpuwatch.probes.cupti.arbitration import parse_names
@@ -168,7 +145,9 @@ class Daemon:
                                 parse_headers(cfg.otlp.headers), cfg.otlp.certificate, cfg.otlp.insecure)
             self.exporters.append(otlp)
             probes.append(OtlpStatsProbe(otlp))
-        self.ebpf: LockedProbe | None = next((p for p in probes if isinstance(p, LockedProbe)), None)
+        # Read by trace.snapshot and findings from the control socket's threads, through its
+        # self-locking queries (query, live_stacks).
+        self.ebpf: EbpfCudaProbe | None = next((p for p in probes if p.name == "ebpf"), None)
         # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
         # only reads what processes send.
         self.inprocess = InProcessReports()
@@ -271,27 +250,24 @@ class Daemon:
             fid = loader.file_id(f"/proc/{pid}/root{path}")
             if fid is not None:
                 mapped.setdefault(fid, path)
-        if not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
-            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
-                               "libcuda): try again in a few seconds")
         try:
-            probe = self.ebpf.probe
-            ld = probe.loader
-            if ld is None:
-                raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {self._ebpf_down_reason()}")
-            files = {lib.path: lib.file for lib in ld.libraries.values()}
-            snap = probe.snapshot(pid)
-        finally:
-            self.ebpf.lock.release()
+            answer = self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT)
+        except ProbeBusy:
+            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
+                               "libcuda): try again in a few seconds") from None
+        except ProbeNotRunning as e:
+            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
+        snap, files = answer.snapshot, answer.library_files
         snap["libraries"] = [dict(lib, path=mapped[files[lib["path"]]]) for lib in snap.get("libraries", [])
                              if files.get(lib["path"]) in mapped]
         if not snap["libraries"]:
             cuda = sorted(p for p in mapped.values() if loader.LIBCUDA_RE.search(p))
             if not cuda:
                 raise ControlError(pids.no_cuda_message(target, None))
-            if probe.libraries:
+            if self.ebpf.libraries:
                 raise ControlError(f"process {pid} ({target.process}) maps {', '.join(cuda)}, but this gpuwatch "
-                                   f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
+                                   f"agent attaches only to {', '.join(self.ebpf.libraries)} (ebpf.library in its "
+                                   f"config)")
         return snap
 
     def _cupti_report(self, params: dict, peer: PeerCred) -> dict:
@@ -383,18 +359,12 @@ class Daemon:
 
     def _live_stacks(self, pid: int) -> list[dict]:
         """The eBPF probe's allocation stacks for pid; [] when it does not run or is busy."""
-        if self.ebpf is None or not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
+        if self.ebpf is None:
             return []
         try:
-            return self.ebpf.probe.live_stacks(pid)
-        finally:
-            self.ebpf.lock.release()
-
-    def _ebpf_down_reason(self) -> str:
-        st = self.runner.snapshot.probes.get("ebpf")
-        if st is None or st.state == "starting" or not st.reason:
-            return "it is starting (compiling takes a few seconds): try again shortly"
-        return st.reason
+            return self.ebpf.live_stacks(pid, timeout=TRACE_LOCK_WAIT)
+        except (ProbeBusy, ProbeNotRunning):
+            return []
 
     def _on_event(self, ev: Event) -> None:
         log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))
