@@ -87,13 +87,13 @@ def agent(config_path: str | None, **params: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
     """List the GPUs and the processes on them."""
-    from gpuwatch.agent.daemon import nvml_backend_factory
     from gpuwatch.probes.nvml import backend as nvml_backend
+    from gpuwatch.probes.nvml import backend_factory
     from gpuwatch.probes.nvml.probe import inventory
 
     cfg = config_mod.load(config_path, {"nvml.replay": replay})
     try:
-        backend = nvml_backend_factory(cfg)()
+        backend = backend_factory(cfg)()
         rows = inventory(backend)
     except nvml_backend.LibraryUnavailable as e:
         raise click.ClickException(f"NVML unavailable: {e}") from None

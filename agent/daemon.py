@@ -22,6 +22,9 @@ from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner, finding_attrs
 from gpuwatch.agent.store import Store, StoreError
+from gpuwatch.probes import cupti as cupti_probes
+from gpuwatch.probes import ebpf as ebpf_probes
+from gpuwatch.probes import nvml as nvml_probes
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -38,56 +41,21 @@ class DaemonError(GpuwatchError):
     """The agent cannot start; the message says what is in the way."""
 
 
-def nvml_backend_factory(cfg: Config):
-    """The NVML backend the config asks for: the real library, or a recorded H200 replayed."""
-    if cfg.nvml.replay:
-        from gpuwatch.probes.nvml.replay import ReplayBackend
-
-        return functools.partial(ReplayBackend, cfg.nvml.replay, gpus=cfg.nvml.replay_gpus or None,
-                                 processes_per_gpu=cfg.nvml.replay_processes_per_gpu or None,
-                                 event_wait_s=1.0,  # wait for XIDs as long as the real library does
-                                 # Test tooling only (tests/reliability): faults injected into a
-                                 # running agent; never read unless NVML is replayed.
-                                 control=os.environ.get("GPUWATCH_TEST_NVML_CONTROL") or None)
-    from gpuwatch.probes.nvml.backend import RealBackend
-
-    return RealBackend
+# The probes made from the config alone, in the order the runner gets them: each package's
+# from_config(cfg) returns its probe, or None when the config leaves it off. A new probe package
+# adds its factory here. The Daemon adds the probes that need its own objects after these (the
+# OTLP exporter's counters, the in-process reports, the reference workload with the store).
+PROBE_FACTORIES: tuple[Callable[[Config], Probe | None], ...] = (
+    nvml_probes.from_config,
+    ebpf_probes.from_config,
+    cupti_probes.from_config,
+)
 
 
 def build_probes(cfg: Config) -> list[Probe]:
-    probes: list[Probe] = []
-    if cfg.nvml.enabled:
-        from gpuwatch.probes.nvml.probe import NvmlProbe
-        from gpuwatch.probes.process.kubernetes import PodResolver
-
-        p = NvmlProbe(nvml_backend_factory(cfg), interval=cfg.nvml.interval,
-                      slow_interval=cfg.nvml.slow_interval,
-                      max_processes_per_gpu=cfg.nvml.max_processes_per_gpu,
-                      xid_events=cfg.nvml.xid_events,
-                      # Recorded pids are not this host's processes. Off Kubernetes a lookup is
-                      # one read of /proc/PID/cgroup per new GPU process.
-                      pods=None if cfg.nvml.replay else PodResolver())
-        p.deadline = cfg.nvml.deadline
-        probes.append(p)
-    if cfg.ebpf.enabled:
-        from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
-
-        e = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (),
-                          max_processes=cfg.ebpf.max_processes)
-        e.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
-        probes.append(e)
-    # Counters of the real GPUs would not match recorded ones: no sampling while replaying NVML.
-    if cfg.cupti.sampling and not cfg.nvml.replay:
-        from gpuwatch.probes.cupti.arbitration import parse_names
-        from gpuwatch.probes.cupti.devicewide import STATUS_FILE, CuptiSamplerProbe
-
-        # Starts a child process and returns: unavailable (no cupti-python, no permission) is
-        # reported by the probe, the daemon goes on.
-        probes.append(CuptiSamplerProbe(sample_interval=cfg.cupti.sample_interval,
-                                        group_seconds=cfg.cupti.group_seconds,
-                                        yield_to=parse_names(cfg.cupti.yield_to),
-                                        status_path=os.path.join(cfg.agent.state_dir, STATUS_FILE)))
-    return probes
+    """The probes of PROBE_FACTORIES that cfg turns on, in their order."""
+    made = (factory(cfg) for factory in PROBE_FACTORIES)
+    return [p for p in made if p is not None]
 
 
 def web_config(path: str):
@@ -138,6 +106,8 @@ class Daemon:
             self.store_error = str(e)
             log.error("running without the store: %s", e)
         probes = build_probes(cfg)
+        # Not in PROBE_FACTORIES: these three need the daemon's own objects (the exporter whose
+        # counters OtlpStatsProbe reads, the reports the control socket fills, the store).
         if cfg.otlp.enabled:
             from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, parse_headers
 
