@@ -23,6 +23,8 @@ import textwrap
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
+from gpuwatch.agent.api import GpuwatchError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -40,7 +42,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 
 
-class ConfigError(Exception):
+class ConfigError(GpuwatchError):
     """Bad configuration. str() is `SOURCE: section.key: reason` (key omitted for whole-file errors)."""
 
     def __init__(self, source: str, key: str | None, reason: str) -> None:

@@ -41,6 +41,8 @@ from gpuwatch.agent.api import Probe, Sample
 from gpuwatch.probes.process import identity as ident
 from gpuwatch.probes.process.identity import ProcessIdentity
 
+from gpuwatch.agent.api import GpuwatchError
+
 log = logging.getLogger("gpuwatch.control")
 
 MAX_REQUEST = 64 * 1024
@@ -58,7 +60,7 @@ _MAX_LOGGED = 4096  # distinct (uid, cause) refusals logged; past that they are 
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
 
 
-class ControlError(Exception):
+class ControlError(GpuwatchError):
     """A control socket problem, phrased for the person at the terminal.
 
     Handlers may raise it to refuse a request; its text is the reply's error.

@@ -15,19 +15,25 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent import wire
-from gpuwatch.agent.api import Event, Probe
+from gpuwatch.agent.api import Event, GpuwatchError, Probe, ProbeBusy, ProbeNotRunning
 from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
 from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner, finding_attrs
 from gpuwatch.agent.store import Store, StoreError
+from gpuwatch.probes import cupti as cupti_probes
+from gpuwatch.probes import ebpf as ebpf_probes
+from gpuwatch.probes import nvml as nvml_probes
 from gpuwatch.probes.process.identity import identify, is_alive, owns
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
 
 log = logging.getLogger("gpuwatch.agent")
 
@@ -44,86 +50,25 @@ LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 TRACE_LOCK_WAIT = 3.0
 
 
-class DaemonError(Exception):
+class DaemonError(GpuwatchError):
     """The agent cannot start; the message says what is in the way."""
 
 
-def nvml_backend_factory(cfg: Config):
-    """The NVML backend the config asks for: the real library, or a recorded H200 replayed."""
-    if cfg.nvml.replay:
-        from gpuwatch.probes.nvml.replay import ReplayBackend
-
-        return functools.partial(ReplayBackend, cfg.nvml.replay, gpus=cfg.nvml.replay_gpus or None,
-                                 processes_per_gpu=cfg.nvml.replay_processes_per_gpu or None,
-                                 event_wait_s=1.0,  # wait for XIDs as long as the real library does
-                                 # Test tooling only (tests/reliability): faults injected into a
-                                 # running agent; never read unless NVML is replayed.
-                                 control=os.environ.get("GPUWATCH_TEST_NVML_CONTROL") or None)
-    from gpuwatch.probes.nvml.backend import RealBackend
-
-    return RealBackend
-
-
-class LockedProbe(Probe):
-    """A probe whose start, collect and shutdown (on the runner's threads) never overlap a read
-    from a control socket thread holding `lock`: shutdown frees the BPF maps that a read uses, and
-    a rescan adds libraries while a read lists them."""
-
-    def __init__(self, probe: Probe) -> None:
-        self.probe = probe
-        self.name, self.interval, self.deadline = probe.name, probe.interval, probe.deadline
-        self.lock = threading.Lock()
-
-    def start(self) -> None:
-        with self.lock:
-            self.probe.start()
-
-    def collect(self) -> list:
-        with self.lock:
-            return list(self.probe.collect())
-
-    def events(self) -> list[Event]:
-        return self.probe.events()
-
-    def shutdown(self) -> None:
-        with self.lock:
-            self.probe.shutdown()
+# The probes made from the config alone, in the order the runner gets them: each package's
+# from_config(cfg) returns its probe, or None when the config leaves it off. A new probe package
+# adds its factory here. The Daemon adds the probes that need its own objects after these (the
+# OTLP exporter's counters, the in-process reports, the reference workload with the store).
+PROBE_FACTORIES: tuple[Callable[[Config], Probe | None], ...] = (
+    nvml_probes.from_config,
+    ebpf_probes.from_config,
+    cupti_probes.from_config,
+)
 
 
 def build_probes(cfg: Config) -> list[Probe]:
-    probes: list[Probe] = []
-    if cfg.nvml.enabled:
-        from gpuwatch.probes.nvml.probe import NvmlProbe
-        from gpuwatch.probes.process.kubernetes import PodResolver
-
-        p = NvmlProbe(nvml_backend_factory(cfg), interval=cfg.nvml.interval,
-                      slow_interval=cfg.nvml.slow_interval,
-                      max_processes_per_gpu=cfg.nvml.max_processes_per_gpu,
-                      xid_events=cfg.nvml.xid_events,
-                      # Recorded pids are not this host's processes. Off Kubernetes a lookup is
-                      # one read of /proc/PID/cgroup per new GPU process.
-                      pods=None if cfg.nvml.replay else PodResolver())
-        p.deadline = cfg.nvml.deadline
-        probes.append(p)
-    if cfg.ebpf.enabled:
-        from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
-
-        e = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (),
-                          max_processes=cfg.ebpf.max_processes)
-        e.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
-        probes.append(LockedProbe(e))  # read by trace.snapshot from the control socket's threads
-    # Counters of the real GPUs would not match recorded ones: no sampling while replaying NVML.
-    if cfg.cupti.sampling and not cfg.nvml.replay:
-        from gpuwatch.probes.cupti.arbitration import parse_names
-        from gpuwatch.probes.cupti.devicewide import STATUS_FILE, CuptiSamplerProbe
-
-        # Starts a child process and returns: unavailable (no cupti-python, no permission) is
-        # reported by the probe, the daemon goes on.
-        probes.append(CuptiSamplerProbe(sample_interval=cfg.cupti.sample_interval,
-                                        group_seconds=cfg.cupti.group_seconds,
-                                        yield_to=parse_names(cfg.cupti.yield_to),
-                                        status_path=os.path.join(cfg.agent.state_dir, STATUS_FILE)))
-    return probes
+    """The probes of PROBE_FACTORIES that cfg turns on, in their order."""
+    made = (factory(cfg) for factory in PROBE_FACTORIES)
+    return [p for p in made if p is not None]
 
 
 def lock_state_dir(state_dir: str, stop: threading.Event) -> int | None:
@@ -249,6 +194,8 @@ class Daemon:
             self.store_error = str(e)
             log.error("running without the store: %s", e)
         probes = build_probes(cfg)
+        # Not in PROBE_FACTORIES: these three need the daemon's own objects (the exporter whose
+        # counters OtlpStatsProbe reads, the reports the control socket fills, the store).
         if cfg.otlp.enabled:
             from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, parse_headers
 
@@ -256,7 +203,9 @@ class Daemon:
                                 parse_headers(cfg.otlp.headers), cfg.otlp.certificate, cfg.otlp.insecure)
             self.exporters.append(otlp)
             probes.append(OtlpStatsProbe(otlp))
-        self.ebpf: LockedProbe | None = next((p for p in probes if isinstance(p, LockedProbe)), None)
+        # Read by trace.snapshot and findings from the control socket's threads, through its
+        # self-locking queries (query, live_stacks).
+        self.ebpf: EbpfCudaProbe | None = next((p for p in probes if p.name == "ebpf"), None)
         # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
         # only reads what processes send.
         self.inprocess = InProcessReports()
@@ -338,7 +287,8 @@ class Daemon:
         root or the process's owner, with "libraries" narrowed to the attached libraries the process
         maps, each under the path the process sees. An empty "libraries": the process maps a libcuda
         the probe has not attached to yet (it rescans for new ones)."""
-        from gpuwatch.agent import trace
+        from gpuwatch.agent.trace import pids
+        from gpuwatch.agent.trace.errors import TraceError
         from gpuwatch.probes.ebpf import loader
 
         pid = params.pid
@@ -346,8 +296,8 @@ class Daemon:
             raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its "
                                "config): enable it and restart the agent, or run trace as root")
         try:
-            target = trace.check_pid(pid, privileged=lambda: True)
-        except trace.TraceError as e:
+            target = pids.check_pid(pid, privileged=lambda: True)
+        except TraceError as e:
             raise ControlError(str(e)) from None
         # The process checked, by pid and start time: if the PID is reused from here on, the
         # snapshot below is of a process this caller was not allowed.
@@ -355,25 +305,21 @@ class Daemon:
         if process is None or process.start_time != target.start_time:
             raise ControlError(f"process {pid} has exited")
         if not owns(peer.uid, process):
-            raise ControlError(trace.not_yours_message(pid, peer.uid))
+            raise ControlError(pids.not_yours_message(pid, peer.uid))
         # Matched by file (device, inode): the probe may have found a library through another process.
         mapped: dict[tuple[int, int], str] = {}
         for path in loader.mapped_files(pid):
             fid = loader.file_id(f"/proc/{pid}/root{path}")
             if fid is not None:
                 mapped.setdefault(fid, path)
-        if not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
-            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
-                               "libcuda): try again in a few seconds")
         try:
-            probe = self.ebpf.probe
-            ld = probe.loader
-            if ld is None:
-                raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {self._ebpf_down_reason()}")
-            files = {lib.path: lib.file for lib in ld.libraries.values()}
-            snap = probe.snapshot(pid)
-        finally:
-            self.ebpf.lock.release()
+            answer = self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT)
+        except ProbeBusy:
+            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
+                               "libcuda): try again in a few seconds") from None
+        except ProbeNotRunning as e:
+            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
+        snap, files = answer.snapshot, answer.library_files
         if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
             raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
         snap["libraries"] = [dict(lib, path=mapped[files[lib["path"]]]) for lib in snap.get("libraries", [])
@@ -381,10 +327,11 @@ class Daemon:
         if not snap["libraries"]:
             cuda = sorted(p for p in mapped.values() if loader.LIBCUDA_RE.search(p))
             if not cuda:
-                raise ControlError(trace.no_cuda_message(target, None))
-            if probe.libraries:
+                raise ControlError(pids.no_cuda_message(target, None))
+            if self.ebpf.libraries:
                 raise ControlError(f"process {pid} ({target.process}) maps {', '.join(cuda)}, but this gpuwatch "
-                                   f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
+                                   f"agent attaches only to {', '.join(self.ebpf.libraries)} (ebpf.library in its "
+                                   f"config)")
         return snap
 
     def _cupti_report(self, params: wire.CuptiReport, peer: PeerCred) -> dict:
@@ -405,9 +352,9 @@ class Daemon:
         if report is None:
             return None
         if not (peer.is_root or peer.uid == report.uid):
-            from gpuwatch.agent import trace
+            from gpuwatch.agent.trace.pids import not_yours_message
 
-            raise ControlError(trace.not_yours_message(pid, peer.uid))
+            raise ControlError(not_yours_message(pid, peer.uid))
         self.inprocess.watch(pid)
         return report.as_dict()
 
@@ -464,18 +411,12 @@ class Daemon:
 
     def _live_stacks(self, pid: int) -> list[dict]:
         """The eBPF probe's allocation stacks for pid; [] when it does not run or is busy."""
-        if self.ebpf is None or not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
+        if self.ebpf is None:
             return []
         try:
-            return self.ebpf.probe.live_stacks(pid)
-        finally:
-            self.ebpf.lock.release()
-
-    def _ebpf_down_reason(self) -> str:
-        st = self.runner.snapshot.probes.get("ebpf")
-        if st is None or st.state == "starting" or not st.reason:
-            return "it is starting (compiling takes a few seconds): try again shortly"
-        return st.reason
+            return self.ebpf.live_stacks(pid, timeout=TRACE_LOCK_WAIT)
+        except (ProbeBusy, ProbeNotRunning):
+            return []
 
     def _on_event(self, ev: Event) -> None:
         log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from gpuwatch.agent.api import Event
+from gpuwatch.agent.api import Event, GpuwatchError
 
 log = logging.getLogger("gpuwatch.store")
 
@@ -64,7 +64,7 @@ MAX_BASELINE_RUNS = 500  # per GPU: 125 days at the default 6 h interval, what t
 _PRUNE_EVERY = 1000  # events over max_events (at most) before the oldest are deleted: one DELETE per batch
 
 
-class StoreError(Exception):
+class StoreError(GpuwatchError):
     """The store cannot be opened or read. The message names the file and what to do."""
 
 

@@ -48,6 +48,12 @@ Shutdown: detaching costs the kernel ~0.1 s per uprobe (an RCU grace period each
 a full set on the real libcuda takes seconds. `shutdown(wait=False)` returns at once and detaches in
 a daemon thread; should the process exit first, its exit releases what is left.
 
+Threads: start, collect and shutdown (the runner's) and the queries (snapshot, query, live_stacks,
+attached; the control socket's threads) take the probe's own lock, so a query never reads maps a
+shutdown is freeing, nor lists libraries a rescan is adding. query() and live_stacks() wait at most
+`timeout` seconds for it (ProbeBusy), and a probe that is not running answers ProbeNotRunning with
+the reason (not started yet, or why its last start or collection failed).
+
 Without an explicit library, the probe rescans /proc every `rescan_interval` seconds for libcuda
 files (through /proc/PID/root, so containers count) and attaches each new file once: a uprobe
 on a file fires in every process that maps it, including processes started later. Finding no
@@ -55,13 +61,17 @@ libcuda is not an error: the probe is up, attached to nothing, and keeps looking
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterable
 
-from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.api import Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
 from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
 from gpuwatch.probes.ebpf import loader as _loader
@@ -74,6 +84,16 @@ NANO = 1e-9
 TOP_STACKS = 8  # allocation stacks in a snapshot
 ALLOC_APIS = frozenset(h.name for h in HOOKS if h.group == "alloc" or h.name == "cuMemCreate")
 FREE_APIS = frozenset(h.name for h in HOOKS if h.group == "free" or h.name == "cuMemRelease")
+STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
+
+
+@dataclass(frozen=True)
+class ProcessQuery:
+    """query(pid)'s answer: snapshot(pid), and the file (device, inode) of each attached library by
+    its path, so that a caller can tell which of them a process maps without reading the loader."""
+
+    snapshot: dict
+    library_files: dict[str, tuple[int, int]]
 
 
 def _name_text(raw: bytes, truncated: bool) -> str:
@@ -121,9 +141,16 @@ class EbpfCudaProbe(Probe):
         self.driver_names = driver_names
         self._calibrations: dict[tuple[int, int], driver_names_.Calibration] = {}  # per libcuda file
         self._driver_named: dict[tuple[int, int], bytes | None] = {}  # (pid, handle) -> name read
+        # Re-entrant: start() shuts down first, shutdown() stops the events, query() snapshots.
+        self._lock = threading.RLock()
+        self._not_running = STARTING  # why there is no loader: the last start or collection that failed
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
+        with self._lock, self._failures_kept():
+            self._start()
+
+    def _start(self) -> None:
         self.shutdown()
         if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
             raise ProbeUnavailable(f"process {self.pid} does not exist")
@@ -151,6 +178,10 @@ class EbpfCudaProbe(Probe):
                  self._loader.compile_seconds, self._loader.uprobe_count, len(self._loader.libraries))
 
     def collect(self) -> list[Sample]:
+        with self._lock, self._failures_kept():
+            return self._collect()
+
+    def _collect(self) -> list[Sample]:
         ld = self._loader
         if ld is None:
             raise ProbeUnavailable("the eBPF probe is not started")
@@ -209,43 +240,83 @@ class EbpfCudaProbe(Probe):
     def shutdown(self, wait: bool = True) -> None:
         """Detach and free the maps. wait=False: return at once, detach in a daemon thread
         (`wait_detached()` waits for it; a process exiting first releases the rest)."""
-        self.stop_events()
-        ld, self._loader = self._loader, None
-        if ld is not None:
-            ld.close(wait=wait)
-            if not wait:
-                self._closing.append(ld)
-        self._closing = [c for c in self._closing if c.detaching]
-        self._next_rescan = 0.0
+        with self._lock:
+            self.stop_events()
+            ld, self._loader = self._loader, None
+            if ld is not None:
+                ld.close(wait=wait)
+                if not wait:
+                    self._closing.append(ld)
+            self._closing = [c for c in self._closing if c.detaching]
+            self._next_rescan = 0.0
 
     def wait_detached(self, timeout: float | None = None) -> bool:
         """Wait for background detaches started by shutdown(wait=False); True when none is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for ld in list(self._closing):
+        with self._lock:
+            closing = list(self._closing)
+        for ld in closing:  # without the lock: detaching takes seconds, queries go on meanwhile
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ld.wait_closed(left)
-        self._closing = [c for c in self._closing if c.detaching]
-        return not self._closing
+        with self._lock:
+            self._closing = [c for c in self._closing if c.detaching]
+            return not self._closing
 
     def stop_events(self) -> dict | None:
         """Stop recording per-call events (what the ring buffer still holds is written first);
         their counts, or None when none were recorded."""
-        rec = self._recorder
-        if rec is None:
-            return None
-        rec.stop()
-        return rec.counts()
+        with self._lock:
+            rec = self._recorder
+            if rec is None:
+                return None
+            rec.stop()
+            return rec.counts()
 
-    # ---- for `gpuwatch trace` and tests ------------------------------------------------------
+    @contextlib.contextmanager
+    def _failures_kept(self) -> Iterator[None]:
+        """Keep why a start or collection failed (as the runner reports it), for ProbeNotRunning."""
+        try:
+            yield
+        except ProbeUnavailable as e:
+            self._not_running = str(e)
+            raise
+        except Exception as e:
+            self._not_running = f"{type(e).__name__}: {e}"
+            raise
+
+    @contextlib.contextmanager
+    def _running(self, timeout: float | None) -> Iterator[_loader.Loader]:
+        """The lock (ProbeBusy after `timeout` seconds; None: wait) and the loader (ProbeNotRunning)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise ProbeBusy(f"the eBPF probe is busy (starting, collecting, or attaching to a new libcuda) "
+                            f"for more than {timeout:g} s")
+        try:
+            if self._loader is None:
+                raise ProbeNotRunning(self._not_running)
+            yield self._loader
+        finally:
+            self._lock.release()
+
+    # ---- queries (the daemon's control socket, `gpuwatch trace`, tests) ----------------------
+    def query(self, pid: int, timeout: float | None = None) -> ProcessQuery:
+        """snapshot(pid) and the file of each attached library (ProcessQuery). Waits at most
+        `timeout` seconds for the probe's own work (ProbeBusy); ProbeNotRunning when it is down."""
+        with self._running(timeout) as ld:
+            return ProcessQuery(self._snapshot(ld, pid), {lib.path: lib.file for lib in ld.libraries.values()})
+
     @property
     def loader(self) -> _loader.Loader | None:
+        """The loader itself, without the lock: for tests in one thread."""
         return self._loader
 
     def attached(self) -> list[dict]:
         """Per library: path, hooked symbols, symbols it lacks (skipped), uprobes."""
-        ld = self._loader
-        if ld is None:
-            return []
+        with self._lock:
+            ld = self._loader
+            return self._attached(ld) if ld is not None else []
+
+    @staticmethod
+    def _attached(ld: _loader.Loader) -> list[dict]:
         return [{"path": lib.path, "attached": list(lib.attached), "skipped": list(lib.skipped),
                  "uprobes": lib.uprobes} for lib in ld.libraries.values()]
 
@@ -267,9 +338,13 @@ class EbpfCudaProbe(Probe):
         probe attached.
         With pid=None the kernels of every process are listed, each with its "pid".
         """
-        ld = self._loader
-        if ld is None:
-            raise ProbeUnavailable("the eBPF probe is not started")
+        with self._lock:
+            ld = self._loader
+            if ld is None:
+                raise ProbeUnavailable("the eBPF probe is not started")
+            return self._snapshot(ld, pid)
+
+    def _snapshot(self, ld: _loader.Loader, pid: int | None) -> dict:
         apis: dict[str, dict] = {}
         for (p, api), (calls, errors, ns, nbytes) in ld.stats().items():
             if pid is not None and p != pid:
@@ -304,7 +379,7 @@ class EbpfCudaProbe(Probe):
             "dropped_events": ld.dropped(),
             "dropped_by_kind": ld.dropped_by_kind(),
             **({"events": self._recorder.counts()} if self._recorder is not None else {}),
-            "libraries": self.attached(),
+            "libraries": self._attached(ld),
         }
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -334,11 +409,11 @@ class EbpfCudaProbe(Probe):
         out.sort(key=lambda e: (-e["launches"], e.get("pid", 0), int(e["handle"], 16)))
         return out
 
-    def live_stacks(self, pid: int, top: int = 3) -> list[dict]:
-        """The allocating call stacks holding the most live device bytes of `pid` now ([] when the
-        probe is not running): what a leak finding points at."""
-        ld = self._loader
-        return self._stacks(ld, pid, top) if ld is not None else []
+    def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None) -> list[dict]:
+        """The allocating call stacks holding the most live device bytes of `pid` now: what a leak
+        finding points at. Waits at most `timeout` seconds (ProbeBusy); ProbeNotRunning when down."""
+        with self._running(timeout) as ld:
+            return self._stacks(ld, pid, top)
 
     @staticmethod
     def _stacks(ld: _loader.Loader, pid: int, top: int = TOP_STACKS) -> list[dict]:

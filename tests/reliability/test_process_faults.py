@@ -2,7 +2,7 @@
 
 7: a PID really reused. As root, /proc/sys/kernel/ns_last_pid makes the kernel hand out a chosen
    PID next (what CRIU uses to restore processes): a process is killed and a new one started under
-   its PID. `gpuwatch trace` (agent/trace.py alive(), check_pid()) and the daemon's eBPF probe
+   its PID. `gpuwatch trace` (agent/trace/pids.py alive(), check_pid()) and the daemon's eBPF probe
    (probes/ebpf/probe.py _prune()) tell the two apart by /proc/PID/stat's start time. Without root,
    the same checks run against a fake /proc tree.
 16: CUPTI is not installed here (cupti-python needs a GPU machine), so the daemon-side sampler runs

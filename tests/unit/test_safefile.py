@@ -147,7 +147,7 @@ def test_symlinks_in_trusted_directories_are_followed(tmp_path):
     assert (tmp_path / "real" / "f").read_bytes() == b"1"
 
 
-# -- gpuwatch trace's outputs (agent/trace.py TraceOutputs), with real links and real uids ------
+# -- gpuwatch trace's outputs (agent/trace/output.py TraceOutputs), with real links and real uids ------
 
 def _records(n: int) -> bytes:
     from gpuwatch.probes.ebpf.events import RECORD
@@ -160,7 +160,7 @@ def _finish(outs, summary: dict | None = None, records: bytes = b"") -> None:
     the Chrome trace from the records."""
     from rich.console import Console
 
-    from gpuwatch.agent import trace
+    from gpuwatch.agent.trace import output as trace
 
     if outs.events_fd >= 0:
         with outs.events_writer() as f:
@@ -184,7 +184,7 @@ def json_dumps(v) -> str:
 def test_trace_outputs_replace_links_to_a_secret_never_write_through_them(tmp_path):
     """run.json -> the secret, run.trace.json -> the secret, run.trace.json.events -> the secret: the
     old code opened each path and overwrote the secret."""
-    from gpuwatch.agent import trace
+    from gpuwatch.agent.trace import output as trace
 
     secret = tmp_path / "secret"
     secret.write_text("root only\n")
@@ -213,7 +213,7 @@ def json_loads(text: str):
 def test_trace_outputs_under_sudo_are_the_sudo_users(tmp_path, monkeypatch):
     """sudo gpuwatch trace --output: the files are created as SUDO_UID (theirs, not root's), and only
     where that user may write."""
-    from gpuwatch.agent import trace
+    from gpuwatch.agent.trace import output as trace
 
     monkeypatch.setenv("SUDO_UID", str(NOBODY))
     monkeypatch.setenv("SUDO_GID", str(NOBODY))
@@ -236,7 +236,7 @@ def test_trace_outputs_under_sudo_are_the_sudo_users(tmp_path, monkeypatch):
 @root_only
 def test_trace_output_in_a_directory_another_user_controls_is_refused(tmp_path):
     """Root, no sudo, --output into nobody's directory: nobody could swap names under it."""
-    from gpuwatch.agent import trace
+    from gpuwatch.agent.trace import output as trace
 
     theirs = _shared_dir(NOBODY)
     with pytest.raises(trace.TraceError, match=r"^--output .*: not a safe directory to write in: it belongs to nobody"):
@@ -247,7 +247,7 @@ def test_trace_output_in_a_directory_another_user_controls_is_refused(tmp_path):
 
 
 def test_trace_outputs_not_committed_leave_nothing(tmp_path):
-    from gpuwatch.agent import trace
+    from gpuwatch.agent.trace import output as trace
 
     outs = trace.TraceOutputs(str(tmp_path / "s.json"), str(tmp_path / "t.json"))
     outs.close()
