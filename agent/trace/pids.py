@@ -8,9 +8,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpuwatch.agent.control import PeerCred, process_uids
 from gpuwatch.agent.trace.errors import TraceError
+from gpuwatch.agent.wire import printable
 from gpuwatch.probes.ebpf import loader
+from gpuwatch.probes.process import identity
 
 PF_KTHREAD = 0x00200000  # task flag of kernel threads (include/linux/sched.h)
 WAIT_POLL_S = 0.25
@@ -21,8 +22,8 @@ def comm(pid: int, proc: str = "/proc") -> str:
     """The command name to show a person, "?" when it cannot be read. Any process may name itself
     anything (prctl PR_SET_NAME): characters that are not printable (newlines, terminal escape
     sequences) become "?", so a name cannot forge lines or colours on the terminal."""
-    name = loader.comm(pid, proc)
-    return "".join(c if c.isprintable() else "?" for c in name) if name else "?"
+    name = identity.comm(pid, proc)
+    return printable(name) if name else "?"
 
 
 def _tgid(pid: int, proc: str = "/proc") -> int | None:
@@ -44,17 +45,9 @@ def pid_max(proc: str = "/proc") -> int:
         return 1 << 22  # the kernel's ceiling (PID_MAX_LIMIT on 64-bit)
 
 
-def alive(pid: int, start_time: int, proc: str = "/proc") -> bool:
-    """The same process is still running: present, not a zombie, and its start time unchanged
-    (a different start time means the PID was reused by a new process)."""
-    st = loader.read_stat(pid, proc)
-    return st is not None and st.state not in ("Z", "X", "x") and st.start_time == start_time
-
-
-def pid_reused(pid: int, start_time: int, proc: str = "/proc") -> bool:
-    """Another process runs under the PID now (the traced one has exited)."""
-    st = loader.read_stat(pid, proc)
-    return st is not None and st.state not in ("Z", "X", "x") and st.start_time != start_time
+# The same process still runs / another one has the PID now: pid and start time (identity).
+alive = identity.same_process
+pid_reused = identity.pid_reused
 
 
 def _privileged() -> bool:
@@ -63,7 +56,8 @@ def _privileged() -> bool:
 
 def not_yours_message(pid: int, uid: int) -> str:
     """For a caller (uid) who does not own the process: to whom it belongs."""
-    other = next((u for u in process_uids(pid) or () if u != uid), None)  # a setuid program: its owner
+    who = identity.identify(pid)
+    other = next((u for u in who.uids if u != uid), None) if who else None  # a setuid program: its owner
     if other is None:
         owner = "another user"
     else:
@@ -92,7 +86,7 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
     if pid > limit:
         raise TraceError(f"PID {pid} is above this system's largest PID ({limit}, /proc/sys/kernel/pid_max): "
                          f"no such process")
-    st = loader.read_stat(pid, proc)
+    st = identity.read_stat(pid, proc)
     if st is None or st.state in ("X", "x"):
         raise TraceError(f"no such process: PID {pid}")
     if st.flags & PF_KTHREAD:
@@ -103,9 +97,8 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
     if tgid is not None and tgid != pid:
         raise TraceError(f"PID {pid} is a thread of process {tgid} ({comm(tgid, proc)}): use --pid {tgid}")
     if not (privileged or _privileged)():
-        me = PeerCred(pid=os.getpid(), uid=os.geteuid(), gid=os.getegid())
-        if not me.owns(pid):
-            raise TraceError(not_yours_message(pid, me.uid) + " (root can trace any)")
+        if not identity.owns(os.geteuid(), identity.identify(pid)):
+            raise TraceError(not_yours_message(pid, os.geteuid()) + " (root can trace any)")
     return Target(pid, comm(pid, proc), st.start_time)
 
 

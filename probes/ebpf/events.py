@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import os
 import struct
 import threading
 from typing import TYPE_CHECKING, BinaryIO, Mapping

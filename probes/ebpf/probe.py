@@ -76,7 +76,8 @@ from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
 from gpuwatch.probes.ebpf import loader as _loader
 from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS, NAME_FUNCTION, NAME_KERNEL, curesult_name
-from gpuwatch.probes.nvml.probe import sanitise_process_name
+from gpuwatch.probes.process import identity
+from gpuwatch.probes.process.identity import sanitise_process_name
 
 log = logging.getLogger("gpuwatch.ebpf")
 
@@ -469,7 +470,7 @@ class EbpfCudaProbe(Probe):
         """Processes gone (or whose PID was reused) since first seen; their map entries removed."""
         dead = set()
         for pid in pids:
-            stat = _loader.read_stat(pid)
+            stat = identity.read_stat(pid)
             start = stat.start_time if stat is not None else None
             first = self._starts.setdefault(pid, start) if start is not None else None
             if start is None or first != start:
@@ -486,7 +487,7 @@ class EbpfCudaProbe(Probe):
     def _name(self, pid: int) -> str:
         name = self._names.get(pid)
         if name is None:
-            raw = _loader.comm(pid)
+            raw = identity.comm(pid)
             name = self._names[pid] = "unknown" if raw is None else sanitise_process_name(raw)
         return name
 

@@ -40,29 +40,64 @@ class ProcessIdentity:
         return f"/proc/{self.pid}/root"
 
 
-def _stat(pid: int) -> tuple[str, str, int] | None:
-    """(comm, state, start time) from /proc/PID/stat; None when there is no such process."""
+@dataclass(frozen=True)
+class ProcStat:
+    """What /proc/PID/stat says about a process (the fields gpuwatch decides on)."""
+
+    comm: str  # raw: any process may call itself anything; sanitise before showing it
+    state: str  # R, S, D, Z (zombie), X (dead), ...
+    flags: int  # PF_* task flags (PF_KTHREAD: a kernel thread)
+    start_time: int  # clock ticks since boot: with the PID, names the process
+
+    @property
+    def exited(self) -> bool:
+        return self.state in _DEAD
+
+
+def read_stat(pid: int, proc: str = "/proc") -> ProcStat | None:
+    """/proc/PID/stat parsed (the one parser of it in gpuwatch); None when there is no such process."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
             raw = f.read()
     except OSError:
         return None
     try:
         # comm may hold spaces and ")": it runs from the first "(" to the last ")".
-        comm = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
+        name = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
         fields = raw[raw.rindex(b")") + 2:].split()
-        # after "(comm) ": state is field 3, starttime field 22 (1-based, as in proc(5))
-        return comm, fields[0].decode(), int(fields[19])
+        # after "(comm) ": state(3) ppid(4) ... flags(9) ... starttime(22), 1-based as in proc(5)
+        return ProcStat(name, fields[0].decode(), int(fields[6]), int(fields[19]))
     except (ValueError, IndexError):
         return None
+
+
+def comm(pid: int, proc: str = "/proc") -> str | None:
+    """The process's command name as it set it (/proc/PID/comm, raw), None when it cannot be read."""
+    try:
+        with open(f"{proc}/{pid}/comm", "rb") as f:
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def same_process(pid: int, start_time: int, proc: str = "/proc") -> bool:
+    """The process that had this start time still runs under `pid` (not exited, PID not reused)."""
+    st = read_stat(pid, proc)
+    return st is not None and not st.exited and st.start_time == start_time
+
+
+def pid_reused(pid: int, start_time: int, proc: str = "/proc") -> bool:
+    """Another process runs under `pid` now: the one with this start time has exited."""
+    st = read_stat(pid, proc)
+    return st is not None and not st.exited and st.start_time != start_time
 
 
 def identify(pid: int) -> ProcessIdentity | None:
     """The process `pid` names now; None when there is none (or it has exited: a zombie)."""
     if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
         return None
-    first = _stat(pid)
-    if first is None or first[1] in _DEAD:
+    first = read_stat(pid)
+    if first is None or first.exited:
         return None
     import psutil  # here, not at the top: the control client runs inside users' programs, stdlib only
 
@@ -76,17 +111,15 @@ def identify(pid: int) -> ProcessIdentity | None:
         root = ""
     # The uids and root were read after the start time: if the PID was reused in between they
     # are another process's. The same start time afterwards says they are this one's.
-    again = _stat(pid)
-    if again is None or again[2] != first[2] or again[1] in _DEAD:
+    if not same_process(pid, first.start_time):
         return None
-    return ProcessIdentity(pid, first[2], uids, sanitise_process_name(first[0]), root)  # type: ignore[arg-type]
+    return ProcessIdentity(pid, first.start_time, uids, sanitise_process_name(first.comm), root)  # type: ignore[arg-type]
 
 
 def is_alive(identity: ProcessIdentity) -> bool:
     """That very process still runs: its PID is there, not a zombie, with the same start time
     (another start time: the PID now names another process)."""
-    st = _stat(identity.pid)
-    return st is not None and st[1] not in _DEAD and st[2] == identity.start_time
+    return same_process(identity.pid, identity.start_time)
 
 
 def owns(caller_uid: int, identity: ProcessIdentity | None) -> bool:

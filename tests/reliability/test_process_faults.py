@@ -27,7 +27,7 @@ from gpuwatch.agent.snapshot import Snapshot
 from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.cupti.arbitration import Arbiter
 from gpuwatch.probes.cupti.devicewide import CuptiSamplerProbe
-from gpuwatch.probes.ebpf import loader
+from gpuwatch.probes.process import identity
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def test_start_time_check_on_a_fake_proc_tree(tmp_path):
     """Without root: the same PID with another start time is another process."""
     proc = tmp_path / "proc"
     _fake_proc(proc, 4242, 1000)
-    assert loader.read_stat(4242, str(proc)).start_time == 1000
+    assert identity.read_stat(4242, str(proc)).start_time == 1000
     assert trace_mod.alive(4242, 1000, str(proc))
     _fake_proc(proc, 4242, 1234)  # the PID reused
     assert not trace_mod.alive(4242, 1000, str(proc))

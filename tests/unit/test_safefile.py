@@ -2,9 +2,7 @@
 while root writes (the in-process agent's fallback reports, trace outputs)."""
 import os
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest

@@ -21,6 +21,7 @@ from gpuwatch.agent.api import Probe, ProbeNotRunning
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred, parse_params
 from gpuwatch.agent.wire import PidParams
 from gpuwatch.probes.ebpf import loader
+from gpuwatch.probes.process import identity
 from gpuwatch.probes.ebpf.probe import STARTING, EbpfCudaProbe, ProcessQuery
 
 
@@ -314,7 +315,7 @@ def scripted(tmp_path):
 
 
 def _target(p) -> trace.Target:
-    return trace.Target(p.pid, "sleep", loader.read_stat(p.pid).start_time)
+    return trace.Target(p.pid, "sleep", identity.read_stat(p.pid).start_time)
 
 
 def test_agent_trace_counts_from_start(scripted, sleeper):
