@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuwatch.agent.control import ControlError, call
+from gpuwatch.agent.wire import TraceSnapshotResult, WireError
 from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path
 from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
@@ -61,9 +62,16 @@ class AgentTrace:
 
     def _ask(self, pid: int) -> dict:
         try:
-            return call(self.socket_path, "trace.snapshot", {"pid": pid}, timeout=AGENT_TIMEOUT)
+            raw = call(self.socket_path, "trace.snapshot", {"pid": pid}, timeout=AGENT_TIMEOUT)
         except ControlError as e:
             raise TraceError(str(e)) from None
+        # Checked against its wire type: whatever answers on that socket, out-of-range counts are a
+        # clear error, not arithmetic on them. The checked JSON itself is what the trace reads.
+        try:
+            TraceSnapshotResult.parse(raw, "result")
+        except WireError as e:
+            raise TraceError(f"unexpected reply to 'trace.snapshot' from {self.socket_path}: {e}") from None
+        return raw
 
     def start(self) -> None:
         """Take the snapshot the trace counts from; with wait, first wait until the agent attaches

@@ -340,6 +340,16 @@ def test_agent_trace_after_the_process_exits_keeps_the_last_counts(scripted, sle
     assert t.snapshot(sleeper.pid) == last
 
 
+def test_agent_trace_refuses_a_reply_outside_its_wire_type(scripted, sleeper):
+    # Whatever listens on the socket (a user's own socket given with --socket, a broken agent):
+    # counts no real probe can have are an error naming the field, never arithmetic on them.
+    hostile = dict(START, apis={"cuMemAlloc_v2": _api(10**400)})
+    scripted.answers[:] = [hostile]
+    with pytest.raises(trace.TraceError, match=r"unexpected reply to 'trace.snapshot'.*"
+                                               r"apis\['cuMemAlloc_v2'\].calls: must be an integer"):
+        trace.AgentTrace(scripted.path, _target(sleeper)).start()
+
+
 def test_agent_trace_waits_for_the_agent_to_attach_only_with_wait(scripted, sleeper, monkeypatch):
     monkeypatch.setattr(session, "AGENT_ATTACH_POLL_S", 0.01)
     pending = dict(START, libraries=[])
