@@ -343,7 +343,7 @@ def test_agent_trace_after_the_process_exits_keeps_the_last_counts(scripted, sle
 def test_agent_trace_refuses_a_reply_outside_its_wire_type(scripted, sleeper):
     # Whatever listens on the socket (a user's own socket given with --socket, a broken agent):
     # counts no real probe can have are an error naming the field, never arithmetic on them.
-    hostile = dict(START, apis={"cuMemAlloc_v2": _api(10**400)})
+    hostile = dict(START, apis={"cuMemAlloc_v2": dict(_api(1), calls=10**400)})
     scripted.answers[:] = [hostile]
     with pytest.raises(trace.TraceError, match=r"unexpected reply to 'trace.snapshot'.*"
                                                r"apis\['cuMemAlloc_v2'\].calls: must be an integer"):
