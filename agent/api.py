@@ -56,6 +56,20 @@ class ProbeUnavailable(GpuwatchError):
     """A probe cannot run here. The message must tell a person what to do about it."""
 
 
+class ProbeNotRunning(ProbeUnavailable):
+    """A query to a probe that is not running now; str() (and `reason`) says why: not started
+    yet, or what made its last start or collection fail."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ProbeBusy(GpuwatchError):
+    """A query that could not get at the probe within its timeout: the probe's own work (a start
+    that compiles and attaches, a collection, a shutdown that detaches) held it all that time."""
+
+
 class Probe(abc.ABC):
     """A source of samples, ticked by the runner every `interval` seconds.
 

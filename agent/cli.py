@@ -15,6 +15,7 @@ import click
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent import config as config_mod
+from gpuwatch.agent.api import GpuwatchError
 from gpuwatch.agent.config import ConfigError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -24,11 +25,18 @@ config_option = click.option(
     help=f"TOML config file (default: {config_mod.DEFAULT_PATH} if it exists; '' for none).")
 
 
-def _load(config_path: str | None, overrides: dict[str, Any]) -> config_mod.Config:
-    try:
-        return config_mod.load(config_path, overrides)
-    except ConfigError as e:
-        raise click.ClickException(f"bad configuration: {e}") from None
+class _GpuwatchGroup(click.Group):
+    """The `gpuwatch` group: the one place a GpuwatchError from any command (subgroups included) is
+    printed, as click prints its own errors (`Error: TEXT`, exit status 1). Anything else escaping
+    is a bug and keeps its traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as e:  # its text names the file and key, not that it is the configuration
+            raise click.ClickException(f"bad configuration: {e}") from None
+        except GpuwatchError as e:
+            raise click.ClickException(str(e)) from None
 
 
 def _setting_options(fn):
@@ -44,7 +52,7 @@ def _echo_json(obj: Any) -> None:
     click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
-@click.group(context_settings=CONTEXT)
+@click.group(cls=_GpuwatchGroup, context_settings=CONTEXT)
 @click.version_option(__version__, "-V", "--version", prog_name="gpuwatch")
 def main() -> None:
     """gpuwatch: GPU observability and profiling agent.
@@ -58,7 +66,7 @@ def main() -> None:
 @_setting_options
 def agent(config_path: str | None, **params: Any) -> None:
     """Run the daemon in the foreground (systemd: Type=notify)."""
-    from gpuwatch.agent.daemon import Daemon, DaemonError
+    from gpuwatch.agent.daemon import Daemon
     from gpuwatch.agent.logs import setup_logging
 
     import faulthandler
@@ -67,12 +75,9 @@ def agent(config_path: str | None, **params: Any) -> None:
     # (which NVML call) reaches stderr, the journal, before systemd restarts the agent.
     faulthandler.enable()
     overrides = config_mod.overrides_from_params(params)
-    cfg = _load(config_path, overrides)
+    cfg = config_mod.load(config_path, overrides)
     setup_logging(cfg.agent.log_level, cfg.agent.log_format)
-    try:
-        sys.exit(Daemon(cfg, config_path, overrides).run())
-    except DaemonError as e:
-        raise click.ClickException(str(e)) from None
+    sys.exit(Daemon(cfg, config_path, overrides).run())
 
 
 @main.command(context_settings=CONTEXT)
@@ -82,13 +87,13 @@ def agent(config_path: str | None, **params: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
     """List the GPUs and the processes on them."""
-    from gpuwatch.agent.daemon import nvml_backend_factory
     from gpuwatch.probes.nvml import backend as nvml_backend
+    from gpuwatch.probes.nvml import backend_factory
     from gpuwatch.probes.nvml.probe import inventory
 
-    cfg = _load(config_path, {"nvml.replay": replay})
+    cfg = config_mod.load(config_path, {"nvml.replay": replay})
     try:
-        backend = nvml_backend_factory(cfg)()
+        backend = backend_factory(cfg)()
         rows = inventory(backend)
     except nvml_backend.LibraryUnavailable as e:
         raise click.ClickException(f"NVML unavailable: {e}") from None
@@ -161,7 +166,7 @@ def doctor(config_path: str | None, as_json: bool) -> None:
     from gpuwatch.agent import doctor as doctor_mod
     from gpuwatch.probes.nvml.doctor import nvml_checks
 
-    cfg = _load(config_path, {})
+    cfg = config_mod.load(config_path, {})
     from gpuwatch.probes.cupti.doctor import cupti_checks
     checks = doctor_mod.run_checks(cfg.agent.state_dir, nvml_checks, cfg.control.socket,
                                    cupti_checks=lambda: cupti_checks(cfg.agent.state_dir))
@@ -179,21 +184,22 @@ def doctor(config_path: str | None, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Ask the running agent how it is doing."""
-    st = _ask(config_path, socket_path, "status", {})
+    from gpuwatch.agent.wire import StatusResult
+
+    st = _ask(config_path, socket_path, "status", {}, result_type=StatusResult).to_json()
     if as_json:
         _echo_json(st)
         return
     _print_status(st)
 
 
-def _ask(config_path: str | None, socket_path: str | None, method: str, params: dict, timeout: float = 5.0):
-    """Call the running agent; its errors become click's (one line, exit status 1)."""
-    from gpuwatch.agent.control import ControlError, call
+def _ask(config_path: str | None, socket_path: str | None, method: str, params: dict, timeout: float = 5.0,
+         result_type=None):
+    """Call the running agent; its refusals are ControlErrors (printed by _GpuwatchGroup)."""
+    from gpuwatch.agent.control import call
 
-    try:
-        return call(socket_path or _load(config_path, {}).control.socket, method, params, timeout=timeout)
-    except ControlError as e:
-        raise click.ClickException(str(e)) from None
+    return call(socket_path or config_mod.load(config_path, {}).control.socket, method, params, timeout=timeout,
+                result_type=result_type)
 
 
 def _ask_findings(config_path: str | None, socket_path: str | None, kind: str | None) -> dict:
@@ -289,7 +295,7 @@ def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool
     """Run the reference workload now, through the running agent (root); judged and kept."""
     from gpuwatch.agent import baseline_view
 
-    timeout = _load(config_path, {}).baseline.timeout * 2 + 60
+    timeout = config_mod.load(config_path, {}).baseline.timeout * 2 + 60
     if not as_json:
         click.echo(f"running the reference workload on {'GPU %d' % gpu if gpu is not None else 'each GPU'} "
                    "(a few seconds each; the first run compiles the kernels)...", err=True)
@@ -422,15 +428,12 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
 
     Exit status: 0 when the trace ran (whatever ended it), 1 when it could not start, 2 for usage.
     """
-    from gpuwatch.agent.trace import TraceError, run_trace
+    from gpuwatch.agent.trace.session import run_trace
 
-    otlp_cfg = _load(config_path, {}).otlp if otlp else None
-    try:
-        run_trace(pid, duration=duration, summary_json=summary_json, output=output, max_events=max_events,
-                  library=library, wait=wait, interval=interval, socket_path=socket_path, config_path=config_path,
-                  otlp=otlp_cfg)
-    except TraceError as e:
-        raise click.ClickException(str(e)) from None
+    otlp_cfg = config_mod.load(config_path, {}).otlp if otlp else None
+    run_trace(pid, duration=duration, summary_json=summary_json, output=output, max_events=max_events,
+              library=library, wait=wait, interval=interval, socket_path=socket_path, config_path=config_path,
+              otlp=otlp_cfg)
 
 
 def _run_finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -503,15 +506,12 @@ def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, int
             and kernels is not None and kernels.lower() != "sampled"):
         raise click.UsageError(f"--duty-cycle applies to --kernels sampled, not --kernels {kernels.lower()}")
     if socket_path is None:
-        socket_path = _load(config_path, {}).control.socket
+        socket_path = config_mod.load(config_path, {}).control.socket
     elif not socket_path:
         raise click.BadParameter("expected a path, got ''", param_hint="'--socket'")
-    try:
-        env = run_mod.build_env(os.environ, socket=os.path.abspath(socket_path), report_dir=report_dir,
-                                interval=interval, kernels=kernels.lower() if kernels else None,
-                                duty_cycle=duty_cycle, quiet=quiet)
-    except run_mod.RunError as e:
-        raise click.ClickException(str(e)) from None
+    env = run_mod.build_env(os.environ, socket=os.path.abspath(socket_path), report_dir=report_dir,
+                            interval=interval, kernels=kernels.lower() if kernels else None,
+                            duty_cycle=duty_cycle, quiet=quiet)
     run_mod.exec_command(command, env)
 
 

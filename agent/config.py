@@ -17,10 +17,13 @@ import ipaddress
 import math
 import os
 import re
+import stat
 import sys
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
+
+from gpuwatch.agent.api import GpuwatchError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,7 +42,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 
 
-class ConfigError(Exception):
+class ConfigError(GpuwatchError):
     """Bad configuration. str() is `SOURCE: section.key: reason` (key omitted for whole-file errors)."""
 
     def __init__(self, source: str, key: str | None, reason: str) -> None:
@@ -225,6 +228,10 @@ SETTINGS: tuple[Setting, ...] = (
             "headers; see docs/security.md. Read at start (restart the agent after changing it); a bad file "
             "stops the agent. Empty: plain HTTP, no auth.",
             "--web-config", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("prometheus", "max_requests", int, 40,
+            "Connections to /metrics served at once (node_exporter's --web.max-requests); past it new ones "
+            "get 503 at once. Each holds a thread, so this bounds what a flood of idle connections costs.",
+            "--max-requests", "an integer >= 1", _at_least(1)),
     Setting("nvml", "enabled", bool, True, "Read GPU metrics through NVML.",
             "--nvml", "true or false"),
     Setting("nvml", "interval", float, 1.0, "Seconds between reads of the fast NVML metrics.",
@@ -334,99 +341,31 @@ _SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(s.section for s in SETTINGS))
 
 
 # -- the typed result --------------------------------------------------------------------------
+# Built from SETTINGS, so a section or setting added there is in Config, in load() and in the
+# reload diff (agent/daemon.py) without a second list to forget: cfg.SECTION.KEY, frozen.
 
-@dataclass(frozen=True)
-class AgentConfig:
-    state_dir: str
-    runtime_dir: str
-    log_level: str
-    log_format: str
-
-
-@dataclass(frozen=True)
-class ControlConfig:
-    socket: str  # always a path: the default is filled in from agent.runtime_dir
-    group: str  # "" means root only
+def _dataclass(name: str, fields: list) -> type:
+    cls = make_dataclass(name, fields, frozen=True)
+    cls.__module__ = __name__  # pickling and reprs find it here (make_dataclass's module= is 3.12+)
+    return cls
 
 
-@dataclass(frozen=True)
-class PrometheusConfig:
-    enabled: bool
-    listen: str
-    web_config: str  # "" means plain HTTP, no auth
+def _section_type(section: str) -> type:
+    return _dataclass(f"{section.capitalize()}Config", [(s.key, s.type) for s in SETTINGS if s.section == section])
 
 
-@dataclass(frozen=True)
-class NvmlConfig:
-    enabled: bool
-    interval: float
-    slow_interval: float
-    deadline: float
-    max_processes_per_gpu: int
-    xid_events: bool
-    replay: str
-    replay_gpus: int
-    replay_processes_per_gpu: int
+_SECTION_TYPES: dict[str, type] = {sec: _section_type(sec) for sec in _SECTIONS}
+# The names for imports and type annotations: AgentConfig, ControlConfig (socket: always a path,
+# the default filled in from agent.runtime_dir), PrometheusConfig, NvmlConfig, ...
+globals().update({cls.__name__: cls for cls in _SECTION_TYPES.values()})
+Config = _dataclass("Config", [*((sec, cls) for sec, cls in _SECTION_TYPES.items()),
+                               ("path", "str | None", field(default=None))])  # the file read, None when none
+Config.__doc__ = "The validated configuration: one frozen section object per SETTINGS section, and the file read."
 
 
-@dataclass(frozen=True)
-class EbpfConfig:
-    enabled: bool
-    library: str
-    max_processes: int
-
-
-@dataclass(frozen=True)
-class CuptiConfig:
-    sampling: bool
-    sample_interval: float
-    group_seconds: float
-    yield_to: str  # comma-separated process names
-
-
-@dataclass(frozen=True)
-class OtlpConfig:
-    enabled: bool
-    endpoint: str
-    protocol: str
-    interval: float
-    timeout: float
-    headers: str
-    certificate: str
-    insecure: bool
-
-
-@dataclass(frozen=True)
-class BaselineConfig:
-    enabled: bool
-    interval: float
-    python: str
-    timeout: float
-    replay: str
-
-
-@dataclass(frozen=True)
-class HistoryConfig:
-    points: int
-
-
-@dataclass(frozen=True)
-class Config:
-    agent: AgentConfig
-    control: ControlConfig
-    prometheus: PrometheusConfig
-    nvml: NvmlConfig
-    ebpf: EbpfConfig
-    cupti: CuptiConfig
-    otlp: OtlpConfig
-    baseline: BaselineConfig
-    history: HistoryConfig
-    path: str | None = field(default=None)  # the file that was read, None when none was
-
-
-_SECTION_TYPES = {"agent": AgentConfig, "control": ControlConfig, "prometheus": PrometheusConfig,
-                  "nvml": NvmlConfig, "ebpf": EbpfConfig, "history": HistoryConfig,
-                  "cupti": CuptiConfig, "otlp": OtlpConfig, "baseline": BaselineConfig}
+def changed_settings(old: Any, new: Any) -> list[str]:
+    """The names ("otlp.endpoint") of the settings whose values differ between two Configs."""
+    return [s.name for s in SETTINGS if getattr(getattr(old, s.section), s.key) != getattr(getattr(new, s.section), s.key)]
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -488,20 +427,35 @@ def _suggest(name: str) -> str:
 
 
 def read_file(path: str, missing: str = "no such file") -> bytes:
-    """A config file's bytes (at most MAX_FILE_BYTES). ConfigError naming the file otherwise."""
+    """A config file's bytes (at most MAX_FILE_BYTES). ConfigError naming the file otherwise.
+
+    Symlinks are followed (/etc/gpuwatch/gpuwatch.toml -> a managed file), but what they reach must
+    be a regular file: opened O_NONBLOCK, so a FIFO (or a device) is refused at once instead of
+    blocking the agent before READY, or a SIGHUP's thread for ever, in open()."""
     try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
-                raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes; "
-                                              "is this really a gpuwatch config file?")
-            data = f.read(MAX_FILE_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(path, None, missing) from None
-    except IsADirectoryError:
-        raise ConfigError(path, None, "is a directory, not a file") from None
     except OSError as e:
         raise ConfigError(path, None, f"cannot read: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:  # grew while we read it, or a special file
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(path, None, "is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a file")
+            raise ConfigError(path, None, f"is {kind}, not a regular file")
+        if st.st_size > MAX_FILE_BYTES:
+            raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes; "
+                                          "is this really a gpuwatch config file?")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(path, None, f"cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:  # grew while we read it
         raise ConfigError(path, None, f"file is larger than {MAX_FILE_BYTES} bytes")
     return data
 

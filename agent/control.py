@@ -2,13 +2,22 @@
 
 One JSON object per line each way. Request: {"method": "status", "params": {...}};
 reply: {"ok": true, "result": ...} or {"ok": false, "error": "..."}. A connection
-may carry several requests. The kernel tells us who is calling (SO_PEERCRED), so
-handlers can decide what that caller may see: access to the socket itself is
-file permissions (0660, root and control.group).
+may carry several requests. Access to the socket itself is file permissions (0660,
+root and control.group); the kernel tells us who is calling.
 
-Nothing a client sends can take the server down: malformed, oversized, slow and
-vanishing clients get an error reply or a closed connection, each connection
-has its own thread and deadline, and at most `max_clients` are served at once.
+The caller is a process, not a PID: at accept the server takes a pidfd of the peer
+(SO_PEERPIDFD) or, on older kernels, its PID and start time, and before every request
+it checks that this same process still runs. A connection whose process has exited
+(its descriptor inherited or passed on) is refused and closed, even once the PID names
+another process. Handlers get that identity (`PeerCred.identity`).
+
+Nothing a client sends can take the server down, and no user can crowd out another:
+malformed, oversized, slow and vanishing clients get an error reply or a closed
+connection; each connection has its own thread and deadline; at most `max_clients`
+are served at once, of which an ordinary user holds at most `per_uid` and
+`root_slots` are kept for root; a connection with no request for `idle_timeout` is
+closed. Every request and refusal is counted (gpuwatch_control_requests_total) and
+each refusal is logged once per user and cause.
 """
 from __future__ import annotations
 
@@ -17,26 +26,41 @@ import grp
 import json
 import logging
 import os
+import select
 import socket
 import stat
 import struct
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, TypeVar
 
 from gpuwatch.agent import wire
+from gpuwatch.agent.api import Probe, Sample
+from gpuwatch.probes.process import identity as ident
+from gpuwatch.probes.process.identity import ProcessIdentity
+
+from gpuwatch.agent.api import GpuwatchError
 
 log = logging.getLogger("gpuwatch.control")
 
 MAX_REQUEST = 64 * 1024
 MAX_CLIENTS = 16
-TIMEOUT = 5.0
-_BUSY_WAIT = 0.5  # how long a connection over max_clients waits for a free slot
+ROOT_SLOTS = 4  # of MAX_CLIENTS, kept for root: `gpuwatch status` gets in whatever users hold
+PER_UID = 4  # connections one ordinary user may hold open at once
+TIMEOUT = 5.0  # for a request in progress, and for the client to read its reply
+IDLE_TIMEOUT = 2.0  # a connection with no request in progress is closed after this
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
+# result label of gpuwatch_control_requests_total; method "none" where no request was read
+RESULTS = ("ok", "refused", "error", "busy", "gone", "idle", "timeout")
+BACKLOG = 1024  # pending connections the kernel queues for accept()
+_BUSY_WAIT = 0.2  # how long a connection over the total limit waits for a slot being released
+_MAX_LOGGED = 4096  # distinct (uid, cause) refusals logged; past that they are only counted
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path is 108 bytes with the terminating NUL
 
 
-class ControlError(Exception):
+class ControlError(GpuwatchError):
     """A control socket problem, phrased for the person at the terminal.
 
     Handlers may raise it to refuse a request; its text is the reply's error.
@@ -45,45 +69,66 @@ class ControlError(Exception):
 
 @dataclass(frozen=True)
 class PeerCred:
-    """Who is on the other end of a connection, as the kernel saw it at connect()."""
+    """Who is on the other end of a connection: the kernel's pid, uid and gid from connect(),
+    and the identity of that process (pid and start time) the server took at accept."""
 
     pid: int
     uid: int
     gid: int
+    identity: ProcessIdentity | None = None
+    # A pidfd of the peer process (SO_PEERPIDFD); the server closes it with the connection.
+    pidfd: int | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_root(self) -> bool:
         return self.uid == 0
 
     def owns(self, pid: int) -> bool:
-        """May this caller look inside process `pid`? Root: any. Others: their own processes.
+        """May this caller look inside process `pid`? Root: any. Others: their own processes
+        (every uid of it theirs; see identity.owns)."""
+        return ident.owns(self.uid, ident.identify(pid))
 
-        Like ptrace's check, every uid of the target (real, effective, saved) must be the
-        caller's, so a setuid program started by the caller is not theirs to trace.
-        """
-        if self.is_root:
-            return True
-        uids = process_uids(pid)
-        return uids is not None and all(u == self.uid for u in uids)
+    def alive(self) -> bool:
+        """Does the process that opened the connection still run? With a pidfd the kernel says
+        (it is readable once that process exits); otherwise its PID must still carry the start
+        time seen at accept."""
+        if self.identity is None:
+            return False
+        if self.pidfd is not None:
+            return not _readable(self.pidfd, 0)
+        return ident.is_alive(self.identity)
+
+    def gone_message(self) -> str:
+        return (f"the process that opened this connection (pid {self.pid}) has exited; "
+                f"a connection speaks only for the process that opened it")
 
 
 def process_uids(pid: int) -> tuple[int, int, int] | None:
     """The (real, effective, saved) uids of a process, or None if it does not exist."""
-    try:
-        with open(f"/proc/{int(pid)}/status") as f:
-            for line in f:
-                if line.startswith("Uid:"):
-                    real, eff, saved = (int(x) for x in line.split()[1:4])
-                    return real, eff, saved
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return None
+    found = ident.identify(pid)
+    return found.uids if found else None
+
+
+def _readable(fd: int, timeout_ms: int) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(timeout_ms))
 
 
 def _peercred(conn: socket.socket) -> PeerCred:
     raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid, uid, gid = struct.unpack("3i", raw)
     return PeerCred(pid=pid, uid=uid, gid=gid)
+
+
+def _peer_pidfd(conn: socket.socket) -> int | None:
+    """A pidfd of the process that connect()ed, or None where the kernel has no SO_PEERPIDFD."""
+    try:
+        fd = struct.unpack("i", conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4))[0]
+    except OSError:  # ENOPROTOOPT before Linux 6.5; ESRCH when that process is gone and reaped
+        return None
+    os.set_inheritable(fd, False)  # the agent starts children (baseline, CUPTI sampler)
+    return fd
 
 
 def _gid(group: str) -> int:
@@ -111,7 +156,8 @@ Handler = Callable[[wire.Message, PeerCred], Any]
 
 class ControlServer:
     def __init__(self, path: str, handlers: dict[str, Handler], group: str | None = None, *,
-                 timeout: float = TIMEOUT, max_clients: int = MAX_CLIENTS,
+                 timeout: float = TIMEOUT, max_clients: int = MAX_CLIENTS, per_uid: int = PER_UID,
+                 root_slots: int = ROOT_SLOTS, idle_timeout: float = IDLE_TIMEOUT,
                  max_request: int = MAX_REQUEST, types: Mapping[str, type[wire.Message]] = wire.METHODS) -> None:
         untyped = sorted(set(handlers) - set(types))
         if untyped:  # a method without a wire type would get unchecked input
@@ -121,9 +167,16 @@ class ControlServer:
         self.types = {m: types[m] for m in handlers}
         self.group = group or None
         self.timeout = timeout
+        self.idle_timeout = min(idle_timeout, timeout)
         self.max_request = max_request
-        self._slots = threading.BoundedSemaphore(max_clients)
         self.max_clients = max_clients
+        self.per_uid = per_uid
+        self.root_slots = min(root_slots, max_clients // 2)  # a small server still serves its users
+        self._held: Counter[int] = Counter()  # uid -> connections being served
+        self._counts: Counter[tuple[str, str]] = Counter()  # (method, result) -> requests
+        self._logged: set[tuple[int, str]] = set()  # (uid, cause) of refusals logged already
+        self._stats_lock = threading.Lock()
+        self._slot_freed = threading.Condition(self._stats_lock)
         self._sock: socket.socket | None = None
         self._ino: int | None = None
         self._thread: threading.Thread | None = None
@@ -152,7 +205,9 @@ class ControlServer:
             os.chmod(tmp, 0o660)
             if gid is not None:
                 os.chown(tmp, -1, gid)
-            sock.listen(128)  # queue bursts; the accept loop sheds load beyond max_clients
+            # A deep queue (the kernel caps it at net.core.somaxconn): one user must hold over a
+            # thousand connections at once to fill it, and the accept loop sheds load fast.
+            sock.listen(BACKLOG)
             os.rename(tmp, self.path)
         except OSError as e:
             sock.close()
@@ -249,14 +304,83 @@ class ControlServer:
                     log.warning("control socket: cannot accept: %s", e)
                     threading.Event().wait(0.1)  # let descriptors free up instead of spinning
                 continue
-            # A short wait absorbs connections that are finished but not yet released.
-            if not self._slots.acquire(timeout=_BUSY_WAIT):
-                self._reply_and_close(conn, {"ok": False, "error": f"the agent is busy with "
-                                             f"{self.max_clients} control clients; try again"})
+            try:
+                cred = _peercred(conn)
+            except OSError as e:
+                log.warning("control socket: cannot read peer credentials: %s", e)
+                conn.close()
+                continue
+            # Decided at once, without waiting: a connection held here would hold up everyone's.
+            cause, busy = self._take_slot(cred.uid)
+            if busy:
+                self._refused("none", "busy", cred.uid, cause, busy)
+                self._reply_and_close(conn, {"ok": False, "error": busy})
                 continue
             with self._conns_lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="control-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, cred), name="control-conn", daemon=True).start()
+
+    def _take_slot(self, uid: int) -> tuple[str, str]:
+        """Take a connection slot for `uid`: ("", "") when taken, else (cause, the busy reply).
+
+        Over the whole limit it waits a moment for a slot (a client that has closed may not be
+        released yet); a user over their own limit is refused at once, so one user's flood of
+        connections cannot slow the accept loop for the others."""
+        deadline = time.monotonic() + _BUSY_WAIT
+        with self._slot_freed:
+            while True:
+                total = sum(self._held.values())
+                mine = self._held[uid]
+                if uid != 0 and mine >= self.per_uid:
+                    return "busy: user", (f"you (uid {uid}) already have {mine} connections open to the gpuwatch "
+                                          f"agent, the most one user may; close one and try again")
+                users = total - self._held[0]
+                if total < self.max_clients and (uid == 0 or users < self.max_clients - self.root_slots):
+                    self._held[uid] += 1
+                    return "", ""
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._slot_freed.wait(remaining)
+        if total >= self.max_clients:
+            return "busy: all", f"the agent is busy with {self.max_clients} control clients; try again"
+        return "busy: users", (f"the agent is busy: ordinary users hold all {users} of their connections "
+                               f"({self.root_slots} more are kept for root); try again")
+
+    def _release_slot(self, uid: int) -> None:
+        with self._slot_freed:
+            self._held[uid] -= 1
+            if self._held[uid] <= 0:
+                del self._held[uid]
+            self._slot_freed.notify()
+
+    # -- counting ------------------------------------------------------------------------------
+    def _count(self, method: str, result: str) -> None:
+        with self._stats_lock:
+            self._counts[(method, result)] += 1
+
+    def _refused(self, method: str, result: str, uid: int, cause: str, text: str) -> None:
+        """Count a refusal; log it the first time this user meets this cause, not every time."""
+        with self._stats_lock:
+            self._counts[(method, result)] += 1
+            key = (uid, cause)
+            first = key not in self._logged and len(self._logged) < _MAX_LOGGED
+            if first:
+                self._logged.add(key)
+        if first:
+            log.warning("control socket: uid %d, %s (%s): %s (logged once per user and cause; "
+                        "gpuwatch_control_requests_total counts every one)", uid, result, method, text)
+
+    def stats(self) -> dict[tuple[str, str], int]:
+        """Requests so far by (method, result): method is a known method, "unknown" (none could be
+        read, or no such method) or "none" (no request: refused at connect, idle, the peer gone)."""
+        with self._stats_lock:
+            return dict(self._counts)
+
+    def held(self) -> dict[int, int]:
+        """Connections being served now, by uid."""
+        with self._stats_lock:
+            return dict(self._held)
 
     def _reply_and_close(self, conn: socket.socket, reply: dict) -> None:
         try:
@@ -267,24 +391,30 @@ class ControlServer:
         finally:
             conn.close()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, cred: PeerCred) -> None:
+        pidfd = _peer_pidfd(conn)
         try:
-            try:
-                peer = _peercred(conn)
-            except OSError as e:
-                log.warning("control socket: cannot read peer credentials: %s", e)
-                return
+            # The identity is read before the pidfd is asked: if the process runs after it was
+            # read, its PID cannot have been reused meanwhile.
+            peer = PeerCred(cred.pid, cred.uid, cred.gid, ident.identify(cred.pid) if cred.pid > 0 else None, pidfd)
             buf = b""
             while True:
-                line, buf, error = self._read_request(conn, buf)
+                if not peer.alive():
+                    return self._gone(conn, peer, self._method_label(buf))
+                line, buf, error, result = self._read_request(conn, buf, peer)
                 if line is None:
+                    if result == "gone":
+                        return self._gone(conn, peer, "none")
                     if error:
+                        self._refused("unknown" if result != "idle" else "none", result, peer.uid, result, error)
                         try:
                             conn.settimeout(1.0)
                             conn.sendall(_encode({"ok": False, "error": error}))
                         except OSError:
                             pass
                     return
+                if not peer.alive():  # recheck: a request from a process that has exited is refused
+                    return self._gone(conn, peer, self._method_label(line))
                 reply = self._dispatch(line, peer)
                 conn.settimeout(self.timeout)  # a client that does not read its reply is dropped
                 conn.sendall(reply)
@@ -294,64 +424,137 @@ class ControlServer:
             with self._conns_lock:
                 self._conns.discard(conn)
             conn.close()
-            self._slots.release()
+            if pidfd is not None:
+                os.close(pidfd)
+            self._release_slot(cred.uid)
 
-    def _read_request(self, conn: socket.socket, buf: bytes) -> tuple[bytes | None, bytes, str]:
-        """Next request line, the bytes after it, and an error for the client if there is none."""
-        deadline = time.monotonic() + self.timeout
+    def _gone(self, conn: socket.socket, peer: PeerCred, method: str) -> None:
+        text = peer.gone_message()
+        self._refused(method, "gone", peer.uid, "gone", text)
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(_encode({"ok": False, "error": text}))
+        except OSError:
+            pass
+
+    def _method_label(self, line: bytes) -> str:
+        """The method a request names, for counting: a known one, "unknown", or "none" (no request)."""
+        if not line.strip():
+            return "none"
+        try:
+            method = json.loads(line.partition(b"\n")[0], parse_constant=_no_constant).get("method")
+        except (ValueError, RecursionError, AttributeError):
+            return "unknown"
+        return method if isinstance(method, str) and method in self.handlers else "unknown"
+
+    def _read_request(self, conn: socket.socket, buf: bytes,
+                      peer: PeerCred) -> tuple[bytes | None, bytes, str, str]:
+        """The next request line, the bytes after it, and when there is none an error for the
+        client and the result to count ("idle", "timeout", "refused", "gone"; "" at EOF).
+
+        Waiting for a request to start is idle (`idle_timeout`); once it has begun it has
+        `timeout` to arrive whole. The wait also ends when the peer process exits (its pidfd)."""
+        started = time.monotonic() if buf else None
+        fds = select.poll()
+        fds.register(conn, select.POLLIN)
+        if peer.pidfd is not None:
+            fds.register(peer.pidfd, select.POLLIN)
+        idle_since = time.monotonic()
         while b"\n" not in buf:
             if len(buf) > self.max_request:
-                return None, b"", f"request too large (over {self.max_request} bytes)"
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None, b"", f"no complete request within {self.timeout:g} s"
-            conn.settimeout(remaining)
+                return None, b"", f"request too large (over {self.max_request} bytes)", "refused"
+            now = time.monotonic()
+            if started is None:
+                remaining = idle_since + self.idle_timeout - now
+                if remaining <= 0:
+                    return None, b"", (f"closed: no request within {self.idle_timeout:g} s (idle "
+                                       f"connections are closed)"), "idle"
+            else:
+                remaining = started + self.timeout - now
+                if remaining <= 0:
+                    return None, b"", f"no complete request within {self.timeout:g} s", "timeout"
+            ready = dict(fds.poll(max(1, int(remaining * 1000))))
+            if peer.pidfd is not None and ready.get(peer.pidfd):
+                return None, b"", "", "gone"
+            if not ready:
+                continue
+            conn.settimeout(0)
             try:
                 chunk = conn.recv(65536)
-            except socket.timeout:
-                return None, b"", f"no complete request within {self.timeout:g} s"
+            except (BlockingIOError, InterruptedError):
+                continue
             if not chunk:
                 # EOF: a client may half-close after a last request without a newline.
-                return (buf, b"", "") if buf.strip() else (None, b"", "")
+                return (buf, b"", "", "") if buf.strip() else (None, b"", "", "")
+            if started is None:
+                started = time.monotonic()
             buf += chunk
         line, _, rest = buf.partition(b"\n")
         if len(line) > self.max_request:
-            return None, b"", f"request too large (over {self.max_request} bytes)"
-        return line, rest, ""
+            return None, b"", f"request too large (over {self.max_request} bytes)", "refused"
+        return line, rest, "", ""
 
     def _dispatch(self, line: bytes, peer: PeerCred) -> bytes:
+        method = "unknown"
         try:
-            result = self._handle(line, peer)
-        except ControlError as e:
+            method, result = self._handle(line, peer)
+        except _Refused as e:
+            self._refused(e.method, e.result, peer.uid, f"{e.result} {e.method}", str(e))
             return _encode({"ok": False, "error": str(e)})
         try:
-            return _encode({"ok": True, "result": result})
+            reply = _encode({"ok": True, "result": result})
         except (TypeError, ValueError) as e:  # a handler bug: say so instead of dropping the client
             log.error("control handler returned a result that is not JSON: %s", e)
+            self._count(method, "error")
             return _encode({"ok": False, "error": f"the agent's result is not JSON: {e}"})
+        self._count(method, "ok")
+        return reply
 
-    def _handle(self, line: bytes, peer: PeerCred) -> Any:
-        """The handler's result; ControlError with the reply's error text otherwise."""
+    def _handle(self, line: bytes, peer: PeerCred) -> tuple[str, Any]:
+        """The method and its handler's result; _Refused with the reply's error text otherwise."""
         try:
             req = json.loads(line, parse_constant=_no_constant)
         except ValueError as e:
-            raise ControlError(f"malformed request: not JSON ({e})") from None
+            raise _Refused("unknown", f"malformed request: not JSON ({e})") from None
         except RecursionError:  # json recurses once per nested array or object
-            raise ControlError("malformed request: JSON nested too deeply") from None
+            raise _Refused("unknown", "malformed request: JSON nested too deeply") from None
         if not isinstance(req, dict):
-            raise ControlError("malformed request: expected a JSON object")
+            raise _Refused("unknown", "malformed request: expected a JSON object")
         method = req.get("method")
         handler = self.handlers.get(method) if isinstance(method, str) else None
         if handler is None:
-            raise ControlError(f"unknown method {method!r}; known methods: {', '.join(sorted(self.handlers))}")
-        params = parse_params(method, req.get("params"), self.types)
+            raise _Refused("unknown", f"unknown method {method!r}; known methods: {', '.join(sorted(self.handlers))}")
         try:
-            return handler(params, peer)
-        except ControlError:
-            raise
+            params = parse_params(method, req.get("params"), self.types)
+            return method, handler(params, peer)
+        except ControlError as e:
+            raise _Refused(method, str(e)) from None
         except Exception as e:
             log.exception("control method %s failed (caller pid %d uid %d)", method, peer.pid, peer.uid)
-            raise ControlError(f"{method} failed in the agent: {type(e).__name__}: {e}") from None
+            raise _Refused(method, f"{method} failed in the agent: {type(e).__name__}: {e}", "error") from None
+
+
+class _Refused(ControlError):
+    """A request answered with an error: which method (for counting) and result."""
+
+    def __init__(self, method: str, text: str, result: str = "refused") -> None:
+        super().__init__(text)
+        self.method = method
+        self.result = result
+
+
+class ControlStatsProbe(Probe):
+    """What the control socket served: gpuwatch_control_requests_total{method,result}."""
+
+    name = "control"
+    interval = 1.0
+
+    def __init__(self, server: ControlServer) -> None:
+        self.server = server
+
+    def collect(self) -> list[Sample]:
+        return [Sample("gpuwatch.control.requests", v, "", {"method": m, "result": r})
+                for (m, r), v in sorted(self.server.stats().items())]
 
 
 def _no_constant(name: str) -> Any:
@@ -365,17 +568,23 @@ def _encode(obj: Any) -> bytes:
 
 # -- client --------------------------------------------------------------------------------
 
-def call(path: str, method: str, params: dict | None = None, timeout: float = TIMEOUT) -> Any:
-    """Send one request to the agent and return its result. Raises ControlError with a readable reason."""
+R = TypeVar("R", bound=wire.Message)
+
+
+def call(path: str, method: str, params: dict | None = None, timeout: float = TIMEOUT,
+         result_type: type[R] | None = None) -> Any:
+    """Send one request to the agent and return its result, parsed as `result_type` when given
+    (agent/wire.py). Raises ControlError with a readable reason."""
     request = _encode({"method": method, "params": params or {}})
     if len(request) > MAX_REQUEST:
         raise ControlError(f"request too large for the control socket ({len(request)} bytes, "
                            f"the limit is {MAX_REQUEST})")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
+    deadline = time.monotonic() + timeout
     try:
         try:
-            sock.connect(path)
+            _connect(sock, path, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
             raise ControlError(f"no gpuwatch agent is listening on {path} "
                                f"(is `gpuwatch agent` / the gpuwatch service running?)") from None
@@ -419,4 +628,22 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
         raise ControlError(f"unreadable reply from {path}: {reply!r:.200}")
     if not reply["ok"]:
         raise ControlError(str(reply.get("error", "the agent refused the request")))
-    return reply.get("result")
+    if result_type is None:
+        return reply.get("result")
+    try:
+        return result_type.parse(reply.get("result"), "result")
+    except wire.WireError as e:
+        raise ControlError(f"unexpected reply to {method!r} from {path}: {e}") from None
+
+
+def _connect(sock: socket.socket, path: str, deadline: float) -> None:
+    """connect(), waiting while the agent's listen backlog is full (a burst of other clients):
+    with a timeout set the socket does not block, and the kernel answers EAGAIN at once."""
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)

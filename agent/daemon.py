@@ -5,6 +5,9 @@ The daemon stays up whatever a probe does: probes that cannot run are reported
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import functools
 import logging
 import os
@@ -12,106 +15,128 @@ import signal
 import socket
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent import wire
-from gpuwatch.agent.api import Event, Probe
-from gpuwatch.agent.config import Config, ConfigError, load
-from gpuwatch.agent.control import ControlError, ControlServer, PeerCred
+from gpuwatch.agent.api import Event, GpuwatchError, Probe, ProbeBusy, ProbeNotRunning
+from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
+from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.runner import Runner, finding_attrs
 from gpuwatch.agent.store import Store, StoreError
+from gpuwatch.probes import cupti as cupti_probes
+from gpuwatch.probes import ebpf as ebpf_probes
+from gpuwatch.probes import nvml as nvml_probes
+from gpuwatch.probes.process.identity import identify, is_alive, owns
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError, nvml_view
 
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
+
 log = logging.getLogger("gpuwatch.agent")
+
+# A restart may begin while the old agent still stops (detaching uprobes takes seconds): this long
+# the new one waits for the old one's state directory lock and for its metrics port.
+START_WAIT = 10.0
+LOCK_NAME = "agent.lock"  # in agent.state_dir: "PID\n", "PID stopping\n" once it shuts down
+
+# What a SIGHUP applies at once; every other setting takes effect on restart.
+LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 
 # How long trace.snapshot waits for the eBPF probe's own work (a collection, or a start that
 # compiles and attaches) before answering that it is busy: well within the client's timeout.
 TRACE_LOCK_WAIT = 3.0
 
 
-class DaemonError(Exception):
+class DaemonError(GpuwatchError):
     """The agent cannot start; the message says what is in the way."""
 
 
-def nvml_backend_factory(cfg: Config):
-    """The NVML backend the config asks for: the real library, or a recorded H200 replayed."""
-    if cfg.nvml.replay:
-        from gpuwatch.probes.nvml.replay import ReplayBackend
-
-        return functools.partial(ReplayBackend, cfg.nvml.replay, gpus=cfg.nvml.replay_gpus or None,
-                                 processes_per_gpu=cfg.nvml.replay_processes_per_gpu or None,
-                                 event_wait_s=1.0,  # wait for XIDs as long as the real library does
-                                 # Test tooling only (tests/reliability): faults injected into a
-                                 # running agent; never read unless NVML is replayed.
-                                 control=os.environ.get("GPUWATCH_TEST_NVML_CONTROL") or None)
-    from gpuwatch.probes.nvml.backend import RealBackend
-
-    return RealBackend
-
-
-class LockedProbe(Probe):
-    """A probe whose start, collect and shutdown (on the runner's threads) never overlap a read
-    from a control socket thread holding `lock`: shutdown frees the BPF maps that a read uses, and
-    a rescan adds libraries while a read lists them."""
-
-    def __init__(self, probe: Probe) -> None:
-        self.probe = probe
-        self.name, self.interval, self.deadline = probe.name, probe.interval, probe.deadline
-        self.lock = threading.Lock()
-
-    def start(self) -> None:
-        with self.lock:
-            self.probe.start()
-
-    def collect(self) -> list:
-        with self.lock:
-            return list(self.probe.collect())
-
-    def events(self) -> list[Event]:
-        return self.probe.events()
-
-    def shutdown(self) -> None:
-        with self.lock:
-            self.probe.shutdown()
+# The probes made from the config alone, in the order the runner gets them: each package's
+# from_config(cfg) returns its probe, or None when the config leaves it off. A new probe package
+# adds its factory here. The Daemon adds the probes that need its own objects after these (the
+# OTLP exporter's counters, the in-process reports, the reference workload with the store).
+PROBE_FACTORIES: tuple[Callable[[Config], Probe | None], ...] = (
+    nvml_probes.from_config,
+    ebpf_probes.from_config,
+    cupti_probes.from_config,
+)
 
 
 def build_probes(cfg: Config) -> list[Probe]:
-    probes: list[Probe] = []
-    if cfg.nvml.enabled:
-        from gpuwatch.probes.nvml.probe import NvmlProbe
-        from gpuwatch.probes.process.kubernetes import PodResolver
+    """The probes of PROBE_FACTORIES that cfg turns on, in their order."""
+    made = (factory(cfg) for factory in PROBE_FACTORIES)
+    return [p for p in made if p is not None]
 
-        p = NvmlProbe(nvml_backend_factory(cfg), interval=cfg.nvml.interval,
-                      slow_interval=cfg.nvml.slow_interval,
-                      max_processes_per_gpu=cfg.nvml.max_processes_per_gpu,
-                      xid_events=cfg.nvml.xid_events,
-                      # Recorded pids are not this host's processes. Off Kubernetes a lookup is
-                      # one read of /proc/PID/cgroup per new GPU process.
-                      pods=None if cfg.nvml.replay else PodResolver())
-        p.deadline = cfg.nvml.deadline
-        probes.append(p)
-    if cfg.ebpf.enabled:
-        from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
 
-        e = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (),
-                          max_processes=cfg.ebpf.max_processes)
-        e.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
-        probes.append(LockedProbe(e))  # read by trace.snapshot from the control socket's threads
-    # Counters of the real GPUs would not match recorded ones: no sampling while replaying NVML.
-    if cfg.cupti.sampling and not cfg.nvml.replay:
-        from gpuwatch.probes.cupti.arbitration import parse_names
-        from gpuwatch.probes.cupti.devicewide import STATUS_FILE, CuptiSamplerProbe
+def lock_state_dir(state_dir: str, stop: threading.Event) -> int | None:
+    """flock STATE_DIR/agent.lock for the agent's life (the fd; the kernel drops the lock when the
+    process ends, however it ends): two agents on one state directory would write one store and
+    one CUPTI status file. Held by an agent that is stopping: wait up to START_WAIT. Held
+    otherwise: DaemonError naming its pid. A directory that cannot be written: None and a warning
+    (the store says the same and the agent serves metrics without it)."""
+    path = os.path.join(state_dir, LOCK_NAME)
+    try:
+        os.makedirs(state_dir, mode=0o750, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        log.warning("cannot lock the state directory %s (%s): a second agent on it would not be noticed",
+                    state_dir, e.strerror or e)
+        return None
+    deadline = time.monotonic() + START_WAIT
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").split()
+            pid = holder[0] if holder and holder[0].isdigit() else "unknown"
+            if "stopping" not in holder or time.monotonic() >= deadline or stop.is_set():
+                os.close(fd)
+                raise DaemonError(f"another gpuwatch agent (pid {pid}) uses {state_dir}; stop it or set "
+                                  "agent.state_dir") from None
+            if not said:
+                log.warning("waiting up to %.0f s for the gpuwatch agent (pid %s) that is stopping to release %s",
+                            START_WAIT, pid, state_dir)
+                said = True
+            stop.wait(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
-        # Starts a child process and returns: unavailable (no cupti-python, no permission) is
-        # reported by the probe, the daemon goes on.
-        probes.append(CuptiSamplerProbe(sample_interval=cfg.cupti.sample_interval,
-                                        group_seconds=cfg.cupti.group_seconds,
-                                        yield_to=parse_names(cfg.cupti.yield_to),
-                                        status_path=os.path.join(cfg.agent.state_dir, STATUS_FILE)))
-    return probes
+
+def port_holder(port: int) -> str:
+    """Who listens on TCP `port`: "pid N (comm)" from /proc/net/tcp{,6} and the fds in /proc
+    that this user may read; a plain description where it cannot tell."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        inodes.add(f"socket:[{fields[9]}]")
+        except (OSError, ValueError, IndexError):
+            continue
+    if not inodes:
+        return "another process"
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    with open(f"/proc/{pid}/comm") as f:
+                        return f"pid {pid} ({f.read().strip()})"
+            except OSError:
+                continue
+    return "a process this user cannot see (run as root to find it: ss -ltnp)"
 
 
 def web_config(path: str):
@@ -147,12 +172,19 @@ class Daemon:
         self.overrides = overrides
         self.started = time.time()
         self.stop_event = threading.Event()
+        # A SIGTERM while we start (imports, the first tick) stops us cleanly, without READY.
+        signal.signal(signal.SIGTERM, lambda *_: self._stop())
+        signal.signal(signal.SIGINT, lambda *_: self._stop())
         # The exporter first: a bad web config stops the agent before it opens anything.
         self.exporters = []
         if cfg.prometheus.enabled:
             from gpuwatch.exporters.prometheus import PrometheusExporter
 
-            self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config)))
+            self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config),
+                                                     max_requests=cfg.prometheus.max_requests))
+        self.lock_fd = lock_state_dir(cfg.agent.state_dir, self.stop_event)  # before the store and listeners
+        self._reload_lock = threading.Lock()
+        self._reload_error = ""  # the last rejected reload's error, said once
         # Without its database the agent still serves metrics; status says why nothing is kept.
         self.store: Store | None = None
         self.store_error = ""
@@ -162,6 +194,8 @@ class Daemon:
             self.store_error = str(e)
             log.error("running without the store: %s", e)
         probes = build_probes(cfg)
+        # Not in PROBE_FACTORIES: these three need the daemon's own objects (the exporter whose
+        # counters OtlpStatsProbe reads, the reports the control socket fills, the store).
         if cfg.otlp.enabled:
             from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, parse_headers
 
@@ -169,7 +203,9 @@ class Daemon:
                                 parse_headers(cfg.otlp.headers), cfg.otlp.certificate, cfg.otlp.insecure)
             self.exporters.append(otlp)
             probes.append(OtlpStatsProbe(otlp))
-        self.ebpf: LockedProbe | None = next((p for p in probes if isinstance(p, LockedProbe)), None)
+        # Read by trace.snapshot and findings from the control socket's threads, through its
+        # self-locking queries (query, live_stacks).
+        self.ebpf: EbpfCudaProbe | None = next((p for p in probes if p.name == "ebpf"), None)
         # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
         # only reads what processes send.
         self.inprocess = InProcessReports(gpus=self._nvml_view)
@@ -193,9 +229,6 @@ class Daemon:
         from gpuwatch.detectors.leak import LeakDetector
         from gpuwatch.detectors.thermal import ThermalDetector
 
-        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector(), HealthDetector()],
-                             exporters=self.exporters,
-                             history=History(maxlen=cfg.history.points), on_event=self._on_event)
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",
             "status": self._status,
@@ -206,6 +239,10 @@ class Daemon:
             "baseline.run": self._baseline_run,
             "baseline.show": self._baseline_show,
         }, group=cfg.control.group or None)
+        probes.append(ControlStatsProbe(self.control))  # gpuwatch_control_requests_total
+        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector(), HealthDetector()],
+                             exporters=self.exporters,
+                             history=History(maxlen=cfg.history.points), on_event=self._on_event)
 
     # -- control socket handlers -----------------------------------------------------------
     def _status(self, params: wire.NoParams, peer: PeerCred) -> dict:
@@ -252,7 +289,8 @@ class Daemon:
         root or the process's owner, with "libraries" narrowed to the attached libraries the process
         maps, each under the path the process sees. An empty "libraries": the process maps a libcuda
         the probe has not attached to yet (it rescans for new ones)."""
-        from gpuwatch.agent import trace
+        from gpuwatch.agent.trace import pids
+        from gpuwatch.agent.trace.errors import TraceError
         from gpuwatch.probes.ebpf import loader
 
         pid = params.pid
@@ -260,38 +298,42 @@ class Daemon:
             raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its "
                                "config): enable it and restart the agent, or run trace as root")
         try:
-            target = trace.check_pid(pid, privileged=lambda: True)
-        except trace.TraceError as e:
+            target = pids.check_pid(pid, privileged=lambda: True)
+        except TraceError as e:
             raise ControlError(str(e)) from None
-        if not peer.owns(pid):
-            raise ControlError(trace.not_yours_message(pid, peer.uid))
+        # The process checked, by pid and start time: if the PID is reused from here on, the
+        # snapshot below is of a process this caller was not allowed.
+        process = identify(pid)
+        if process is None or process.start_time != target.start_time:
+            raise ControlError(f"process {pid} has exited")
+        if not owns(peer.uid, process):
+            raise ControlError(pids.not_yours_message(pid, peer.uid))
         # Matched by file (device, inode): the probe may have found a library through another process.
         mapped: dict[tuple[int, int], str] = {}
         for path in loader.mapped_files(pid):
             fid = loader.file_id(f"/proc/{pid}/root{path}")
             if fid is not None:
                 mapped.setdefault(fid, path)
-        if not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
-            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
-                               "libcuda): try again in a few seconds")
         try:
-            probe = self.ebpf.probe
-            ld = probe.loader
-            if ld is None:
-                raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {self._ebpf_down_reason()}")
-            files = {lib.path: lib.file for lib in ld.libraries.values()}
-            snap = probe.snapshot(pid)
-        finally:
-            self.ebpf.lock.release()
+            answer = self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT)
+        except ProbeBusy:
+            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
+                               "libcuda): try again in a few seconds") from None
+        except ProbeNotRunning as e:
+            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
+        snap, files = answer.snapshot, answer.library_files
+        if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
+            raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
         snap["libraries"] = [dict(lib, path=mapped[files[lib["path"]]]) for lib in snap.get("libraries", [])
                              if files.get(lib["path"]) in mapped]
         if not snap["libraries"]:
             cuda = sorted(p for p in mapped.values() if loader.LIBCUDA_RE.search(p))
             if not cuda:
-                raise ControlError(trace.no_cuda_message(target, None))
-            if probe.libraries:
+                raise ControlError(pids.no_cuda_message(target, None))
+            if self.ebpf.libraries:
                 raise ControlError(f"process {pid} ({target.process}) maps {', '.join(cuda)}, but this gpuwatch "
-                                   f"agent attaches only to {', '.join(probe.libraries)} (ebpf.library in its config)")
+                                   f"agent attaches only to {', '.join(self.ebpf.libraries)} (ebpf.library in its "
+                                   f"config)")
         return snap
 
     def _nvml_view(self) -> dict:
@@ -307,7 +349,7 @@ class Daemon:
         names the caller; the server stamps time, name and GPUs itself: see probes/cupti/reports.py).
         The reply asks for continuous kernel activity while a trace watches the process."""
         try:
-            return self.inprocess.accept(params, peer.pid, peer.uid)
+            return self.inprocess.accept(params, peer.pid, peer.uid, peer.identity)
         except ReportError as e:
             raise ControlError(f"report refused: {e}") from None
 
@@ -321,9 +363,9 @@ class Daemon:
         if report is None:
             return None
         if not (peer.is_root or peer.uid == report.uid):
-            from gpuwatch.agent import trace
+            from gpuwatch.agent.trace.pids import not_yours_message
 
-            raise ControlError(trace.not_yours_message(pid, peer.uid))
+            raise ControlError(not_yours_message(pid, peer.uid))
         self.inprocess.watch(report)
         return report.as_dict()
 
@@ -380,18 +422,12 @@ class Daemon:
 
     def _live_stacks(self, pid: int) -> list[dict]:
         """The eBPF probe's allocation stacks for pid; [] when it does not run or is busy."""
-        if self.ebpf is None or not self.ebpf.lock.acquire(timeout=TRACE_LOCK_WAIT):
+        if self.ebpf is None:
             return []
         try:
-            return self.ebpf.probe.live_stacks(pid)
-        finally:
-            self.ebpf.lock.release()
-
-    def _ebpf_down_reason(self) -> str:
-        st = self.runner.snapshot.probes.get("ebpf")
-        if st is None or st.state == "starting" or not st.reason:
-            return "it is starting (compiling takes a few seconds): try again shortly"
-        return st.reason
+            return self.ebpf.live_stacks(pid, timeout=TRACE_LOCK_WAIT)
+        except (ProbeBusy, ProbeNotRunning):
+            return []
 
     def _on_event(self, ev: Event) -> None:
         log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))
@@ -405,38 +441,64 @@ class Daemon:
 
     # -- lifecycle -----------------------------------------------------------------------
     def reload(self) -> None:
-        """SIGHUP: re-read the config. An invalid file keeps the running config."""
-        try:
-            new = load(self.config_path, self.overrides)
-        except ConfigError as e:
-            log.error("config reload rejected, keeping the running config: %s", e)
-            return
-        setup_logging(new.agent.log_level, new.agent.log_format)
-        changed = [sec for sec in ("agent", "control", "prometheus", "nvml", "ebpf", "history", "cupti")
-                   if getattr(new, sec) != getattr(self.cfg, sec)]
-        self.cfg = new
-        if changed:
-            log.warning("config reloaded; log level applied now, changes in %s take effect on restart",
-                        ", ".join(changed))
-        else:
-            log.info("config reloaded: no changes")
-        if new.prometheus.web_config:  # read at start only: new certificates or users need a restart
-            log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
-                     new.prometheus.web_config)
+        """SIGHUP: re-read the config. An invalid file keeps the running config; the same error on
+        every SIGHUP is logged once (until a reload works or the error changes)."""
+        with self._reload_lock:  # one reload at a time, in SIGHUP order
+            try:
+                new = load(self.config_path, self.overrides)
+            except ConfigError as e:
+                if str(e) != self._reload_error:
+                    self._reload_error = str(e)
+                    log.error("config reload rejected, keeping the running config: %s", e)
+                return
+            self._reload_error = ""
+            setup_logging(new.agent.log_level, new.agent.log_format)
+            changed = changed_settings(self.cfg, new)
+            self.cfg = new
+            now = [n for n in changed if n in LIVE_SETTINGS]
+            later = [n for n in changed if n not in LIVE_SETTINGS]
+            if later:
+                log.warning("config reloaded: %s changed%s; %s take%s effect on restart", ", ".join(changed),
+                            f" ({', '.join(now)} applied now)" if now else "", ", ".join(later),
+                            "s" if len(later) == 1 else "")
+            elif now:
+                log.warning("config reloaded: %s changed, applied now", ", ".join(now))
+            else:
+                log.info("config reloaded: no changes")
+            if new.prometheus.web_config:  # read at start only: new certificates or users need a restart
+                log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
+                         new.prometheus.web_config)
 
     def _stop(self) -> None:
         self.stop_event.set()
-        self.runner.stop()  # wakes the runner loop now rather than at its next due probe
+        runner = getattr(self, "runner", None)  # None while __init__ builds it
+        if runner is not None:
+            runner.stop()  # wakes the runner loop now rather than at its next due probe
 
     def start_listeners(self) -> None:
-        """Open the metrics port and the control socket; raise DaemonError saying what is in the way."""
+        """Open the metrics port and the control socket; raise DaemonError saying what is in the way.
+        A port in use is waited for up to START_WAIT (an agent being restarted may still stop)."""
+        deadline = time.monotonic() + START_WAIT
         for exp in self.exporters:
-            try:
-                exp.start()
-            except OSError as e:
-                raise DaemonError(f"cannot serve metrics on {self.cfg.prometheus.listen}: {e.strerror or e} "
-                                  f"(another gpuwatch agent or exporter on that port? set prometheus.listen "
-                                  f"or --listen)") from None
+            said = False
+            while True:
+                try:
+                    exp.start()
+                    break
+                except OSError as e:
+                    if e.errno == errno.EADDRINUSE and time.monotonic() < deadline and not self.stop_event.is_set():
+                        if not said:
+                            log.warning("%s is in use; waiting up to %.0f s for it (an agent still stopping?)",
+                                        self.cfg.prometheus.listen, START_WAIT)
+                            said = True
+                        self.stop_event.wait(0.2)
+                        continue
+                    for started in self.exporters[:self.exporters.index(exp)]:
+                        started.shutdown()
+                    who = f" by {port_holder(getattr(exp, 'port', 0))}" if e.errno == errno.EADDRINUSE else ""
+                    raise DaemonError(f"cannot serve metrics on {self.cfg.prometheus.listen}: {e.strerror or e}{who} "
+                                      f"(another gpuwatch agent or exporter on that port? stop it, or set "
+                                      f"prometheus.listen or --listen)") from None
         try:
             self.control.start()
         except ControlError as e:
@@ -459,31 +521,52 @@ class Daemon:
                 log.warning("missing capability %s (%s): %s", needs, what, effect)
 
     def run(self) -> int:
-        # Handlers first: a SIGTERM as soon as the port answers must still stop us cleanly.
-        signal.signal(signal.SIGTERM, lambda *_: self._stop())
-        signal.signal(signal.SIGINT, lambda *_: self._stop())
+        # SIGTERM and SIGINT were set in __init__: a stop asked as soon as the port answers still counts.
         signal.signal(signal.SIGHUP, lambda *_: threading.Thread(target=self.reload, daemon=True).start())
+        if self.stop_event.is_set():
+            log.info("stopped before start-up completed")
+            if self.store is not None:
+                self.store.close()
+            return 0
         self.start_listeners()
-        if self.store is not None:
-            self.store.record_run(__version__)
-        watchdog = sdnotify.Watchdog()
-        self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY
-        sdnotify.ready()
-        self._log_missing_capabilities()
-        log.info("gpuwatch %s started on %s (state %s, control socket %s)", __version__,
-                 socket.gethostname(), self.cfg.agent.state_dir, self.cfg.control.socket)
+        try:
+            if self.store is not None:
+                self.store.record_run(__version__)
+            watchdog = sdnotify.Watchdog()
+            self.runner.tick_once(timeout=min(2.0, self.cfg.nvml.deadline))  # first snapshot before READY
+            if self.stop_event.is_set():  # READY would tell systemd we run: we are stopping instead
+                log.info("stopped before start-up completed")
+            else:
+                sdnotify.ready()
+                self._log_missing_capabilities()
+                log.info("gpuwatch %s started on %s (state %s, control socket %s)", __version__,
+                         socket.gethostname(), self.cfg.agent.state_dir, self.cfg.control.socket)
+        except BaseException:
+            self.stop_event.set()
+            raise
+        finally:
+            if self.stop_event.is_set():
+                self._shutdown()
+        if self.stop_event.is_set():
+            return 0
         try:
             # The watchdog is pinged from the runner loop, never from inside a probe call:
             # a hung loop stops the pings, a hung NVML call does not.
             self.runner.run(stop=self.stop_event, heartbeat=watchdog.ping)
         finally:
-            sdnotify.notify("STOPPING=1")
-            log.info("shutting down")
-            self.control.stop()
-            self.runner.shutdown()
-            if self.store is not None:
-                self.store.close()
+            self._shutdown()
         return 0
+
+    def _shutdown(self) -> None:
+        sdnotify.notify("STOPPING=1")
+        log.info("shutting down")
+        if self.lock_fd is not None:  # a restarted agent waits for us rather than failing at once
+            with contextlib.suppress(OSError):
+                os.pwrite(self.lock_fd, f"{os.getpid()} stopping\n".encode(), 0)
+        self.control.stop()
+        self.runner.shutdown()
+        if self.store is not None:
+            self.store.close()
 
 
 def _exporter_info(exp) -> dict:

@@ -265,6 +265,14 @@ METRICS: tuple[Metric, ...] = (
            "GPM: fraction of cycles a pipe was active (tensor, fp16, fp32, fp64).", ("gpu", "pipe")),
     Metric("gpuwatch.gpu.dram.activity", "1", Kind.GAUGE,
            "GPM: DRAM bandwidth utilisation as a fraction of peak.", _G),
+    # --- control socket (agent/control.py) ---------------------------------------------------
+    Metric("gpuwatch.control.requests", "", Kind.COUNTER,
+           "Control socket requests by method and result: ok; refused (bad params, not the caller's, "
+           "malformed or too large); error (the agent failed); busy (refused at connect: the caller's, "
+           "ordinary users' or every connection slot taken); gone (the process that opened the connection "
+           "has exited); idle (closed with no request); timeout (a request that did not arrive whole). "
+           "method is a control method, unknown (none could be read, or no such method) or none (no request "
+           "was read).", ("method", "result")),
     # --- OTLP export (exporters/otlp.py) -----------------------------------------------------
     Metric("gpuwatch.otlp.items", "", Kind.COUNTER,
            "OTLP export, from the OpenTelemetry SDK's own counters: signal=metrics (data points) or logs "

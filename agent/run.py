@@ -27,6 +27,7 @@ import sys
 from typing import Mapping, NoReturn, Sequence
 
 import gpuwatch.probes.cupti as _cupti_pkg
+from gpuwatch.agent.api import GpuwatchError
 from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
 from gpuwatch.probes.cupti import cupti_lib_dir as _newest_cupti
 
@@ -46,7 +47,7 @@ ENV_DUTY_CYCLE = "GPUWATCH_RUN_DUTY_CYCLE"
 ENV_QUIET = "GPUWATCH_RUN_QUIET"
 
 
-class RunError(Exception):
+class RunError(GpuwatchError):
     """gpuwatch itself cannot prepare the run (broken installation)."""
 
 

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from gpuwatch.agent.api import Event
+from gpuwatch.agent.api import Event, GpuwatchError
 
 log = logging.getLogger("gpuwatch.store")
 
@@ -55,27 +55,36 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 )
 SCHEMA_VERSION = len(MIGRATIONS)
 
-# Events kept; older ones are deleted as new ones arrive, so a flapping probe cannot fill the disk.
+# Rows kept, newest first; older ones are deleted at open and as new ones arrive, so neither a
+# flapping probe nor a crash-looping agent (which never reaches a per-process count) fills the disk.
+# Counted over the table, not per process.
 MAX_EVENTS = 100_000
-_PRUNE_EVERY = 1000
+MAX_RUNS = 1000  # agent starts: a year of a restart a day, or the last 1000 of a crash loop
+MAX_BASELINE_RUNS = 500  # per GPU: 125 days at the default 6 h interval, what the health judge looks at and more
+_PRUNE_EVERY = 1000  # events over max_events (at most) before the oldest are deleted: one DELETE per batch
 
 
-class StoreError(Exception):
+class StoreError(GpuwatchError):
     """The store cannot be opened or read. The message names the file and what to do."""
 
 
 class Store:
-    def __init__(self, conn: sqlite3.Connection, path: str, max_events: int = MAX_EVENTS) -> None:
+    def __init__(self, conn: sqlite3.Connection, path: str, max_events: int = MAX_EVENTS, max_runs: int = MAX_RUNS,
+                 max_baseline_runs: int = MAX_BASELINE_RUNS) -> None:
         self._conn = conn
         self.path = path
         self.max_events = max_events
+        self.max_runs = max_runs
+        self.max_baseline_runs = max_baseline_runs
         self.write_errors = 0
         self._lock = threading.Lock()
         self._failing: set[str] = set()  # error texts already logged since the last good write
-        self._inserts = 0
+        self._over = 0  # events inserted since the table last held at most max_events
+        self._slack = max(1, min(_PRUNE_EVERY, max_events // 10))
 
     @classmethod
-    def open(cls, state_dir: str, max_events: int = MAX_EVENTS) -> "Store":
+    def open(cls, state_dir: str, max_events: int = MAX_EVENTS, max_runs: int = MAX_RUNS,
+             max_baseline_runs: int = MAX_BASELINE_RUNS) -> "Store":
         """Open (creating and migrating as needed) <state_dir>/gpuwatch.db. Raises StoreError."""
         path = os.path.join(state_dir, DB_NAME)
         try:
@@ -106,31 +115,57 @@ class Store:
         except BaseException:
             conn.close()
             raise
-        return cls(conn, path, max_events)
+        store = cls(conn, path, max_events, max_runs, max_baseline_runs)
+        store._write(store._prune_all)
+        return store
+
+    # -- bounds ------------------------------------------------------------------------------------
+    @staticmethod
+    def _keep_newest(c: sqlite3.Connection, table: str, n: int, where: str = "", args: tuple = ()) -> None:
+        """Delete all but the newest n rows of table (matching `where`)."""
+        cond = f"WHERE {where}" if where else ""
+        c.execute(f"DELETE FROM {table} {cond} {'AND' if where else 'WHERE'} id <= "
+                  f"(SELECT id FROM {table} {cond} ORDER BY id DESC LIMIT 1 OFFSET ?)", (*args, *args, n))
+
+    def _prune_all(self, c: sqlite3.Connection) -> None:
+        self._keep_newest(c, "events", self.max_events)
+        self._keep_newest(c, "agent_runs", self.max_runs)
+        c.execute("""DELETE FROM baseline_runs WHERE id IN (SELECT id FROM (SELECT id, row_number() OVER
+                     (PARTITION BY gpu ORDER BY id DESC) AS newer FROM baseline_runs) WHERE newer > ?)""",
+                  (self.max_baseline_runs,))
 
     # -- writes: never raise ------------------------------------------------------------------
     def record_run(self, version: str) -> None:
         """Note that an agent started (this process)."""
-        self._write(lambda c: c.execute(
-            "INSERT INTO agent_runs (started_at, version, pid, host) VALUES (?, ?, ?, ?)",
-            (time.time(), version, os.getpid(), socket.gethostname())))
+        def insert(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO agent_runs (started_at, version, pid, host) VALUES (?, ?, ?, ?)",
+                      (time.time(), version, os.getpid(), socket.gethostname()))
+            self._keep_newest(c, "agent_runs", self.max_runs)
+
+        self._write(insert)
 
     def record_event(self, ev: Event) -> None:
         attrs = json.dumps(dict(ev.attrs), default=str, sort_keys=True)
 
         def insert(c: sqlite3.Connection) -> None:
-            cur = c.execute("INSERT INTO events (ts, kind, resource, attrs) VALUES (?, ?, ?, ?)",
-                            (ev.ts, ev.kind, ev.resource, attrs))
-            self._inserts += 1
-            if self._inserts % _PRUNE_EVERY == 0:
-                c.execute("DELETE FROM events WHERE id <= ?", (cur.lastrowid - self.max_events,))
+            c.execute("INSERT INTO events (ts, kind, resource, attrs) VALUES (?, ?, ?, ?)",
+                      (ev.ts, ev.kind, ev.resource, attrs))
+            self._over += 1
+            if self._over >= self._slack:  # the table held max_events at open: now at most max + slack
+                self._keep_newest(c, "events", self.max_events)
+                self._over = 0
 
         self._write(insert)
 
     def record_baseline(self, gpu: str, ts: float, run: dict) -> None:
         """Keep one run of the reference workload (its JSON, verdict included)."""
         text = json.dumps(run, default=str, sort_keys=True)
-        self._write(lambda c: c.execute("INSERT INTO baseline_runs (ts, gpu, run) VALUES (?, ?, ?)", (ts, gpu, text)))
+
+        def insert(c: sqlite3.Connection) -> None:
+            c.execute("INSERT INTO baseline_runs (ts, gpu, run) VALUES (?, ?, ?)", (ts, gpu, text))
+            self._keep_newest(c, "baseline_runs", self.max_baseline_runs, "gpu = ?", (gpu,))
+
+        self._write(insert)
 
     def _write(self, fn: Callable[[sqlite3.Connection], object]) -> None:
         with self._lock:

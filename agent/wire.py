@@ -20,7 +20,8 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from types import MappingProxyType
+from typing import Any, ClassVar, Mapping, TypeVar
 
 from gpuwatch.agent.api import GpuwatchError
 
@@ -149,6 +150,60 @@ class Fixed(Spec):
 
 
 @dataclass(frozen=True)
+class MapOf(Spec):
+    """A JSON object used as a map: at most `max_len` keys of `key`, each value a `value`."""
+
+    value: Spec
+    max_len: int
+    key: Str = Str(256)
+
+    def check(self, v: Any, where: str) -> dict:
+        if not isinstance(v, dict):
+            raise WireError(where, f"must be a JSON object, got {type(v).__name__}")
+        if len(v) > self.max_len:
+            raise WireError(where, f"must have at most {self.max_len} entries, got {len(v)}")
+        out = {}
+        for k, x in v.items():
+            key = self.key.check(k, f"{where} key")
+            out[key] = self.value.check(x, f"{where}[{_show(key)}]")
+        return out
+
+
+@dataclass(frozen=True)
+class Json(Spec):
+    """Any JSON value, bounded in depth, string length and container size: the parts of a
+    result that are shown as they are, not read field by field."""
+
+    max_depth: int = 6
+    max_len: int = 4096
+
+    def check(self, v: Any, where: str, depth: int = 0) -> Any:
+        if depth > self.max_depth:
+            raise WireError(where, f"must be nested at most {self.max_depth} deep")
+        if v is None or isinstance(v, bool):
+            return v
+        if isinstance(v, int):
+            return Int(-INT64_MAX - 1, 2**64 - 1).check(v, where)
+        if isinstance(v, float):
+            if not math.isfinite(v):
+                raise WireError(where, f"must be a finite number, got {_show(v)}")
+            return v
+        if isinstance(v, str):
+            return Str(self.max_len, clean=True).check(v, where)
+        if isinstance(v, (list, dict)) and len(v) > self.max_len:
+            raise WireError(where, f"must have at most {self.max_len} entries, got {len(v)}")
+        if isinstance(v, list):
+            return [self.check(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+        if isinstance(v, dict):
+            return {Str(self.max_len, clean=True).check(k, f"{where} key"): self.check(x, f"{where}[{_show(k)}]", depth + 1)
+                    for k, x in v.items()}
+        raise WireError(where, f"must be JSON, got {type(v).__name__}")
+
+
+EMPTY_MAP: Mapping = MappingProxyType({})  # the default of a MapOf field (a field's default is immutable)
+
+
+@dataclass(frozen=True)
 class Obj(Spec):
     message: type  # a Message subclass
 
@@ -169,7 +224,9 @@ class Opt(Spec):
 def wire(spec: Spec, default: Any = dataclasses.MISSING) -> Any:
     """A message field with its spec; without a default the field is required."""
     if isinstance(default, (list, dict)):
-        raise TypeError("use a tuple or None as a default")
+        raise TypeError("use a tuple, None or EMPTY_MAP as a default")
+    if default is EMPTY_MAP:  # dataclasses take no mapping as a default: each message its own {}
+        return dataclasses.field(default_factory=dict, metadata={"wire": spec})
     return dataclasses.field(default=default, metadata={"wire": spec})
 
 
@@ -180,19 +237,23 @@ class Message:
     """Base of the wire types. Subclasses are frozen dataclasses whose fields use `wire()`."""
 
     name: ClassVar[str] = ""
+    # Unknown fields: refused in what comes in (a field nobody reads is a field nobody bounds);
+    # ignored in results, where they are what a newer agent added and this client does not read.
+    ignore_unknown: ClassVar[bool] = False
 
     @classmethod
     def specs(cls) -> dict[str, tuple[Spec, Any]]:
         """Each field's spec and default (dataclasses.MISSING when required)."""
-        return {f.name: (f.metadata["wire"], f.default) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return {f.name: (f.metadata["wire"], f.default if f.default_factory is dataclasses.MISSING
+                         else f.default_factory()) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
 
     @classmethod
     def parse(cls: type[M], raw: Any, where: str = "") -> M:
         if not isinstance(raw, dict):
             raise WireError(where or cls.name or cls.__name__, f"must be a JSON object, got {type(raw).__name__}")
         specs = cls.specs()
-        unknown = sorted(k for k in raw if k not in specs)
-        if unknown:
+        unknown = sorted(str(k) for k in raw if k not in specs)
+        if unknown and not cls.ignore_unknown:
             raise WireError(f"{where}.{unknown[0]}" if where else str(unknown[0])[:64],
                             "is not a field of this message")
         values = {}
@@ -216,6 +277,8 @@ def _jsonable(v: Any) -> Any:
         return {f.name: _jsonable(getattr(v, f.name)) for f in dataclasses.fields(v)}  # type: ignore[arg-type]
     if isinstance(v, (tuple, list)):
         return [_jsonable(x) for x in v]
+    if isinstance(v, Mapping):
+        return {k: _jsonable(x) for k, x in v.items()}
     return v
 
 
@@ -351,4 +414,129 @@ METHODS: dict[str, type[Message]] = {
     "findings": FindingsParams,
     "baseline.run": BaselineRunParams,
     "baseline.show": BaselineShowParams,
+}
+
+
+# -- results: what the agent answers (control.call(..., result_type=...) parses them) --------------
+
+class Result(Message):
+    ignore_unknown: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class ProbeStatusResult(Result):
+    name: str = wire(Str(64, clean=True), "")
+    up: bool = wire(Bool(), False)
+    reason: str = wire(Str(4096, clean=True), "")
+    state: str = wire(Str(32, clean=True), "")
+    last_duration: float = wire(Float(), 0.0)
+    last_success: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+    late_total: int = wire(Int(), 0)
+    errors_total: int = wire(Int(), 0)
+    interval: float = wire(Float(), 0.0)
+
+
+@dataclass(frozen=True)
+class GpuStatusResult(Result):
+    uuid: str = wire(Str(96, clean=True), "")
+    index: int = wire(Int(-1, MAX_GPUS - 1), -1)
+    name: str = wire(Str(256, clean=True), "")
+    up: bool | None = wire(Opt(Bool()), None)
+    temperature_celsius: float | None = wire(Opt(Float(-273.15, 1e4)), None)
+    utilization: float | None = wire(Opt(Float(0.0, 1.0)), None)
+    power_watts: float | None = wire(Opt(Float(0.0, 1e6)), None)
+    memory_used_bytes: float | None = wire(Opt(Float(0.0, MAX_BYTES)), None)
+    memory_total_bytes: float | None = wire(Opt(Float(0.0, MAX_BYTES)), None)
+
+
+@dataclass(frozen=True)
+class ExporterResult(Result):
+    listen: str = wire(Str(256, clean=True), "")
+    scheme: str = wire(Str(16, clean=True), "")
+    web_config: str = wire(Str(4096, clean=True), "")
+
+
+@dataclass(frozen=True)
+class StoreResult(Result):
+    path: str = wire(Str(4096, clean=True), "")
+    write_errors: int = wire(Int(), 0)
+    error: str = wire(Str(4096, clean=True), "")
+
+
+@dataclass(frozen=True)
+class EventResult(Result):
+    ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+    kind: str = wire(Str(128, clean=True), "")
+    resource: str = wire(Str(256, clean=True), "")
+    attrs: Mapping = wire(MapOf(Json(), 256), EMPTY_MAP)
+
+
+@dataclass(frozen=True)
+class StatusResult(Result):
+    """`status`. The in-process agents' entries are shown as they are (probes/cupti/reports.py
+    says what they hold)."""
+
+    name: ClassVar[str] = "result"
+    version: str = wire(Str(64, clean=True))
+    pid: int = wire(Int(1, PID_MAX))
+    uptime_seconds: float = wire(Float())
+    snapshot_age_seconds: float | None = wire(Opt(Float()), None)
+    probes: Mapping = wire(MapOf(Obj(ProbeStatusResult), 256), EMPTY_MAP)
+    gpus: tuple = wire(ListOf(Obj(GpuStatusResult), MAX_GPUS), ())
+    exporters: Mapping = wire(MapOf(Obj(ExporterResult), 16), EMPTY_MAP)
+    state_dir: str = wire(Str(4096, clean=True), "")
+    store: StoreResult = wire(Obj(StoreResult), StoreResult())
+    inprocess_agents: tuple = wire(ListOf(Json(), 1024), ())
+    recent_events: tuple = wire(ListOf(Obj(EventResult), 100), ())
+
+
+@dataclass(frozen=True)
+class ApiCountsResult(Result):
+    calls: int = wire(Int(), 0)
+    errors: int = wire(Int(), 0)
+    bytes: int = wire(Int(), 0)
+    seconds: float = wire(Float(), 0.0)
+    mean_latency_s: float = wire(Float(), 0.0)
+    histogram: Mapping = wire(MapOf(Int(), 128, Str(8, pattern=r"[0-9]{1,3}")), EMPTY_MAP)  # log2 ns slot -> calls
+    timed: bool = wire(Bool(), True)
+    errors_by_code: Mapping = wire(MapOf(Int(), 1024, Str(64, clean=True)), EMPTY_MAP)
+
+
+@dataclass(frozen=True)
+class SnapshotMemoryResult(Result):
+    live_bytes: int = wire(Int(), 0)
+    live_allocations: int = wire(Int(), 0)
+    allocations: int = wire(Int(), 0)
+    frees: int = wire(Int(), 0)
+
+
+@dataclass(frozen=True)
+class SnapshotLibraryResult(Result):
+    path: str = wire(Str(4096, clean=True))
+    attached: tuple = wire(ListOf(Str(128, clean=True), 1024), ())
+    skipped: tuple = wire(ListOf(Json(), 1024), ())
+    uprobes: int = wire(Int(), 0)
+
+
+@dataclass(frozen=True)
+class TraceSnapshotResult(Result):
+    """`trace.snapshot` (EbpfCudaProbe.snapshot says what each field counts). Kernels, stacks
+    and recorded-event counts are shown as they are."""
+
+    name: ClassVar[str] = "result"
+    pid: int | None = wire(Opt(Int(1, PID_MAX)), None)
+    apis: Mapping = wire(MapOf(Obj(ApiCountsResult), 1024), EMPTY_MAP)
+    memory: SnapshotMemoryResult = wire(Obj(SnapshotMemoryResult), SnapshotMemoryResult())
+    kernels: tuple = wire(ListOf(Json(), 10_000), ())
+    stacks: tuple = wire(ListOf(Json(), 10_000), ())
+    dropped_events: int = wire(Int(), 0)
+    dropped_by_kind: Mapping = wire(MapOf(Int(), 64, Str(64, clean=True)), EMPTY_MAP)
+    events: Any = wire(Opt(Json()), None)
+    libraries: tuple = wire(ListOf(Obj(SnapshotLibraryResult), 64), ())
+
+
+# method -> the wire type of its result, where there is one
+RESULTS: dict[str, type[Message]] = {
+    "status": StatusResult,
+    "trace.snapshot": TraceSnapshotResult,
 }

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
-from gpuwatch.agent.trace import fmt_bytes
+from gpuwatch.agent.trace.render import fmt_bytes
 
 WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"

@@ -253,30 +253,72 @@ _PLAIN_HTTP_ANSWER = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; ch
 REQUEST_TIMEOUT = 10.0
 
 
+class _Deadlines:
+    """One thread for every connection's request deadline (a timer thread per connection would
+    double the threads a flood of idle connections costs). A connection past its deadline is shut
+    down: its blocked read returns and its handler ends."""
+
+    def __init__(self) -> None:
+        self._due: dict[socket.socket, float] = {}
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    def add(self, conn: socket.socket, seconds: float) -> None:
+        with self._cond:
+            self._due[conn] = time.monotonic() + seconds
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="prometheus-deadlines", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, conn: socket.socket) -> None:
+        with self._cond:
+            self._due.pop(conn, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                late = [c for c, t in self._due.items() if t <= now]
+                for c in late:
+                    del self._due[c]
+                wait = min(self._due.values(), default=now + 60.0) - now
+                if not late:
+                    self._cond.wait(max(0.05, wait))
+                    continue
+            for c in late:
+                try:
+                    # The base socket's shutdown (also for TLS): the blocked read returns.
+                    socket.socket.shutdown(c, socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
 class _QuietHandler(WSGIRequestHandler):
     timeout = CONNECTION_TIMEOUT
     request_timeout = REQUEST_TIMEOUT
 
     def setup(self) -> None:
         super().setup()
-        self._slow = threading.Timer(self.request_timeout, self._drop_slow_client)
-        self._slow.daemon = True
-        self._slow.start()
-
-    def _drop_slow_client(self) -> None:
-        # The base socket's shutdown (also for TLS): the blocked read returns, the handler ends.
-        try:
-            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self.server.deadlines.add(self.connection, self.request_timeout)
 
     def parse_request(self) -> bool:
         ok = super().parse_request()  # has read the headers: the request arrived in time
-        self._slow.cancel()
+        self.server.deadlines.discard(self.connection)
         return ok
 
     def finish(self) -> None:
-        self._slow.cancel()
+        self.server.deadlines.discard(self.connection)
         super().finish()
 
     def log_message(self, format, *args):  # noqa: A002 - scrapes are not worth a log line each
@@ -306,10 +348,64 @@ class _QuietHandler(WSGIRequestHandler):
             self.wfile.write(body)
 
 
+# At most this many connections are served at once (node_exporter's --web.max-requests): each
+# holds a thread, so a flood of idle connections costs threads up to here and no further.
+MAX_REQUESTS = 40
+_BUSY_ANSWER = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                b"Connection: close\r\nRetry-After: 1\r\n\r\ntoo many concurrent requests\n")
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    # The listen backlog (socketserver's default is 5): a burst of scrapes and health checks must
+    # not wait a second for a SYN retransmit while the accept loop starts threads.
+    request_queue_size = 1024
     web: "WebConfig | None" = None
     handshake_timeout = HANDSHAKE_TIMEOUT
+    max_requests = MAX_REQUESTS
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.deadlines = _Deadlines()
+        self._active = 0
+        self._active_lock = threading.Lock()
+        self._refused_logged = 0.0
+
+    def process_request(self, request, client_address):
+        """Serve in a thread of its own, or, past max_requests, answer 503 from the accept loop
+        without a thread (a non-blocking write of a few bytes to a fresh socket) and close."""
+        with self._active_lock:
+            busy = self._active >= self.max_requests
+            if not busy:
+                self._active += 1
+        if not busy:
+            return super().process_request(request, client_address)
+        now = time.monotonic()
+        if now - self._refused_logged > 60.0:  # once a minute, not once per connection
+            self._refused_logged = now
+            log.warning("/metrics: more than %d connections at once; refusing new ones with 503 "
+                        "(a scraper or client that opens connections and does not finish them?)",
+                        self.max_requests)
+        try:
+            if self.web is None or self.web.ssl_context is None:  # TLS clients would not read it
+                request.setblocking(False)
+                request.send(_BUSY_ANSWER)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        deadlines = getattr(self, "deadlines", None)
+        if deadlines is not None:
+            deadlines.close()
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._active_lock:
+                self._active -= 1
 
     def finish_request(self, request, client_address):
         # Runs in the connection's own thread (ThreadingMixIn), not in the accept loop: a client
@@ -373,9 +469,10 @@ class _Server(ThreadingMixIn, WSGIServer):
 class PrometheusExporter(Exporter):
     name = "prometheus"
 
-    def __init__(self, listen: str, web: "WebConfig | None" = None) -> None:
+    def __init__(self, listen: str, web: "WebConfig | None" = None, max_requests: int = MAX_REQUESTS) -> None:
         self.host, self.port = parse_listen(listen)
         self.web = web
+        self.max_requests = max_requests
         self.app = _MetricsApp()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -390,6 +487,7 @@ class PrometheusExporter(Exporter):
         app = _Guard(self.app, self.web) if self.web is not None else self.app
         self._server = make_server(self.host, self.port, app, server_class, handler_class=_QuietHandler)
         self._server.web = self.web  # before serve_forever: no connection is handled yet
+        self._server.max_requests = self.max_requests
         self.port = self._server.server_address[1]  # the real port when 0 was asked for
         self._thread = threading.Thread(target=self._server.serve_forever, name="prometheus-http", daemon=True)
         self._thread.start()

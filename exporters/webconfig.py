@@ -32,6 +32,10 @@ UNAUTHORIZED_HEADER = ("WWW-Authenticate", f'Basic realm="{REALM}"')
 
 TLS_VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
                 "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3}
+# exporter-toolkit accepts these; OpenSSL 3 at its default security level has no cipher for them
+# (measured with OpenSSL 3.0: every handshake fails "no ciphers available"), and RFC 8996 deprecates
+# them. Refused at start rather than accepted for a server no client can reach.
+UNUSABLE_TLS_VERSIONS = ("TLS10", "TLS11")
 CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}
 # Go can ask for a client certificate without verifying it; Python's ssl cannot. Refused rather
@@ -219,6 +223,10 @@ def _tls(path: str, tls: dict, warnings: list[str]) -> tuple[ssl.SSLContext | No
         v = _string(path, k(key), tls.get(key)) or default
         if v not in TLS_VERSIONS:
             raise ConfigError(path, k(key), f"expected one of {', '.join(TLS_VERSIONS)}, got {v!r}")
+        if v in UNUSABLE_TLS_VERSIONS:
+            raise ConfigError(path, k(key), f"{v} cannot work: {ssl.OPENSSL_VERSION} at its default security level "
+                                            f"has no cipher for TLS 1.0 or 1.1 (deprecated by RFC 8996), so no "
+                                            f"client could connect; use TLS12 or TLS13")
         versions[key] = TLS_VERSIONS[v]
     if versions["min_version"] > versions["max_version"]:
         raise ConfigError(path, k("min_version"), "is above max_version")

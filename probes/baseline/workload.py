@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 import triton
 
+from gpuwatch.agent.api import GpuwatchError
 from gpuwatch.probes.baseline import check as checks
 from gpuwatch.probes.baseline import kernels
 
@@ -40,7 +41,7 @@ THROTTLE_REASONS = {
 }
 
 
-class Busy(Exception):
+class Busy(GpuwatchError):
     """The GPU has compute processes: a run would disturb them and measure them."""
 
 

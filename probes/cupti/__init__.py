@@ -91,3 +91,18 @@ def uuid_string(raw) -> str:
         raw = bytes(int(x) & 0xFF for x in raw)  # a char[16] may come back as signed ints
     u = bytes(raw)[:16].ljust(16, b"\0").hex()
     return f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}"
+
+
+def from_config(cfg):
+    """The daemon's device-wide counter sampler (agent/daemon.py PROBE_FACTORIES); None when
+    cupti.sampling is false, or while NVML is replayed: counters of the real GPUs would not match
+    recorded ones. It starts a child process and returns: unavailable (no cupti-python, no
+    permission) is reported by the probe, the daemon goes on."""
+    if not cfg.cupti.sampling or cfg.nvml.replay:
+        return None
+    from gpuwatch.probes.cupti.arbitration import parse_names
+    from gpuwatch.probes.cupti.devicewide import STATUS_FILE, CuptiSamplerProbe
+
+    return CuptiSamplerProbe(sample_interval=cfg.cupti.sample_interval, group_seconds=cfg.cupti.group_seconds,
+                             yield_to=parse_names(cfg.cupti.yield_to),
+                             status_path=os.path.join(cfg.agent.state_dir, STATUS_FILE))

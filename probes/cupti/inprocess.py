@@ -178,6 +178,7 @@ class InProcessAgent:
         self.cupti: Any = None
         self.libcupti = ""
         self.report_path = ""
+        self._report_dir: Any = None  # safefile.Dir of the report file, once it is first written
         self.last_socket_try = 0.0
         self.socket_ok: bool | None = None
         self.memory: list[dict] = []
@@ -560,49 +561,18 @@ class InProcessAgent:
             self._once(f"cannot write {self.settings.record}: {e.strerror or e}")
 
     def _write_file(self, report: dict) -> None:
+        from gpuwatch.agent import safefile
+
         path = self.report_path or self.settings.report_path(self.pid)
         self.report_path = path
         try:
-            _write_private(path, json.dumps(report))
+            # The directory is opened once and kept: whoever owns its parent ($XDG_RUNTIME_DIR may be
+            # a user's while root runs this) can swap its name for a symlink, never what the fd is.
+            if self._report_dir is None:
+                self._report_dir = safefile.Dir(os.path.dirname(path), create=True, mode=0o700)
+            self._report_dir.write_atomic(os.path.basename(path), json.dumps(report).encode(), 0o600, fsync=False)
         except OSError as e:
             self._once(f"cannot write the report file {path}: {e.strerror or e}")
-
-
-def _private_dir(path: str) -> None:
-    """Create `path` (mode 0700) or accept it only if it is a real directory of ours that no one
-    else can write: the default under /tmp is a name anyone could have taken first."""
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    import stat
-
-    if not stat.S_ISDIR(st.st_mode):
-        raise OSError(f"{path} is not a directory (a symlink or file is in the way)")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise OSError(f"{path} belongs to another user or others may write to it; choose another "
-                      "report directory (gpuwatch run --report-dir)")
-
-
-def _write_private(path: str, text: str) -> None:
-    """Replace `path` atomically with a new file created in a checked directory (never follows a
-    planted link: the temporary file is new, O_EXCL)."""
-    import tempfile
-
-    directory = os.path.dirname(path)
-    _private_dir(directory)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".gpuwatch-run-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def _process_name() -> str:

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from gpuwatch.agent.api import GpuwatchError
+
 __all__ = ["Architecture", "Device", "Launch", "Occupancy", "UnsupportedDevice", "architecture",
            "theoretical"]
 
@@ -30,7 +32,7 @@ KB = 1024
 LIMITERS = ("warps", "registers", "shared_memory", "blocks")
 
 
-class UnsupportedDevice(ValueError):
+class UnsupportedDevice(GpuwatchError, ValueError):
     """The compute capability is one whose occupancy rules this module does not know."""
 
 

@@ -34,10 +34,11 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Mapping
 
 from gpuwatch.agent import wire
 from gpuwatch.agent.api import Probe, Sample
+from gpuwatch.probes.process.identity import ProcessIdentity, identify
 
 log = logging.getLogger("gpuwatch.cupti")
 
@@ -61,31 +62,6 @@ NvmlView = Mapping[str, "frozenset[int] | None"]
 
 class ReportError(ValueError):
     """A report the agent will not keep; str() says why."""
-
-
-class _Identity(NamedTuple):
-    pid: int
-    start_time: int  # clock ticks after boot: with the pid, names one process for its whole life
-    comm: str
-
-
-def _identify(pid: int) -> _Identity | None:
-    """pid, start time and comm from /proc/PID/stat; None when there is no such process. The one
-    place that reads them here: it becomes probes/process/identity.identify when that lands."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            data = f.read()
-        lo, hi = data.index(b"("), data.rindex(b")")
-        return _Identity(pid, int(data[hi + 2:].split()[19]), data[lo + 1:hi].decode(errors="replace"))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _process_label(comm: str) -> str:
-    """The process as the NVML and eBPF probes name it: one `process` label value across probes."""
-    from gpuwatch.probes.nvml.probe import sanitise_process_name
-
-    return sanitise_process_name(comm)
 
 
 def nvml_view(samples: Iterable[Sample], exists: Callable[[int], bool] | None = None) -> dict:
@@ -145,7 +121,7 @@ class Report:
     memory: tuple[Memory, ...]
 
     @classmethod
-    def build(cls, msg: wire.CuptiReport, who: _Identity, uid: int, received: float,
+    def build(cls, msg: wire.CuptiReport, who: ProcessIdentity, uid: int, received: float,
               view: NvmlView) -> tuple["Report", Counter]:
         """The report as the server knows it, and the memory entries dropped by cause."""
         dropped: Counter = Counter()
@@ -162,7 +138,7 @@ class Report:
                 dropped["not_on_gpu"] += 1
             else:
                 memory.append(Memory(uuid, m.device, m.allocated, m.reserved, verified=pids is not None))
-        return cls(pid=who.pid, start_time=who.start_time, process=_process_label(who.comm), uid=uid,
+        return cls(pid=who.pid, start_time=who.start_time, process=who.comm, uid=uid,
                    received=received, cupti=msg.cupti, kernels=msg.kernels, kernels_other=msg.kernels_other,
                    copies=msg.copies, memory=tuple(memory)), dropped
 
@@ -199,7 +175,7 @@ class InProcessReports:
     snapshot)."""
 
     def __init__(self, gpus: Callable[[], NvmlView] = dict, clock=time.monotonic, wallclock=time.time,
-                 identify: Callable[[int], _Identity | None] = _identify) -> None:
+                 identify: Callable[[int], ProcessIdentity | None] = identify) -> None:
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, int], Report] = {}
         self._watch: dict[tuple[int, int], float] = {}  # key -> monotonic time until which kernels are wanted
@@ -222,11 +198,13 @@ class InProcessReports:
         self._count(self.refused, cause, 1, f"in-process report refused: {message}")
         return ReportError(message)
 
-    def accept(self, msg: wire.CuptiReport, pid: int, uid: int) -> dict:
-        """Keep a report from process `pid` of user `uid` (as the kernel named the caller).
-        ReportError when it is not kept and the agent should know why."""
+    def accept(self, msg: wire.CuptiReport, pid: int, uid: int, who: ProcessIdentity | None = None) -> dict:
+        """Keep a report from process `pid` of user `uid` (as the kernel named the caller); `who`:
+        that process as the control server identified it at accept (and found alive before this
+        request), else read now. ReportError when it is not kept and the agent should know why."""
         received = self._wall()
-        who = self._identify(pid)
+        if who is None:
+            who = self._identify(pid)
         if who is None:
             raise self._refuse("unknown_process", f"process {pid} is gone")
         view = self._gpus()

@@ -14,10 +14,12 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-import os
 import struct
 import threading
-from typing import Mapping
+from typing import TYPE_CHECKING, BinaryIO, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from gpuwatch.agent.safefile import AtomicFile
 
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, curesult_name
 
@@ -33,13 +35,17 @@ LAUNCH_GROUP = "launch"
 class EventRecorder:
     """Drains the ring buffer "events" of a loaded BPF program into a file of raw records."""
 
-    def __init__(self, bpf, path: str, max_events: int) -> None:
-        self.path = path
+    def __init__(self, bpf, path: "str | BinaryIO", max_events: int) -> None:
+        """path: where to write, or a binary file already open for it (then closed by stop())."""
+        if isinstance(path, str):
+            self._file: BinaryIO = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in stop)
+        else:
+            self._file = path
+        self.path = str(self._file.name)
         self.max_events = max_events
         self.recorded = 0
         self.not_written = 0  # over max_events, or the file could not take them
         self.error: str | None = None
-        self._file = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in stop)
         self._bpf = bpf
         self._stop = threading.Event()
         bpf[b"events"].open_ring_buffer(self._on_event)
@@ -81,8 +87,9 @@ class EventRecorder:
         return {"recorded": self.recorded, "not_written": self.not_written, "error": self.error}
 
 
-def read_records(path: str):
-    """The raw records of a file written by EventRecorder, as tuples in RECORD's field order."""
+def read_records(path: "str | int"):
+    """The raw records of a file written by EventRecorder, as tuples in RECORD's field order (path:
+    its name, or an fd open for reading, closed at the end)."""
     with open(path, "rb") as f:
         while True:
             chunk = f.read(RECORD.size * 8192)
@@ -92,19 +99,25 @@ def read_records(path: str):
             yield from RECORD.iter_unpack(chunk[:usable])
 
 
-def write_chrome_trace(raw_path: str, out_path: str, *, kernel_names: Mapping[int, str] | None = None,
-                       processes: Mapping[int, str] | None = None) -> int:
+def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
+                       kernel_names: Mapping[int, str] | None = None, processes: Mapping[int, str] | None = None) -> int:
     """Write the Chrome trace event format (JSON; Perfetto and chrome://tracing open it): one
     complete event ("ph": "X") per call, name = the API, ts/dur in microseconds of the monotonic
     clock, args = bytes, the CUresult when it was an error, and for launches the kernel (its name,
-    or its handle), grid and block; allocations the device pointer. Returns the events written."""
+    or its handle), grid and block; allocations the device pointer. Returns the events written.
+
+    out_path: the output's path, or a safefile.AtomicFile opened for it (gpuwatch trace opens
+    its outputs before tracing); either way the file appears complete or not at all."""
+    from gpuwatch.agent import safefile
+
     kernel_names = kernel_names or {}
     quoted: dict[int, str] = {}  # handle -> JSON string of its name, made once per kernel
     api_names = [json.dumps(a) for a in API_NAMES]
     cats = [json.dumps(g) for g in GROUPS]
     n = 0
-    tmp = out_path + ".partial"
-    with open(tmp, "w", buffering=1 << 20) as out:
+    target = out_path if isinstance(out_path, safefile.AtomicFile) else safefile.AtomicFile(out_path)
+    out = target.file
+    try:
         out.write('{"displayTimeUnit": "ns", "traceEvents": [\n')
         first = True
         for pid, name in (processes or {}).items():
@@ -131,5 +144,7 @@ def write_chrome_trace(raw_path: str, out_path: str, *, kernel_names: Mapping[in
             first = False
             n += 1
         out.write("\n]}\n")
-    os.replace(tmp, out_path)
+        target.commit()
+    finally:
+        target.discard()  # nothing once committed
     return n

@@ -130,37 +130,6 @@ def check_environment() -> None:
 
 
 # ---- processes in /proc ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class ProcStat:
-    state: str       # R, S, D, Z (zombie), X (dead), ...
-    flags: int
-    start_time: int  # clock ticks since boot: with the PID, identifies the process
-
-
-def read_stat(pid: int, proc: str = "/proc") -> ProcStat | None:
-    """State, flags and start time from /proc/PID/stat; None when there is no such process."""
-    try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    try:
-        fields = raw[raw.rindex(b")") + 2:].split()
-        # after "(comm) ": state(3) ppid(4) ... flags(9) ... starttime(22), 1-based as in proc(5)
-        return ProcStat(fields[0].decode(), int(fields[6]), int(fields[19]))
-    except (ValueError, IndexError):
-        return None
-
-
-def comm(pid: int, proc: str = "/proc") -> str | None:
-    """The process's command name (/proc/PID/comm), None when it cannot be read."""
-    try:
-        with open(f"{proc}/{pid}/comm", "rb") as f:
-            return f.read().decode(errors="replace").strip()
-    except OSError:
-        return None
-
-
 # ---- finding libcuda ---------------------------------------------------------------------------
 def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
     """The files a process maps, once each, in its own mount namespace's paths (not deleted ones)."""

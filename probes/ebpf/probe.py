@@ -48,6 +48,12 @@ Shutdown: detaching costs the kernel ~0.1 s per uprobe (an RCU grace period each
 a full set on the real libcuda takes seconds. `shutdown(wait=False)` returns at once and detaches in
 a daemon thread; should the process exit first, its exit releases what is left.
 
+Threads: start, collect and shutdown (the runner's) and the queries (snapshot, query, live_stacks,
+attached; the control socket's threads) take the probe's own lock, so a query never reads maps a
+shutdown is freeing, nor lists libraries a rescan is adding. query() and live_stacks() wait at most
+`timeout` seconds for it (ProbeBusy), and a probe that is not running answers ProbeNotRunning with
+the reason (not started yet, or why its last start or collection failed).
+
 Without an explicit library, the probe rescans /proc every `rescan_interval` seconds for libcuda
 files (through /proc/PID/root, so containers count) and attaches each new file once: a uprobe
 on a file fires in every process that maps it, including processes started later. Finding no
@@ -55,18 +61,23 @@ libcuda is not an error: the probe is up, attached to nothing, and keeps looking
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections import defaultdict
-from typing import Callable, Iterable
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterable
 
-from gpuwatch.agent.api import Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.api import Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
 from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
 from gpuwatch.probes.ebpf import loader as _loader
 from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS, NAME_FUNCTION, NAME_KERNEL, curesult_name
-from gpuwatch.probes.nvml.probe import sanitise_process_name
+from gpuwatch.probes.process import identity
+from gpuwatch.probes.process.identity import sanitise_process_name
 
 log = logging.getLogger("gpuwatch.ebpf")
 
@@ -74,6 +85,16 @@ NANO = 1e-9
 TOP_STACKS = 8  # allocation stacks in a snapshot
 ALLOC_APIS = frozenset(h.name for h in HOOKS if h.group == "alloc" or h.name == "cuMemCreate")
 FREE_APIS = frozenset(h.name for h in HOOKS if h.group == "free" or h.name == "cuMemRelease")
+STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
+
+
+@dataclass(frozen=True)
+class ProcessQuery:
+    """query(pid)'s answer: snapshot(pid), and the file (device, inode) of each attached library by
+    its path, so that a caller can tell which of them a process maps without reading the loader."""
+
+    snapshot: dict
+    library_files: dict[str, tuple[int, int]]
 
 
 def _name_text(raw: bytes, truncated: bool) -> str:
@@ -89,13 +110,14 @@ class EbpfCudaProbe(Probe):
     def __init__(self, libraries: Iterable[str] = (), pid: int | None = None, interval: float = 1.0,
                  rescan_interval: float = 10.0, max_processes: int = 32, apis: Iterable[str] | None = None,
                  clock: Callable[[], float] = time.monotonic, launch_latency: bool = False,
-                 driver_names: bool = True, events_path: str | None = None,
+                 driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
                  max_events: int = 5_000_000) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
         entry and return probes on the launch APIs too (latency and errors; see the module doc);
         driver_names: name the kernels no hook saw from the driver's memory (driver_names.py);
-        events_path: record one event per call there (raw records, see events.py; implies
+        events_path: record one event per call there, a path or a binary file open for writing
+        (raw records, see events.py; implies
         launch_latency, so that launches are calls with a duration too), at most max_events."""
         self.apis = None if apis is None else tuple(apis)
         self.events_path = events_path
@@ -120,9 +142,16 @@ class EbpfCudaProbe(Probe):
         self.driver_names = driver_names
         self._calibrations: dict[tuple[int, int], driver_names_.Calibration] = {}  # per libcuda file
         self._driver_named: dict[tuple[int, int], bytes | None] = {}  # (pid, handle) -> name read
+        # Re-entrant: start() shuts down first, shutdown() stops the events, query() snapshots.
+        self._lock = threading.RLock()
+        self._not_running = STARTING  # why there is no loader: the last start or collection that failed
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
+        with self._lock, self._failures_kept():
+            self._start()
+
+    def _start(self) -> None:
         self.shutdown()
         if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
             raise ProbeUnavailable(f"process {self.pid} does not exist")
@@ -138,7 +167,7 @@ class EbpfCudaProbe(Probe):
                 try:
                     self._recorder = events_.EventRecorder(self._loader.bpf, self.events_path, self.max_events)
                 except OSError as e:
-                    raise ProbeUnavailable(f"cannot record per-call events in {self.events_path}: "
+                    raise ProbeUnavailable(f"cannot record per-call events in {getattr(self.events_path, 'name', self.events_path)}: "
                                            f"{e.strerror or e}") from None
             for path in self.libraries:
                 self._loader.attach(path)
@@ -150,6 +179,10 @@ class EbpfCudaProbe(Probe):
                  self._loader.compile_seconds, self._loader.uprobe_count, len(self._loader.libraries))
 
     def collect(self) -> list[Sample]:
+        with self._lock, self._failures_kept():
+            return self._collect()
+
+    def _collect(self) -> list[Sample]:
         ld = self._loader
         if ld is None:
             raise ProbeUnavailable("the eBPF probe is not started")
@@ -208,43 +241,83 @@ class EbpfCudaProbe(Probe):
     def shutdown(self, wait: bool = True) -> None:
         """Detach and free the maps. wait=False: return at once, detach in a daemon thread
         (`wait_detached()` waits for it; a process exiting first releases the rest)."""
-        self.stop_events()
-        ld, self._loader = self._loader, None
-        if ld is not None:
-            ld.close(wait=wait)
-            if not wait:
-                self._closing.append(ld)
-        self._closing = [c for c in self._closing if c.detaching]
-        self._next_rescan = 0.0
+        with self._lock:
+            self.stop_events()
+            ld, self._loader = self._loader, None
+            if ld is not None:
+                ld.close(wait=wait)
+                if not wait:
+                    self._closing.append(ld)
+            self._closing = [c for c in self._closing if c.detaching]
+            self._next_rescan = 0.0
 
     def wait_detached(self, timeout: float | None = None) -> bool:
         """Wait for background detaches started by shutdown(wait=False); True when none is left."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for ld in list(self._closing):
+        with self._lock:
+            closing = list(self._closing)
+        for ld in closing:  # without the lock: detaching takes seconds, queries go on meanwhile
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ld.wait_closed(left)
-        self._closing = [c for c in self._closing if c.detaching]
-        return not self._closing
+        with self._lock:
+            self._closing = [c for c in self._closing if c.detaching]
+            return not self._closing
 
     def stop_events(self) -> dict | None:
         """Stop recording per-call events (what the ring buffer still holds is written first);
         their counts, or None when none were recorded."""
-        rec = self._recorder
-        if rec is None:
-            return None
-        rec.stop()
-        return rec.counts()
+        with self._lock:
+            rec = self._recorder
+            if rec is None:
+                return None
+            rec.stop()
+            return rec.counts()
 
-    # ---- for `gpuwatch trace` and tests ------------------------------------------------------
+    @contextlib.contextmanager
+    def _failures_kept(self) -> Iterator[None]:
+        """Keep why a start or collection failed (as the runner reports it), for ProbeNotRunning."""
+        try:
+            yield
+        except ProbeUnavailable as e:
+            self._not_running = str(e)
+            raise
+        except Exception as e:
+            self._not_running = f"{type(e).__name__}: {e}"
+            raise
+
+    @contextlib.contextmanager
+    def _running(self, timeout: float | None) -> Iterator[_loader.Loader]:
+        """The lock (ProbeBusy after `timeout` seconds; None: wait) and the loader (ProbeNotRunning)."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            raise ProbeBusy(f"the eBPF probe is busy (starting, collecting, or attaching to a new libcuda) "
+                            f"for more than {timeout:g} s")
+        try:
+            if self._loader is None:
+                raise ProbeNotRunning(self._not_running)
+            yield self._loader
+        finally:
+            self._lock.release()
+
+    # ---- queries (the daemon's control socket, `gpuwatch trace`, tests) ----------------------
+    def query(self, pid: int, timeout: float | None = None) -> ProcessQuery:
+        """snapshot(pid) and the file of each attached library (ProcessQuery). Waits at most
+        `timeout` seconds for the probe's own work (ProbeBusy); ProbeNotRunning when it is down."""
+        with self._running(timeout) as ld:
+            return ProcessQuery(self._snapshot(ld, pid), {lib.path: lib.file for lib in ld.libraries.values()})
+
     @property
     def loader(self) -> _loader.Loader | None:
+        """The loader itself, without the lock: for tests in one thread."""
         return self._loader
 
     def attached(self) -> list[dict]:
         """Per library: path, hooked symbols, symbols it lacks (skipped), uprobes."""
-        ld = self._loader
-        if ld is None:
-            return []
+        with self._lock:
+            ld = self._loader
+            return self._attached(ld) if ld is not None else []
+
+    @staticmethod
+    def _attached(ld: _loader.Loader) -> list[dict]:
         return [{"path": lib.path, "attached": list(lib.attached), "skipped": list(lib.skipped),
                  "uprobes": lib.uprobes} for lib in ld.libraries.values()]
 
@@ -266,9 +339,13 @@ class EbpfCudaProbe(Probe):
         probe attached.
         With pid=None the kernels of every process are listed, each with its "pid".
         """
-        ld = self._loader
-        if ld is None:
-            raise ProbeUnavailable("the eBPF probe is not started")
+        with self._lock:
+            ld = self._loader
+            if ld is None:
+                raise ProbeUnavailable("the eBPF probe is not started")
+            return self._snapshot(ld, pid)
+
+    def _snapshot(self, ld: _loader.Loader, pid: int | None) -> dict:
         apis: dict[str, dict] = {}
         for (p, api), (calls, errors, ns, nbytes) in ld.stats().items():
             if pid is not None and p != pid:
@@ -303,7 +380,7 @@ class EbpfCudaProbe(Probe):
             "dropped_events": ld.dropped(),
             "dropped_by_kind": ld.dropped_by_kind(),
             **({"events": self._recorder.counts()} if self._recorder is not None else {}),
-            "libraries": self.attached(),
+            "libraries": self._attached(ld),
         }
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -333,11 +410,11 @@ class EbpfCudaProbe(Probe):
         out.sort(key=lambda e: (-e["launches"], e.get("pid", 0), int(e["handle"], 16)))
         return out
 
-    def live_stacks(self, pid: int, top: int = 3) -> list[dict]:
-        """The allocating call stacks holding the most live device bytes of `pid` now ([] when the
-        probe is not running): what a leak finding points at."""
-        ld = self._loader
-        return self._stacks(ld, pid, top) if ld is not None else []
+    def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None) -> list[dict]:
+        """The allocating call stacks holding the most live device bytes of `pid` now: what a leak
+        finding points at. Waits at most `timeout` seconds (ProbeBusy); ProbeNotRunning when down."""
+        with self._running(timeout) as ld:
+            return self._stacks(ld, pid, top)
 
     @staticmethod
     def _stacks(ld: _loader.Loader, pid: int, top: int = TOP_STACKS) -> list[dict]:
@@ -393,7 +470,7 @@ class EbpfCudaProbe(Probe):
         """Processes gone (or whose PID was reused) since first seen; their map entries removed."""
         dead = set()
         for pid in pids:
-            stat = _loader.read_stat(pid)
+            stat = identity.read_stat(pid)
             start = stat.start_time if stat is not None else None
             first = self._starts.setdefault(pid, start) if start is not None else None
             if start is None or first != start:
@@ -410,7 +487,7 @@ class EbpfCudaProbe(Probe):
     def _name(self, pid: int) -> str:
         name = self._names.get(pid)
         if name is None:
-            raw = _loader.comm(pid)
+            raw = identity.comm(pid)
             name = self._names[pid] = "unknown" if raw is None else sanitise_process_name(raw)
         return name
 

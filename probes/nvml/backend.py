@@ -22,6 +22,8 @@ from typing import Any, Callable
 import psutil
 import pynvml as N
 
+from gpuwatch.agent.api import GpuwatchError
+
 log = logging.getLogger("gpuwatch.nvml")
 
 # ---- errors ------------------------------------------------------------------------------
@@ -51,7 +53,7 @@ def error_name(code: int) -> str:
     return _ERROR_NAMES.get(code, f"NVML_ERROR_{code}")
 
 
-class NvmlError(Exception):
+class NvmlError(GpuwatchError):
     """An NVML call failed; `name` is NVML's error name, e.g. "NVML_ERROR_NOT_FOUND"."""
 
     def __init__(self, name: str, op: str = "", gpu: int | None = None, message: str = "") -> None:

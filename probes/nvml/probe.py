@@ -9,7 +9,6 @@ maxima) at the first collection and every static_interval.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections import Counter, deque
@@ -22,6 +21,7 @@ from gpuwatch.probes.nvml.backend import (
     Backend, GpuLost, LibraryUnavailable, NotSupported, NoValue, NvmlError, RealBackend,
 )
 from gpuwatch.probes.nvml.events import XidWatcher
+from gpuwatch.probes.process.identity import sanitise_process_name  # noqa: F401 - one name rule, shared
 from gpuwatch.probes.process.kubernetes import PodResolver
 
 log = logging.getLogger("gpuwatch.nvml")
@@ -50,10 +50,6 @@ GPM_SERIES = {  # gpm_metrics answer key -> (metric, labels)
 }
 MAX_QUEUED_EVENTS = 256
 PSTATE_UNKNOWN = 32  # NVML_PSTATE_UNKNOWN
-
-
-def sanitise_process_name(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.:+-]", "_", name)[:64] or "unknown"
 
 
 def cuda_version_string(version: int) -> str:

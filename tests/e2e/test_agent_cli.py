@@ -137,4 +137,4 @@ def test_sighup_with_an_invalid_config_keeps_the_running_one(agent_factory, tmp_
     end = time.monotonic() + 10
     while "config reloaded" not in agent.output() and time.monotonic() < end:
         time.sleep(0.1)
-    assert "config reloaded; log level applied now" in agent.output()
+    assert "config reloaded: agent.log_level changed, applied now" in agent.output()

@@ -18,8 +18,8 @@ import pytest
 
 from gpuwatch.agent import control
 from gpuwatch.probes.cupti.records import ActivityTables
-from gpuwatch.probes.cupti.reports import MIN_REPORT_INTERVAL, _identify
-from gpuwatch.probes.nvml.probe import sanitise_process_name
+from gpuwatch.probes.cupti.reports import MIN_REPORT_INTERVAL
+from gpuwatch.probes.process.identity import identify
 from tests.conftest import ROOT, Agent
 
 FIXTURE = ROOT / "tests" / "fixtures" / "cupti-h200.json"
@@ -195,7 +195,7 @@ def test_status_lists_the_in_process_agents(agent):
     control.call(str(agent.socket), "cupti.report", fake)
     st = control.call(str(agent.socket), "status")
     (a,) = st["inprocess_agents"]
-    assert (a["pid"], a["process"], a["state"]) == (me, sanitise_process_name(_identify(me).comm), "unavailable")
+    assert (a["pid"], a["process"], a["state"]) == (me, identify(me).comm, "unavailable")
     human = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "status", "--socket", str(agent.socket)],
                            capture_output=True, text=True, timeout=30)
     assert "in-process agents" in human.stdout and "unavailable: no NVIDIA driver" in human.stdout

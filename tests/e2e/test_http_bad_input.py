@@ -175,3 +175,68 @@ def test_the_right_password_still_works_after_the_bad_ones(guarded):
     answer = raw_http(guarded.port, f"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                                     f"Authorization: Basic {_b64(b'prometheus:s3cret')}\r\n\r\n".encode())
     assert status_of(answer) == 200 and b"hw_power_watts" in answer
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+
+
+def test_a_burst_of_connects_is_queued_not_retransmitted(agent):
+    # socketserver's default backlog of 5 made every few connects of a burst wait a second for the
+    # SYN to be retransmitted. Each connect here must be taken at once.
+    slow, socks = [], []
+    try:
+        for _ in range(200):
+            t = time.monotonic()
+            socks.append(socket.create_connection(("127.0.0.1", agent.port), timeout=5))
+            if time.monotonic() - t > 0.5:
+                slow.append(round(time.monotonic() - t, 2))
+    finally:
+        for s in socks:
+            s.close()
+    assert slow == []
+    assert "hw_power_watts" in agent.metrics()
+
+
+def test_a_flood_of_idle_connections_costs_bounded_threads_and_is_answered_503(agent):
+    import resource
+
+    from gpuwatch.exporters.prometheus import MAX_REQUESTS
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    pid = agent.proc.pid
+    before = _threads(pid)
+    socks = []
+    try:
+        for _ in range(2000):  # connections that never send a request
+            socks.append(socket.create_connection(("127.0.0.1", agent.port), timeout=5))
+        time.sleep(0.5)
+        during = _threads(pid)
+        # One thread per connection served, MAX_REQUESTS of them at most (the old server spent
+        # two threads on each: 2,000 connections, 610 threads and growing).
+        assert during <= before + MAX_REQUESTS + 2, (before, during)
+        # Past the cap a client is told at once, not left hanging.
+        t = time.monotonic()
+        answer = raw_http(agent.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", timeout=5)
+        assert answer.startswith(b"HTTP/1.0 503 Service Unavailable"), answer[:80]
+        assert time.monotonic() - t < 1.0
+    finally:
+        for s in socks:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Once they are gone, scrapes are served again and the threads come back down.
+    end = time.monotonic() + 15
+    while time.monotonic() < end and ("hw_power_watts" not in _try_metrics(agent) or _threads(pid) > before + 2):
+        time.sleep(0.2)
+    assert "hw_power_watts" in agent.metrics()
+    assert _threads(pid) <= before + 2
+    assert agent.output().count("more than 40 connections at once") == 1
+
+
+def _try_metrics(agent) -> str:
+    try:
+        return agent.metrics(timeout=1)
+    except Exception:  # noqa: BLE001 - still refused: try again
+        return ""

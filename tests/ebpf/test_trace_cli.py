@@ -18,7 +18,7 @@ import time
 import pytest
 
 from gpuwatch.agent import trace as trace_mod
-from gpuwatch.probes.ebpf import loader
+from gpuwatch.probes.process import identity
 from . import test_ebpf_cuda as _base
 from .test_ebpf_cuda import ERRORS_BY_CODE, EXPECTED, EXPECTED_WITH_LAUNCH_ERRORS, LIVE_ALLOCATIONS, LIVE_BYTES
 
@@ -269,7 +269,7 @@ def test_wait_returns_once_libcuda_is_mapped(fake_cuda):
 
 
 def test_pid_reuse_or_exit_is_told_by_start_time(sleeper):
-    st = loader.read_stat(sleeper.pid)
+    st = identity.read_stat(sleeper.pid)
     assert trace_mod.alive(sleeper.pid, st.start_time)
     assert not trace_mod.alive(sleeper.pid, st.start_time + 1)  # same PID, another process
     sleeper.kill()

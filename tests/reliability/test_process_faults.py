@@ -2,7 +2,7 @@
 
 7: a PID really reused. As root, /proc/sys/kernel/ns_last_pid makes the kernel hand out a chosen
    PID next (what CRIU uses to restore processes): a process is killed and a new one started under
-   its PID. `gpuwatch trace` (agent/trace.py alive(), check_pid()) and the daemon's eBPF probe
+   its PID. `gpuwatch trace` (agent/trace/pids.py alive(), check_pid()) and the daemon's eBPF probe
    (probes/ebpf/probe.py _prune()) tell the two apart by /proc/PID/stat's start time. Without root,
    the same checks run against a fake /proc tree.
 16: CUPTI is not installed here (cupti-python needs a GPU machine), so the daemon-side sampler runs
@@ -27,7 +27,7 @@ from gpuwatch.agent.snapshot import Snapshot
 from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.cupti.arbitration import Arbiter
 from gpuwatch.probes.cupti.devicewide import CuptiSamplerProbe
-from gpuwatch.probes.ebpf import loader
+from gpuwatch.probes.process import identity
 from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,7 +132,7 @@ def test_start_time_check_on_a_fake_proc_tree(tmp_path):
     """Without root: the same PID with another start time is another process."""
     proc = tmp_path / "proc"
     _fake_proc(proc, 4242, 1000)
-    assert loader.read_stat(4242, str(proc)).start_time == 1000
+    assert identity.read_stat(4242, str(proc)).start_time == 1000
     assert trace_mod.alive(4242, 1000, str(proc))
     _fake_proc(proc, 4242, 1234)  # the PID reused
     assert not trace_mod.alive(4242, 1000, str(proc))

@@ -281,8 +281,9 @@ def test_access_for_other_users_is_the_socket_group(group):
     srv = ControlServer(path, {"status": status}, types=TYPES, group=group)
     srv.start()
     try:
-        out = subprocess.run([sys.executable, "-c", _NOBODY_CALL, path], capture_output=True, text=True,
-                             timeout=30, cwd="/", user=65534, group=65534, extra_groups=[])
+        # setpriv rather than subprocess's user=: that one cannot exec a venv's python here
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+                              "-c", _NOBODY_CALL, path], capture_output=True, text=True, timeout=30, cwd="/")
         if group is None:
             assert out.stdout.strip() == (f"permission denied on {path}: run as root or as a member "
                                           "of the socket's group"), out.stderr
@@ -315,3 +316,224 @@ def test_peer_owns_only_its_own_processes():
     assert not other.owns(2**22 + 12345)  # no such process
     assert PeerCred(pid=1, uid=0, gid=0).owns(1)
     assert process_uids(2**22 + 12345) is None
+
+
+# -- the peer is a process; slots; idle connections; counters (issue 17) ------------------------------
+
+def _inherited(path: str) -> tuple[socket.socket, int]:
+    """A connection made by a child that has exited since, held by this process."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    child = os.fork()
+    if child == 0:
+        try:
+            s.connect(path)
+        finally:
+            os._exit(0)
+    os.waitpid(child, 0)
+    return s, child
+
+
+def _replies(s: socket.socket, send: bytes = b"", timeout: float = 5.0) -> list[dict]:
+    s.settimeout(timeout)
+    try:
+        if send:
+            s.sendall(send)
+    except OSError:
+        pass
+    buf = b""
+    try:
+        while chunk := s.recv(65536):
+            buf += chunk
+    except OSError:
+        pass
+    s.close()
+    return [json.loads(line) for line in buf.splitlines()]
+
+
+@pytest.fixture(params=["pidfd", "pid and start time"])
+def peer_server(request, sock_path, monkeypatch):
+    if request.param != "pidfd":  # as on kernels before 6.5: no SO_PEERPIDFD
+        monkeypatch.setattr("gpuwatch.agent.control.SO_PEERPIDFD", -1)
+    srv = ControlServer(sock_path, {"status": status}, types=TYPES, timeout=3.0, idle_timeout=3.0)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_a_connection_whose_process_has_exited_is_refused(peer_server, sock_path):
+    s, child = _inherited(sock_path)
+    (reply,) = _replies(s, b'{"method": "status"}\n')
+    assert reply == {"ok": False, "error": f"the process that opened this connection (pid {child}) has exited; "
+                                          f"a connection speaks only for the process that opened it"}
+    assert sum(v for (m, r), v in peer_server.stats().items() if r == "gone") == 1
+    assert call(sock_path, "status")["up"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to choose the next PID")
+def test_a_connection_whose_pid_another_process_has_taken_is_refused(peer_server, sock_path):
+    s, child = _inherited(sock_path)
+    time.sleep(0.05)  # start times count clock ticks (10 ms): the new process starts on a later one
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(child - 1))
+        other = subprocess.Popen(["sleep", "30"])
+        if other.pid == child:
+            break
+        other.kill()
+        other.wait()
+    try:
+        assert other.pid == child, "could not reuse the PID"
+        (reply,) = _replies(s, b'{"method": "status"}\n')
+        assert reply["ok"] is False and f"(pid {child}) has exited" in reply["error"]
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_the_connection_closes_when_its_process_exits(sock_path):
+    # With a pidfd the server hears of the exit at once, idle timeout or not.
+    srv = ControlServer(sock_path, {"status": status}, types=TYPES, timeout=30.0, idle_timeout=30.0)
+    srv.start()
+    try:
+        t0 = time.monotonic()
+        s, child = _inherited(sock_path)
+        (reply,) = _replies(s)
+        assert time.monotonic() - t0 < 2.0 and f"(pid {child}) has exited" in reply["error"]
+        assert wait_until(lambda: srv.held() == {})
+    finally:
+        srv.stop()
+
+
+def wait_until(cond, timeout: float = 3.0) -> bool:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_idle_connections_are_closed_but_a_request_in_progress_has_its_timeout(sock_path):
+    srv = ControlServer(sock_path, {"status": status}, types=TYPES, timeout=2.0, idle_timeout=0.3)
+    srv.start()
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        t0 = time.monotonic()
+        s.sendall(b'{"method": "status"}\n')  # one request, then nothing
+        replies = _replies(s)
+        assert 0.3 <= time.monotonic() - t0 < 1.5
+        assert replies[0]["ok"] is True
+        assert replies[1] == {"ok": False, "error": "closed: no request within 0.3 s (idle connections are closed)"}
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        s.sendall(b'{"method": "sta')  # begun: it has the request timeout, not the idle one
+        t0 = time.monotonic()
+        (reply,) = _replies(s)
+        assert time.monotonic() - t0 >= 1.5 and reply["error"] == "no complete request within 2 s"
+        assert srv.stats()[("none", "idle")] == 1 and srv.stats()[("unknown", "timeout")] == 1
+    finally:
+        srv.stop()
+
+
+def _holder(path: str, uid: int, n: int):
+    """A process of user `uid` (group 65534) that opens n connections and holds those it got.
+    Returns (pid, what each connection got: "held" or the busy reply, a pipe to let it go)."""
+    out_r, out_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(uid, uid, uid)
+            got, held = [], []
+            for _ in range(n):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(path)
+                s.settimeout(0.8)
+                try:
+                    data = s.recv(4096)
+                except socket.timeout:
+                    data = b""
+                got.append(json.loads(data)["error"] if data else "held")
+                held.append(s)
+            os.write(out_w, json.dumps(got).encode() + b"\n")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(out_w)
+    os.close(go_r)
+    with os.fdopen(out_r) as f:
+        got = json.loads(f.readline())
+    return pid, got, go_w
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to play ordinary users")
+def test_slots_per_user_and_kept_for_root():
+    import tempfile
+    base = tempfile.mkdtemp(prefix="gpuwatch-ctl-")
+    os.chmod(base, 0o755)
+    path = os.path.join(base, "c.sock")
+    srv = ControlServer(path, {"status": status}, types=TYPES, group="65534", timeout=10.0, idle_timeout=10.0,
+                        max_clients=8, per_uid=2, root_slots=2)
+    srv.start()
+    holders = []
+    try:
+        pid, got, go = _holder(path, 65534, 3)
+        holders.append((pid, go))
+        assert got == ["held", "held", "you (uid 65534) already have 2 connections open to the gpuwatch agent, "
+                                       "the most one user may; close one and try again"]
+        for uid in (65533, 65532):
+            pid, got, go = _holder(path, uid, 2)
+            holders.append((pid, go))
+            assert got == ["held", "held"]
+        pid, got, go = _holder(path, 65531, 1)  # ordinary users hold their 6 of the 8
+        holders.append((pid, go))
+        assert got == ["the agent is busy: ordinary users hold all 6 of their connections (2 more are kept "
+                       "for root); try again"]
+        assert call(path, "status")["up"]  # root gets in
+        assert wait_until(lambda: srv.held() == {65534: 2, 65533: 2, 65532: 2})
+        assert srv.stats()[("none", "busy")] == 2
+    finally:
+        for pid, go in holders:
+            os.write(go, b"x")
+            os.waitpid(pid, 0)
+        srv.stop()
+        os.rmdir(base)
+
+
+def test_requests_are_counted_and_refusals_logged_once(server, sock_path, caplog):
+    caplog.set_level("WARNING", "gpuwatch.control")
+    for _ in range(5):
+        with pytest.raises(ControlError):
+            call(sock_path, "refuse")
+    for i in range(20):  # any number of method names: one label value
+        with pytest.raises(ControlError, match="unknown method"):
+            call(sock_path, f"nope{i}")
+    with pytest.raises(ControlError):
+        call(sock_path, "status", {"a": -1})
+    with pytest.raises(ControlError):
+        call(sock_path, "boom")
+    call(sock_path, "status")
+    stats = server.stats()
+    assert stats[("refuse", "refused")] == 5 and stats[("unknown", "refused")] == 20
+    assert stats[("status", "refused")] == 1 and stats[("boom", "error")] == 1 and stats[("status", "ok")] == 1
+    lines = [r.getMessage() for r in caplog.records if "logged once" in r.getMessage()]
+    assert len([m for m in lines if "refused (refuse)" in m]) == 1
+    assert len([m for m in lines if "refused (unknown)" in m]) == 1
+
+
+def test_results_parse_as_their_wire_type(server, sock_path):
+    @dataclass(frozen=True)
+    class Up(wire.Result):
+        up: bool = wire.wire(wire.Bool())
+
+    assert call(sock_path, "status", result_type=Up) == Up(up=True)  # the fields it does not read: ignored
+
+    @dataclass(frozen=True)
+    class Down(wire.Result):
+        up: int = wire.wire(wire.Int())
+
+    with pytest.raises(ControlError, match=r"unexpected reply to 'status' from .*: result.up: must be an integer"):
+        call(sock_path, "status", result_type=Down)

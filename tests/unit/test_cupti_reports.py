@@ -7,6 +7,7 @@ import pytest
 from gpuwatch.agent import metrics, wire
 from gpuwatch.probes.cupti import reports as R
 from gpuwatch.probes.cupti.inprocess import InProcessAgent, Settings
+from gpuwatch.probes.process.identity import ProcessIdentity, identify, sanitise_process_name
 
 UUID = "GPU-5a4c2d1e-0f6b-4c1d-9e2a-7b3c4d5e6f70"
 
@@ -38,7 +39,12 @@ def parsed(**over) -> wire.CuptiReport:
     return wire.CuptiReport.parse(report(**over))
 
 
-IDS = {pid: R._Identity(pid, 1000 + pid, "python3") for pid in (7, 8, 4242, *range(100, 400))}
+def _ident(pid: int, start_time: int, comm: str) -> ProcessIdentity:
+    """A process as identity.identify names one (uids and root do not matter to the reports)."""
+    return ProcessIdentity(pid, start_time, (0, 0, 0), sanitise_process_name(comm), "/")
+
+
+IDS = {pid: _ident(pid, 1000 + pid, "python3") for pid in (7, 8, 4242, *range(100, 400))}
 ON_GPU = {UUID: None}  # NVML knows the GPU but cannot list its processes: memory is self-reported
 
 
@@ -56,7 +62,7 @@ def test_the_agents_own_report_parses():
     """What InProcessAgent.build_report produces is what the daemon accepts."""
     agent = InProcessAgent(Settings())
     agent.state, agent.reason = "unavailable", "no NVIDIA driver"
-    me = R._identify(os.getpid())
+    me = identify(os.getpid())
     r, dropped = R.Report.build(wire.CuptiReport.parse(agent.build_report()), me, os.getuid(), 0.0, {})
     assert (r.pid, r.cupti.state, r.cupti.reason, r.kernels, dropped) == (
         os.getpid(), "unavailable", "no NVIDIA driver", (), {})
@@ -124,7 +130,7 @@ def test_a_reused_pid_is_a_new_process():
     assert s.get(7).uid == 1001
     del ids[7]
     assert s.get(7).uid == 1001  # gone: its last report stays readable a while
-    ids[7] = R._Identity(7, 99999, "bash")  # pid 7 reused by another user's process
+    ids[7] = _ident(7, 99999, "bash")  # pid 7 reused by another user's process
     assert s.get(7) is None  # never the former owner's report, nor refused for it
     s.accept(parsed(), pid=7, uid=1002)
     assert (s.get(7).uid, s.get(7).process, s.get(7).start_time) == (1002, "bash", 99999)
@@ -159,7 +165,7 @@ def test_reporting_processes_are_capped_per_user_and_in_all(caplog):
     assert len([r for r in caplog.records if "refused" in r.getMessage()]) == 1  # once per cause
     for i, pid in enumerate(range(116, 116 + R.MAX_REPORTERS - R.MAX_REPORTERS_PER_USER)):
         s.accept(parsed(), pid=pid, uid=2000 + i // R.MAX_REPORTERS_PER_USER)
-    s._identify = {**IDS, 999: R._Identity(999, 1, "python3")}.get
+    s._identify = {**IDS, 999: _ident(999, 1, "python3")}.get
     with pytest.raises(R.ReportError, match="256 processes already"):
         s.accept(parsed(), pid=999, uid=5)
     assert s.refused["total_limit"] == 1 and len(s.current()) == R.MAX_REPORTERS
@@ -301,7 +307,7 @@ def test_verified_processes_are_never_folded_away_by_busier_claims():
 def test_the_process_is_named_by_its_comm_as_the_other_probes_name_it(comm, label):
     from gpuwatch.probes.nvml.probe import sanitise_process_name
 
-    s = store(ids={7: R._Identity(7, 1, comm)})
+    s = store(ids={7: _ident(7, 1, comm)})
     s.accept(parsed(process="nvidia-smi"), pid=7, uid=0)
     assert s.get(7).process == label == sanitise_process_name(comm)
 

@@ -247,3 +247,66 @@ def test_a_version_1_database_gains_the_baseline_table(tmp_path):
     assert [e.kind for e in s.recent_events()] == ["agent.started"]  # kept across the upgrade
     s.record_baseline("GPU-a", 1.0, {"n": 1})
     assert s.baseline_runs() == [{"n": 1}]
+
+
+def _count(path, table: str, where: str = "", args: tuple = ()) -> int:
+    with sqlite3.connect(path) as c:
+        return c.execute(f"SELECT count(*) FROM {table} {where}", args).fetchone()[0]
+
+
+def test_a_crash_looping_agent_keeps_the_event_cap(tmp_path):
+    """Five starts of 999 events each with max_events=100, each ending without close (a crash):
+    the cap counted per process never pruned (4995 rows); over the table it holds."""
+    path = tmp_path / DB_NAME
+    for start in range(5):
+        s = Store.open(str(tmp_path), max_events=100)
+        assert _count(path, "events") <= 100  # pruned at open
+        for i in range(999):
+            s.record_event(Event(kind="probe.state", resource=f"{start}-{i}"))
+            assert _count(path, "events") <= 110 if i % 97 == 0 else True
+        assert 100 <= _count(path, "events") <= 110
+        s._conn.close()  # no Store.close(): as a killed agent leaves it
+    s = Store.open(str(tmp_path), max_events=100)
+    assert _count(path, "events") == 100
+    assert [e.resource for e in s.recent_events(2)] == ["4-998", "4-997"]  # the newest are kept
+    s.close()
+
+
+def test_agent_runs_and_baseline_runs_are_bounded(tmp_path):
+    path = tmp_path / DB_NAME
+    for _ in range(5):
+        s = Store.open(str(tmp_path), max_runs=3, max_baseline_runs=4)
+        s.record_run("test")
+        s.close()
+    assert _count(path, "agent_runs") == 3
+    s = Store.open(str(tmp_path), max_runs=3, max_baseline_runs=4)
+    for i in range(10):
+        s.record_baseline("GPU-a", float(i), {"i": i})
+    for i in range(2):
+        s.record_baseline("GPU-b", float(i), {"i": i})
+    assert [r["i"] for r in s.baseline_runs("GPU-a")] == [6, 7, 8, 9]
+    assert len(s.baseline_runs("GPU-b")) == 2
+    s.close()
+    s = Store.open(str(tmp_path), max_baseline_runs=2)  # a smaller bound applies at open
+    assert [r["i"] for r in s.baseline_runs("GPU-a")] == [8, 9] and [r["i"] for r in s.baseline_runs("GPU-b")] == [0, 1]
+    assert s.write_errors == 0
+    s.close()
+
+
+def test_a_crash_looping_real_agent_keeps_its_runs_bounded(tmp_path, monkeypatch):
+    """Real agent restarts (killed each time): agent_runs stays at the bound across them."""
+    import gpuwatch.agent.store as store_mod
+    from tests.conftest import FIXTURE, Agent
+
+    path = tmp_path / "a" / "state" / DB_NAME
+    seed = Store.open(str(path.parent))  # 1100 earlier starts: more than MAX_RUNS
+    for _ in range(1100):
+        seed.record_run("old")
+    seed.close()
+    for _ in range(2):
+        a = Agent(tmp_path / "a", "--nvml-replay", str(FIXTURE), "--no-ebpf", "--no-cupti-sampling", "--no-baseline")
+        a.metrics()
+        a.proc.kill()
+        a.proc.wait()
+    assert _count(path, "agent_runs") == store_mod.MAX_RUNS
+    assert _count(path, "agent_runs", "WHERE version != 'old'") == 2

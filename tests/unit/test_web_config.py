@@ -140,6 +140,10 @@ BAD = {
                                    "RequireAndVerifyClientCert"),
     "bad_version": ("tls_server_config:\n  cert_file: <cert>\n  key_file: <key>\n  min_version: TLS14\n",
                     "tls_server_config.min_version", "expected one of TLS10, TLS11, TLS12, TLS13"),
+    "tls10_cannot_work": ("tls_server_config:\n  cert_file: <cert>\n  key_file: <key>\n  min_version: TLS10\n",
+                          "tls_server_config.min_version", "TLS10 cannot work: OpenSSL 3"),
+    "tls11_cannot_work": ("tls_server_config:\n  cert_file: <cert>\n  key_file: <key>\n  min_version: TLS11\n"
+                          "  max_version: TLS11\n", "tls_server_config.min_version", "use TLS12 or TLS13"),
     "versions_reversed": ("tls_server_config:\n  cert_file: <cert>\n  key_file: <key>\n  min_version: TLS13\n"
                           "  max_version: TLS12\n", "tls_server_config.min_version", "above max_version"),
     "reserved_header": ("http_server_config:\n  headers:\n    Content-Type: text/html\n",

@@ -1,0 +1,258 @@
+"""What a person sees: the live view (render_live), one plain line per refresh for output that
+is not a terminal (render_line), and the summary at the end (render_summary)."""
+from __future__ import annotations
+
+from typing import Any
+
+from gpuwatch.agent.trace.summary import TOP_STACKS, _kernels, has_latency, kernel_rates, percentile, rates, totals
+
+LATENCY_NOTE = ("p50/p99: upper edge of the power-of-two (log2 ns) latency bucket holding that rank; "
+                "the true value is between half of it and it")
+TOP_APIS = 25
+TOP_KERNELS = 10
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def fmt_seconds(s: float | None, upper: bool = False) -> str:
+    if s is None:
+        return "—"
+    prefix = "≤" if upper else ""
+    if s == 0:
+        return f"{prefix}0 ns" if upper else "0 ns"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= scale:
+            return f"{prefix}{s / scale:.3g} {unit}"
+    return f"{prefix}{s * 1e9:.3g} ns"
+
+
+def fmt_dims(d: Any) -> str:
+    if not d:
+        return "—"
+    try:
+        return "×".join(str(int(x)) for x in d)
+    except (TypeError, ValueError):
+        return str(d)
+
+
+KERNEL_NAME_WIDTH = 60
+
+
+def kernel_label(k: dict) -> str:
+    """The kernel's name (cut to KERNEL_NAME_WIDTH characters, "…" marking the cut), else its handle."""
+    name = k.get("name")
+    if name:
+        name = str(name)
+        return name if len(name) <= KERNEL_NAME_WIDTH else name[:KERNEL_NAME_WIDTH - 1] + "…"
+    h = k.get("handle")
+    return f"0x{h:x}" if isinstance(h, int) else str(h)
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+def render_line(snapshot: dict, previous: dict | None, dt: float, elapsed: float) -> str:
+    """One plain line per refresh, for output that is not a terminal."""
+    calls, errors = totals(snapshot)
+    prev_calls = totals(previous)[0] if previous is not None else 0
+    rate = (calls - prev_calls) / dt if dt > 0 else 0.0
+    r = rates(snapshot, previous, dt)
+    top = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))[:3]
+    top_s = ", ".join(f"{name} {a.get('calls', 0)}" + (f" ({r[name]:.0f}/s)" if name in r else "")
+                      for name, a in top)
+    mem = snapshot.get("memory", {})
+    line = (f"[{elapsed:6.1f} s] calls {calls} ({rate:.0f}/s) errors {errors} | "
+            f"live {fmt_bytes(mem.get('live_bytes', 0))} in {mem.get('live_allocations', 0)} allocations, "
+            f"{mem.get('allocations', 0)} allocs {mem.get('frees', 0)} frees | "
+            f"dropped {snapshot.get('dropped_events', 0)}")
+    ks = _kernels(snapshot)
+    if ks:
+        line += f" | kernels {len(ks)}, top {kernel_label(ks[0])} {ks[0].get('launches', 0)}"
+    if top_s:
+        line += f" | top: {top_s}"
+    return line
+
+
+def errors_cell(a: dict) -> str:
+    """Errors, and by which return codes: "5 OUT_OF_MEMORY", "7 INVALID_VALUE×4 NOT_FOUND×3"."""
+    errors = a.get("errors", 0)
+    if not errors:
+        return "0"
+    codes = sorted((a.get("errors_by_code") or {}).items(), key=lambda kv: -kv[1])
+    short = [c.removeprefix("CUDA_ERROR_") + (f"×{n}" if len(codes) > 1 else "") for c, n in codes[:2]]
+    return f"[red]{errors}[/red]" + (" " + " ".join(short) if short else "")
+
+
+def _api_table(snapshot: dict, r: dict[str, float] | None, limit: int | None):
+    from rich.table import Table
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    cols = ["API"] + (["calls/s"] if r is not None else []) + ["calls", "errors", "bytes", "mean", "p50", "p99"]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "API" else "right")
+    items = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))
+    shown = items if limit is None else items[:limit]
+    for name, a in shown:
+        hist = a.get("histogram") or {}
+        lat = has_latency(a)
+        errors = a.get("errors", 0)
+        row = [name] + ([f"{r.get(name, 0.0):.0f}"] if r is not None else [])
+        row += [str(a.get("calls", 0)), errors_cell(a),
+                fmt_bytes(a.get("bytes", 0)) if a.get("bytes") else "—",
+                fmt_seconds(a.get("mean_latency_s")) if lat else "—",
+                fmt_seconds(percentile(hist, 0.5), upper=True) if hist else "—",
+                fmt_seconds(percentile(hist, 0.99), upper=True) if hist else "—"]
+        t.add_row(*row)
+    if len(items) > len(shown):
+        t.add_row(f"… {len(items) - len(shown)} more", *[""] * (len(cols) - 1))
+    return t
+
+
+def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
+    from rich.table import Table
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    from rich.text import Text
+    cols = ["kernel (name or handle)"] + (["launches/s"] if kr is not None else []) + \
+        ["launches", "grid", "block", "shared mem", "1-block launches"]
+    for c in cols:
+        t.add_column(c, justify="left" if c.startswith("kernel") else "right")
+    for k in kernels[:limit]:
+        # Text, not a str: a name is the traced process's choice and must not be read as rich markup
+        row = [Text(kernel_label(k))] + ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
+        row += [str(k.get("launches", 0)), fmt_dims(k.get("grid")), fmt_dims(k.get("block")),
+                fmt_bytes(k.get("shared_mem_bytes")) if k.get("shared_mem_bytes") is not None else "—",
+                str(k.get("degenerate_launches", 0))]
+        t.add_row(*row)
+    if len(kernels) > limit:
+        t.add_row(f"… {len(kernels) - limit} more", *[""] * (len(cols) - 1))
+    return t
+
+
+def _gpu_table(gpu: dict, limit: int):
+    """GPU-side kernel times from the in-process agent (CUPTI), busiest first."""
+    from rich.table import Table
+    from rich.text import Text
+    t = Table(box=None, pad_edge=False, header_style="bold")
+    cols = ["GPU kernel (CUPTI)", "launches", "GPU time", "mean", "min", "max", "grid", "block", "regs",
+            "shared mem", "occupancy"]
+    for c in cols:
+        t.add_column(c, justify="left" if c.startswith("GPU kernel") else "right")
+    kernels = gpu.get("kernels") or []
+    for k in kernels[:limit]:
+        launches = k.get("launches", 0)
+        occ = k.get("occupancy")
+        smem = k.get("static_shared_memory", 0) + k.get("dynamic_shared_memory", 0)
+        t.add_row(Text(k.get("display_name") or k.get("name", "")), str(launches), fmt_seconds(k.get("gpu_seconds")),
+                  fmt_seconds(k["gpu_seconds"] / launches) if launches else "—",
+                  fmt_seconds(k.get("min_seconds")), fmt_seconds(k.get("max_seconds")), fmt_dims(k.get("grid")),
+                  fmt_dims(k.get("block")), str(k.get("registers", "")), fmt_bytes(smem) if smem else "0",
+                  f"{occ:.0%}" + (f" ({k.get('occupancy_limiter')})" if k.get("occupancy_limiter") else "")
+                  if occ is not None else "—")
+    if len(kernels) > limit:
+        t.add_row(f"… {len(kernels) - limit} more", *[""] * (len(cols) - 1))
+    return t
+
+
+def _gpu_text(gpu: dict | None) -> str:
+    if gpu is None:
+        return GPU_HINT
+    line = f"GPU side (in-process agent): CUPTI {gpu.get('state')}, kernel activity {gpu.get('mode') or 'off'}"
+    if gpu.get("reason"):
+        line += f" — {gpu['reason']}"
+    if gpu.get("dropped"):
+        line += f" · [red]{gpu['dropped']} records dropped[/red]"
+    return line
+
+
+GPU_HINT = ("GPU-side kernel times: start the program with `gpuwatch run -- CMD` (the in-process CUPTI agent) "
+            "and this trace shows them")
+
+
+
+
+def _stacks_text(stacks: list[dict]) -> str:
+    """The allocation stacks holding the most live bytes: bytes, allocations, innermost frames."""
+    from rich.markup import escape
+    lines = []
+    for s in stacks[:TOP_STACKS]:
+        frames = " ← ".join(escape(f) for f in s.get("frames", [])[1:4]) or "(no stack)"
+        lines.append(f"  {fmt_bytes(s.get('bytes', 0)):>10} in {s.get('allocations', 0)} allocations ← {frames}")
+    return "\n".join(["live bytes by allocating call stack:"] + lines) if lines else ""
+
+
+def _memory_text(mem: dict, dropped: int) -> str:
+    d = f"[red]{dropped}[/red]" if dropped else "0"
+    return (f"device memory: live [bold]{fmt_bytes(mem.get('live_bytes', 0))}[/bold] in "
+            f"{mem.get('live_allocations', 0)} allocations · {mem.get('allocations', 0)} allocations, "
+            f"{mem.get('frees', 0)} frees · dropped events: {d}")
+
+
+def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float, *, pid: int, process: str,
+                uprobes: int, duration: float | None):
+    """The rich renderable for the live terminal view."""
+    from rich.console import Group
+    from rich.text import Text
+    calls, errors = totals(snapshot)
+    left = f" of {duration:g} s" if duration else ""
+    head = (f"[bold]gpuwatch trace[/bold] PID {pid} ({process}) · {elapsed:.0f} s{left} · {calls} calls, "
+            f"{errors} errors · {uprobes} uprobes · Ctrl-C to stop")
+    parts: list[Any] = [Text.from_markup(head), Text(""),
+                        _api_table(snapshot, rates(snapshot, previous, dt), TOP_APIS)]
+    ks = _kernels(snapshot)
+    if ks:
+        parts += [Text(""), _kernel_table(ks, kernel_rates(snapshot, previous, dt), TOP_KERNELS)]
+    parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0)))]
+    if _stacks_text(snapshot.get("stacks") or []):
+        parts.append(Text.from_markup(_stacks_text(snapshot["stacks"])))
+    parts += _gpu_parts(snapshot.get("gpu"))
+    parts.append(Text(LATENCY_NOTE, style="dim"))
+    return Group(*parts)
+
+
+def _gpu_parts(gpu: dict | None) -> list:
+    from rich.text import Text
+    if gpu is None:
+        return [Text(""), Text(GPU_HINT, style="dim")]
+    parts: list[Any] = [Text(""), Text.from_markup(_gpu_text(gpu))]
+    if gpu.get("kernels"):
+        parts.append(_gpu_table(gpu, TOP_KERNELS))
+    return parts
+
+
+def render_summary(summary: dict):
+    """The rich renderable printed when the trace ends."""
+    from rich.console import Group
+    from rich.text import Text
+    snap = {"apis": {name: dict(a, histogram={}, seconds=a.get("mean_latency_s") or 0.0)
+                     for name, a in summary["apis"].items()}}
+    calls, errors = totals(snap)
+    head = (f"[bold]trace of PID {summary['pid']} ({summary['process']}) ended: {summary['ended']}[/bold] "
+            f"after {summary['duration_seconds']:.1f} s · {calls} calls, {errors} errors")
+    parts: list[Any] = [Text.from_markup(head), Text("")]
+    if summary["apis"]:
+        from rich.table import Table
+        t = Table(box=None, pad_edge=False, header_style="bold")
+        for c in ("API", "calls", "errors", "bytes", "mean", "p50", "p99"):
+            t.add_column(c, justify="left" if c == "API" else "right")
+        for name, a in sorted(summary["apis"].items(), key=lambda kv: (-kv[1]["calls"], kv[0])):
+            t.add_row(name, str(a["calls"]), errors_cell(a),
+                      fmt_bytes(a["bytes"]) if a["bytes"] else "—", fmt_seconds(a["mean_latency_s"]),
+                      fmt_seconds(a["p50_latency_s"], upper=True), fmt_seconds(a["p99_latency_s"], upper=True))
+        parts.append(t)
+    else:
+        parts.append(Text("no CUDA driver calls seen during the trace"))
+    if summary["kernels"]:
+        parts += [Text(""), _kernel_table(summary["kernels"], None, TOP_KERNELS)]
+    parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
+    if _stacks_text(summary.get("stacks") or []):
+        parts.append(Text.from_markup(_stacks_text(summary["stacks"])))
+    parts += _gpu_parts(summary.get("gpu"))
+    if any(a["p50_latency_s"] is not None for a in summary["apis"].values()):
+        parts.append(Text(LATENCY_NOTE, style="dim"))
+    return Group(*parts)

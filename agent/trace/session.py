@@ -1,0 +1,385 @@
+"""One trace from start to end (run_trace): the probe attached here (root) or the gpuwatch agent's
+read through its control socket (AgentTrace), GPU-side kernels from the in-process agent
+(GpuKernels), the refresh loop, and the detach."""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpuwatch.agent.control import ControlError, call
+from gpuwatch.agent.wire import TraceSnapshotResult, WireError
+from gpuwatch.agent.trace.errors import TraceError
+from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path
+from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
+from gpuwatch.agent.trace.render import render_line, render_live, render_summary
+from gpuwatch.agent.trace.summary import since, summarize
+
+NOT_ROOT = "run as root, or start the gpuwatch daemon (systemctl start gpuwatch) to trace your own processes"
+
+
+# ---- through the gpuwatch agent ------------------------------------------------------------------
+AGENT_TIMEOUT = 10.0  # the agent may wait a few seconds for its probe (daemon.TRACE_LOCK_WAIT)
+AGENT_ATTACH_POLL_S = 0.5
+
+
+def _agent_socket(pid: int, library: str | None, socket_path: str | None, config_path: str | None) -> str:
+    """The control socket of a gpuwatch agent that answers, for a caller without the privileges to
+    attach uprobes; TraceError saying what to do otherwise."""
+    if library is not None:
+        raise TraceError("--library needs root: through the gpuwatch agent, trace reads the libcuda files "
+                         "the agent attached to itself (leave --library out, or run as root)")
+    if not socket_path:
+        from gpuwatch.agent.config import ConfigError, load
+        try:
+            socket_path = load(config_path).control.socket
+        except ConfigError as e:
+            raise TraceError(f"cannot find the gpuwatch agent's control socket (bad configuration: {e}): "
+                             f"give it with --socket") from None
+    try:
+        call(socket_path, "ping", timeout=AGENT_TIMEOUT)
+    except ControlError as e:
+        raise TraceError(f"attaching eBPF uprobes to process {pid} needs root, and the gpuwatch agent cannot "
+                         f"be asked instead ({e}): {NOT_ROOT}") from None
+    return socket_path
+
+
+class AgentTrace:
+    """What run_trace uses of EbpfCudaProbe (start, attached, snapshot), from the gpuwatch agent's
+    system-wide probe through its control socket (trace.snapshot), counted from start()."""
+
+    def __init__(self, socket_path: str, target: Target, wait: bool = False) -> None:
+        self.socket_path = socket_path
+        self.target = target
+        self.wait = wait
+        self._start: dict = {}
+        self._last: dict = {}
+
+    def _ask(self, pid: int) -> dict:
+        try:
+            raw = call(self.socket_path, "trace.snapshot", {"pid": pid}, timeout=AGENT_TIMEOUT)
+        except ControlError as e:
+            raise TraceError(str(e)) from None
+        # Checked against its wire type: whatever answers on that socket, out-of-range counts are a
+        # clear error, not arithmetic on them. The checked JSON itself is what the trace reads.
+        try:
+            TraceSnapshotResult.parse(raw, "result")
+        except WireError as e:
+            raise TraceError(f"unexpected reply to 'trace.snapshot' from {self.socket_path}: {e}") from None
+        return raw
+
+    def start(self) -> None:
+        """Take the snapshot the trace counts from; with wait, first wait until the agent attaches
+        to the libcuda the process loaded (it looks for new ones every few seconds)."""
+        t = self.target
+        snap = self._ask(t.pid)
+        while not snap["libraries"]:
+            if not self.wait:
+                raise TraceError(f"the gpuwatch agent has not attached to the libcuda of process {t.pid} "
+                                 f"({t.process}) yet (it looks for newly loaded ones every few seconds): "
+                                 f"try again shortly, or use --wait")
+            time.sleep(AGENT_ATTACH_POLL_S)
+            if not alive(t.pid, t.start_time):
+                raise TraceError(f"process {t.pid} ({t.process}) exited before the gpuwatch agent attached "
+                                 f"to its libcuda")
+            snap = self._ask(t.pid)
+        self._start = snap
+        self._last = since(snap, snap)
+
+    def attached(self) -> list[dict]:
+        return self._start["libraries"]
+
+    def snapshot(self, pid: int) -> dict:
+        """Counts since start(). Once the process is gone the agent no longer answers for it: then
+        the last counts it gave (at most one refresh before the exit)."""
+        try:
+            self._last = since(self._ask(pid), self._start)
+        except TraceError:
+            if alive(self.target.pid, self.target.start_time):
+                raise
+        return self._last
+
+
+class GpuKernels:
+    """Wraps a trace probe: each snapshot gets "gpu", what the in-process agent of the process
+    (`gpuwatch run`) reported to the gpuwatch agent, kernels counted from the trace's start. Asking
+    also tells the process to keep kernel activity on while the trace runs. No agent, or a process
+    without the in-process agent: "gpu" is None and the trace goes on as before."""
+
+    KEY = ("name", "device", "block", "registers", "static_shared_memory", "dynamic_shared_memory")
+
+    def __init__(self, probe: Any, socket_path: str | None) -> None:
+        self.probe = probe
+        self.socket_path = socket_path
+        self._start: dict[tuple, dict] | None = None
+        self._names: dict[str, str] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.probe, name)
+
+    def _fetch(self, pid: int) -> dict | None:
+        if not self.socket_path:
+            return None
+        try:
+            return call(self.socket_path, "cupti.process", {"pid": pid}, timeout=2.0)
+        except ControlError:
+            return None
+
+    def _key(self, k: dict) -> tuple:
+        return tuple(tuple(v) if isinstance(v, list) else v for v in (k.get(f) for f in self.KEY))
+
+    def gpu(self, pid: int) -> dict | None:
+        report = self._fetch(pid)
+        if not isinstance(report, dict):
+            return None
+        kernels = [k for k in report.get("kernels") or [] if isinstance(k, dict)]
+        if self._start is None:
+            self._start = {self._key(k): k for k in kernels}
+        out = []
+        for k in kernels:
+            before = self._start.get(self._key(k), {})
+            launches = k.get("launches", 0) - before.get("launches", 0)
+            if launches > 0:
+                out.append(dict(k, launches=launches, gpu_seconds=k.get("gpu_seconds", 0.0) - before.get("gpu_seconds", 0.0)))
+        out.sort(key=lambda k: -k["gpu_seconds"])
+        todo = [k["name"] for k in out if k["name"] not in self._names]
+        if todo:
+            from gpuwatch.probes.ebpf.driver_names import demangle
+            self._names.update(demangle(todo))
+        for k in out:
+            k["display_name"] = self._names.get(k["name"], k["name"])
+        return dict(report, kernels=out)
+
+    def snapshot(self, pid: int) -> dict:
+        snap = self.probe.snapshot(pid)
+        return dict(snap, gpu=self.gpu(pid))
+
+
+def _control_socket(socket_path: str | None, config_path: str | None) -> str | None:
+    if socket_path:
+        return socket_path
+    from gpuwatch.agent.config import ConfigError, load
+    try:
+        return load(config_path).control.socket
+    except ConfigError:
+        return None
+
+
+# ---- the loop ------------------------------------------------------------------------------------
+class _Stop(Exception):
+    pass
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr) if stream.isatty() else Console(stderr=stderr, width=200)
+
+
+def run_trace(pid: int, *, duration: float | None = None, summary_json: str | None = None,
+              output: str | None = None, max_events: int = 5_000_000, library: str | None = None, wait: bool = False, interval: float = 1.0,
+              probe_factory: Callable[..., Any] | None = None, socket_path: str | None = None,
+              config_path: str | None = None, otlp: Any = None) -> dict:
+    """Validate, compile, attach, show live, and return (and print, and write) the summary.
+
+    Without the privileges to attach uprobes, the gpuwatch agent's probe is read instead, through
+    its control socket: socket_path, else control.socket from the configuration (config_path).
+    With otlp (the config's [otlp] section), every recorded call is sent as a span when the trace ends.
+    Raises TraceError for everything that stops the trace from starting."""
+    from gpuwatch.agent.api import ProbeUnavailable
+
+    validate_output_path(summary_json, "--summary-json")
+    validate_output_path(output, "--output")
+    target = validate(pid, library, wait)
+    agent = None if probe_factory is not None or _privileged() else \
+        _agent_socket(pid, library, socket_path, config_path)
+    if agent is not None and (output or otlp):
+        raise TraceError(f"{'--output' if output else '--otlp'} needs root: it records every call in a ring buffer "
+                         "of the trace's own (the gpuwatch agent keeps counts only)")
+    raw_events = None  # raw records while tracing: next to the output, or in a private directory for --otlp
+    if output:
+        raw_events = f"{output}.events"  # opened by TraceOutputs below
+    elif otlp is not None:
+        import tempfile
+
+        raw_events = os.path.join(tempfile.mkdtemp(prefix="gpuwatch-trace-"), "calls.events")
+    out, err = _console(), _console(stderr=True)
+    live_tty = sys.stdout.isatty()
+    if not target.libraries:
+        err.print(f"waiting for process {pid} ({target.process}) to load "
+                  f"{library or 'libcuda'}… (Ctrl-C to give up)")
+        wait_for_cuda(target, library)
+
+    outputs = TraceOutputs(summary_json, output)  # before the probe's threads; closed in the finally below
+    try:
+        if agent is not None:
+            probe = AgentTrace(agent, target, wait)
+        else:
+            if probe_factory is None:
+                from gpuwatch.probes.ebpf import EbpfCudaProbe
+                probe_factory = EbpfCudaProbe
+            events_to = outputs.events_writer() if output else raw_events
+            extra = {"events_path": events_to, "max_events": max_events} if raw_events else {}
+            probe = probe_factory(libraries=target.libraries, pid=pid, rescan_interval=3600, **extra)
+        probe = GpuKernels(probe, agent or _control_socket(socket_path, config_path))
+    except BaseException:
+        outputs.close()
+        raise
+
+    # SIGTERM ends the trace like Ctrl-C does: summary printed, probes detached.
+    def _term(signum, frame):
+        raise _Stop()
+    main_thread = _main_thread()
+    old_handlers = {signal.SIGINT: signal.getsignal(signal.SIGINT),
+                    signal.SIGTERM: signal.signal(signal.SIGTERM, _term) if main_thread else None}
+    started = False
+    uprobes = 0
+    try:
+        t_compile = time.monotonic()
+        starting = f"asking the gpuwatch agent on {agent}…" if agent else "compiling eBPF program…"
+        try:
+            if sys.stderr.isatty():
+                with err.status(starting):
+                    probe.start()
+            else:
+                err.print(starting, highlight=False)
+                probe.start()
+        except ProbeUnavailable as e:
+            if not alive(pid, target.start_time):
+                raise TraceError(f"process {pid} ({target.process}) exited before the probe attached") from None
+            raise TraceError(str(e)) from None
+        started = True
+        libs = probe.attached()
+        uprobes = sum(lib.get("uprobes", 0) for lib in libs)
+        if not alive(pid, target.start_time):
+            raise TraceError(f"process {pid} ({target.process}) exited before the probe attached")
+        n_sym = sum(len(lib.get("attached", [])) for lib in libs)
+        err.print(f"tracing PID {pid} ({target.process})" + (" through the gpuwatch agent" if agent else "")
+                  + f": {n_sym} CUDA driver functions, {uprobes} uprobes on "
+                  f"{', '.join(lib['path'] for lib in libs)} (ready in {time.monotonic() - t_compile:.1f} s)"
+                  + (f" for {duration:g} s" if duration else "") + "; Ctrl-C to stop", highlight=False)
+
+        ended, t0, verified = _loop(probe, target, duration, interval, out, live_tty, uprobes)
+        elapsed = time.monotonic() - t0
+        # From here on a second Ctrl-C or SIGTERM neither costs the summary nor leaves the probes
+        # half detached: the summary takes milliseconds, the detach a few seconds (said on stderr).
+        if main_thread:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        events = probe.stop_events() if raw_events else None  # first: the last events are in the snapshot
+        # PID reused: the kernel counts by PID, so a snapshot now would add the new process's calls to
+        # the traced one's. Then the counts end at the last refresh known to be the traced process's.
+        reused = ended == "process exited" and pid_reused(pid, target.start_time)
+        final = (verified or {}) if reused else probe.snapshot(pid)  # after the end: all it did until then
+        summary = summarize(final, pid=pid, process=target.process, duration=elapsed, ended=ended)
+        if reused:
+            summary["pid_reused"] = True
+            err.print(f"PID {pid} now belongs to another process: the counts end at the last refresh before "
+                      f"{target.process} exited, so that none of the new process's calls are counted",
+                      highlight=False)
+        if events is not None:
+            summary["events"] = events
+        out.print(render_summary(summary))
+        out.file.flush()
+        if outputs.summary is not None:
+            try:
+                outputs.summary.file.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+                outputs.summary.commit()
+                err.print(f"summary written to {summary_json}", highlight=False)
+            except OSError as e:
+                err.print(f"[red]could not write {summary_json}: {e.strerror or e}[/red]")
+        if otlp is not None and events is not None:
+            _send_spans(outputs.events_reader() if output else raw_events, otlp, final, target, events, err,
+                        keep=bool(output))
+        if output and events is not None:
+            _write_output(outputs, final, target, events, err)
+        return summary
+    finally:
+        outputs.close()
+        if started and agent is None:  # the agent's uprobes stay: they are its own
+            _detach(probe, err, uprobes)
+        if main_thread:
+            for sig, handler in old_handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
+
+
+
+def _detach(probe, err, uprobes: int) -> None:
+    """Detach every uprobe before exiting.
+
+    The kernel waits for an RCU grace period per uprobe (~0.1 s each), so this takes seconds; it
+    happens after the summary is out. Letting the process exit instead saves nothing: the kernel
+    then releases the uprobes the same way, one at a time.
+    """
+    if uprobes:
+        err.print(f"detaching {uprobes} uprobes (the kernel takes about 0.1 s each)…", highlight=False)
+    try:
+        params = inspect.signature(probe.shutdown).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "wait" in params and hasattr(probe, "wait_detached"):
+        probe.shutdown(wait=False)  # the detaching thread and the waiting one: either may be interrupted
+        probe.wait_detached()
+    else:
+        probe.shutdown()
+
+
+def _main_thread() -> bool:
+    import threading
+    return threading.current_thread() is threading.main_thread()
+
+
+def _loop(probe, target: Target, duration: float | None, interval: float, out, live_tty: bool,
+          uprobes: int) -> tuple[str, float, dict | None]:
+    """Refresh until the duration is up, Ctrl-C/SIGTERM, or the process is gone.
+
+    Returns (why it ended, when it started, the last snapshot known to hold only the traced
+    process's calls: taken while it was alive, as checked after taking it)."""
+    pid = target.pid
+    step = min(0.2, interval)
+    t0 = time.monotonic()
+    deadline = t0 + duration if duration else None
+    previous: dict | None = None
+    last_t = t0
+    snap: dict | None = None
+    live = None
+    if live_tty:
+        from rich.live import Live
+        live = Live(console=out, auto_refresh=False, transient=True)
+        live.start()
+    try:
+        next_tick = t0 + interval
+        while True:
+            now = time.monotonic()
+            if not alive(pid, target.start_time):
+                return "process exited", t0, snap
+            if deadline is not None and now >= deadline:
+                return "duration", t0, snap
+            if now >= next_tick:
+                taken = probe.snapshot(pid)
+                if not alive(pid, target.start_time):
+                    return "process exited", t0, snap
+                snap = taken
+                dt, elapsed = now - last_t, now - t0
+                if live is not None:
+                    live.update(render_live(snap, previous, dt, elapsed, pid=pid, process=target.process,
+                                            uprobes=uprobes, duration=duration), refresh=True)
+                else:
+                    print(render_line(snap, previous, dt, elapsed), flush=True)
+                previous, last_t = snap, now
+                next_tick += interval
+                if next_tick <= now:
+                    next_tick = now + interval
+            wake = min(next_tick, deadline if deadline is not None else next_tick, now + step)
+            time.sleep(max(0.0, wake - time.monotonic()))
+    except (KeyboardInterrupt, _Stop):
+        return "interrupted", t0, snap
+    finally:
+        if live is not None:
+            live.stop()
