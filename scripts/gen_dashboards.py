@@ -741,6 +741,12 @@ def agent() -> Dashboard:
                Q(f'sum by (instance, probe) ({rate("gpuwatch.history.points.future")})',
                  "{{instance}} {{probe}} points from the future"), unit="cps", width=8,
                description="Findings beyond the 256 open at once; points dated over a minute ahead."),
+            ts("Control socket requests",
+               Q(f'sum by (instance, method, result) ({rate("gpuwatch.control.requests")})',
+                 "{{instance}} {{method}} {{result}}"), unit="cps",
+               description="Control socket requests by method and result. refused: bad params, not the caller's "
+                           "process, too large; busy: over the connections one user may hold (4) or all (16); "
+                           "gone: the process that opened the connection exited; idle: closed without a request."),
             Row("CUPTI PM sampler"),
             table("Sampler state", Q(f'{sel("gpuwatch.profiling.state")} == 1', needs="pm_sampling"), width=8,
                   hide_columns=("Value",)),
