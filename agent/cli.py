@@ -469,7 +469,7 @@ def _run_report_dir(ctx: click.Context, param: click.Parameter, value: str | Non
               envvar="GPUWATCH_RUN_REPORT_DIR", show_envvar=True,
               help="Where each process writes gpuwatch-run-PID.json when no daemon answers "
                    "(default: $XDG_RUNTIME_DIR/gpuwatch, else /tmp/gpuwatch-UID).")
-@click.option("--interval", metavar="SECONDS", type=click.FloatRange(0.05, 3600), callback=_run_finite,
+@click.option("--interval", metavar="SECONDS", type=click.FloatRange(0.2, 3600), callback=_run_finite,
               envvar="GPUWATCH_RUN_INTERVAL", show_envvar=True,
               help="Seconds between reports (default: 1).")
 @click.option("--kernels", type=click.Choice(["sampled", "continuous", "off"], case_sensitive=False),

@@ -213,7 +213,7 @@ METRICS: tuple[Metric, ...] = (
            "Bytes the allocator holds as the in-process agent reports them for a GPU NVML cannot confirm the "
            "process on: not read by the leak detector or alert rules.", ("gpu", "pid", "process")),
     Metric("gpuwatch.cupti.reports.refused", "", Kind.COUNTER,
-           "In-process reports not kept: too_often (more than one per process every 0.2 s), user_limit "
+           "In-process reports not kept: too_often (more than one per process every 0.1 s), user_limit "
            "(16 reporting processes per user), total_limit (256 in all), unknown_process (gone).",
            ("reason",)),
     Metric("gpuwatch.cupti.memory.refused", "", Kind.COUNTER,

@@ -734,7 +734,7 @@ def agent() -> Dashboard:
                  "{{instance}} report {{reason}}"),
                Q(f'sum by (instance, reason) ({rate("gpuwatch.cupti.memory.refused")})',
                  "{{instance}} memory {{reason}}"), unit="cps", width=8,
-               description="Reports over the bounds (16 processes per user, 256 in all, one per 0.2 s) and memory "
+               description="Reports over the bounds (16 processes per user, 256 in all, one per 0.1 s) and memory "
                            "entries for GPUs NVML does not know or list the process on."),
             ts("Dropped by the agent",
                Q(f'sum by (instance) ({rate("gpuwatch.findings.dropped")})', "{{instance}} findings"),

@@ -72,7 +72,7 @@ class Settings:
             kw["socket"] = env["GPUWATCH_RUN_SOCKET"]
         if env.get("GPUWATCH_RUN_REPORT_DIR"):
             kw["report_dir"] = env["GPUWATCH_RUN_REPORT_DIR"]
-        for key, name, lo, hi in (("GPUWATCH_RUN_INTERVAL", "interval", 0.05, 3600.0),
+        for key, name, lo, hi in (("GPUWATCH_RUN_INTERVAL", "interval", 0.2, 3600.0),
                                   ("GPUWATCH_RUN_DUTY_CYCLE", "duty_cycle", 0.0, 1.0)):
             raw = env.get(key)
             if raw:

@@ -46,7 +46,8 @@ MAX_PROCESSES = 32  # processes with series of their own on /metrics; the rest f
 KERNELS_PER_PROCESS = 10
 MAX_REPORTERS_PER_USER = 16
 MAX_REPORTERS = 256
-MIN_REPORT_INTERVAL = 0.2  # seconds between two kept reports of one process
+MIN_REPORT_INTERVAL = 0.1  # seconds between two kept reports of one process: half the shortest
+# interval an in-process agent reports at (0.2 s), so an honest one's jitter never trips it
 KEEP_AFTER_EXIT = 60.0  # seconds a finished process's last report stays readable (trace summaries)
 STALE = 10.0  # a live process that stops reporting for this long is shown as not reporting
 WATCH_SECONDS = 10.0  # continuous kernels are asked for this long after each trace poll
