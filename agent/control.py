@@ -17,7 +17,8 @@ connection; each connection has its own thread and deadline; at most `max_client
 are served at once, of which an ordinary user holds at most `per_uid` and
 `root_slots` are kept for root; a connection with no request for `idle_timeout` is
 closed. Every request and refusal is counted (gpuwatch_control_requests_total) and
-each refusal is logged once per user and cause.
+each refusal of the socket's own (malformed, bad params, busy, gone, idle) is logged once per
+user and cause; a handler's refusals are logged, once per cause, by the module that decides them.
 """
 from __future__ import annotations
 
@@ -499,7 +500,10 @@ class ControlServer:
         try:
             method, result = self._handle(line, peer)
         except _Refused as e:
-            self._refused(e.method, e.result, peer.uid, f"{e.result} {e.method}", str(e))
+            if e.handler:  # the handler's own decision: its module logs what matters, once per cause
+                self._count(e.method, e.result)
+            else:
+                self._refused(e.method, e.result, peer.uid, f"{e.result} {e.method}", str(e))
             return _encode({"ok": False, "error": str(e)})
         try:
             reply = _encode({"ok": True, "result": result})
@@ -526,9 +530,12 @@ class ControlServer:
             raise _Refused("unknown", f"unknown method {method!r}; known methods: {', '.join(sorted(self.handlers))}")
         try:
             params = parse_params(method, req.get("params"), self.types)
-            return method, handler(params, peer)
         except ControlError as e:
             raise _Refused(method, str(e)) from None
+        try:
+            return method, handler(params, peer)
+        except ControlError as e:
+            raise _Refused(method, str(e), handler=True) from None
         except Exception as e:
             log.exception("control method %s failed (caller pid %d uid %d)", method, peer.pid, peer.uid)
             raise _Refused(method, f"{method} failed in the agent: {type(e).__name__}: {e}", "error") from None
@@ -537,10 +544,11 @@ class ControlServer:
 class _Refused(ControlError):
     """A request answered with an error: which method (for counting) and result."""
 
-    def __init__(self, method: str, text: str, result: str = "refused") -> None:
+    def __init__(self, method: str, text: str, result: str = "refused", handler: bool = False) -> None:
         super().__init__(text)
         self.method = method
         self.result = result
+        self.handler = handler  # refused by the method's handler (not by the socket or the wire type)
 
 
 class ControlStatsProbe(Probe):
