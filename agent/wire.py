@@ -535,6 +535,39 @@ class TraceSnapshotResult(Result):
     libraries: tuple = wire(ListOf(Obj(SnapshotLibraryResult), 64), ())
 
 
+@dataclass(frozen=True)
+class SummaryApi(Message):
+    calls: int = wire(Int())
+    errors: int = wire(Int())
+    errors_by_code: Mapping = wire(MapOf(Int(), 1024, Str(64, clean=True)))
+    bytes: int = wire(Int())
+    mean_latency_s: float | None = wire(Opt(Float()))
+    p50_latency_s: float | None = wire(Opt(Float()))
+    p99_latency_s: float | None = wire(Opt(Float()))
+
+
+@dataclass(frozen=True)
+class TraceSummary(Message):
+    """The document `gpuwatch trace --summary-json` writes (agent/trace/summary.py summarize();
+    docs/trace.md says what each field counts). Scripts and CI jobs read it: its fields are this
+    type's, checked before it is written (agent/trace/output.read_summary reads one back)."""
+
+    name: ClassVar[str] = "summary"
+    pid: int = wire(Int(1, PID_MAX))
+    process: str = wire(Str(64, clean=True))
+    duration_seconds: float = wire(Float())
+    ended: str = wire(Str(64, clean=True))
+    apis: Mapping = wire(MapOf(Obj(SummaryApi), 1024))
+    kernels: tuple = wire(ListOf(Json(), 10_000))
+    memory: SnapshotMemoryResult = wire(Obj(SnapshotMemoryResult))
+    stacks: tuple = wire(ListOf(Json(), 100))
+    dropped_events: int = wire(Int())
+    gpu: Any = wire(Opt(Json()))
+    latency_resolution: str = wire(Str(256))
+    pid_reused: bool = wire(Bool(), False)
+    events: Any = wire(Opt(Json()), None)
+
+
 # method -> the wire type of its result, where there is one
 RESULTS: dict[str, type[Message]] = {
     "status": StatusResult,

@@ -1,9 +1,11 @@
+import contextlib
 import importlib.util
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -100,6 +102,31 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def group_agent(*args: str, prefix: str = "gw-"):
+    """A real agent whose control socket ordinary users reach through its group (65534, nobody's),
+    under a directory they can traverse (pytest's own tmp_path is private to root)."""
+    top = Path(tempfile.mkdtemp(prefix=prefix))
+    top.chmod(0o755)
+    a = Agent(top / "agent", *args, "--socket-group", "65534")
+    try:
+        a.metrics()
+        yield a
+    finally:
+        a.stop()
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    """The samples of one metric in an exposition: {'{labels}': value}."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels[len(name):]] = float(value)
+    return out
 
 
 @pytest.fixture

@@ -91,6 +91,23 @@ class TraceOutputs:
             self.events_dir.close()
 
 
+def read_summary(path: str) -> dict:
+    """A --summary-json document, checked against its wire type (wire.TraceSummary): for scripts
+    and CI jobs that read one. TraceError naming the field when it is not one."""
+    import json
+
+    from gpuwatch.agent.wire import TraceSummary, WireError
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        TraceSummary.parse(doc)
+    except (OSError, ValueError) as e:  # WireError is a ValueError
+        what = e if isinstance(e, WireError) else (getattr(e, "strerror", None) or e)
+        raise TraceError(f"{path} is not a gpuwatch trace summary: {what}") from None
+    return doc
+
+
 def _kernel_names(final: dict) -> dict[int, str]:
     return {int(k["handle"], 16): k["name"] for k in final.get("kernels", []) if k.get("name")}
 

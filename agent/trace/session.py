@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuwatch.agent.control import ControlError, call
-from gpuwatch.agent.wire import TraceSnapshotResult, WireError
+from gpuwatch.agent.wire import TraceSnapshotResult, TraceSummary, WireError
 from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path
 from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
@@ -286,6 +286,10 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
             summary["events"] = events
         out.print(render_summary(summary))
         out.file.flush()
+        try:
+            TraceSummary.parse(summary)  # what scripts read: its wire type (a mismatch is our bug)
+        except WireError as e:
+            err.print(f"[red]the summary does not match its wire type ({e}): please report this[/red]")
         if outputs.summary is not None:
             try:
                 outputs.summary.file.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")

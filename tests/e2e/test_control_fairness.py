@@ -6,17 +6,14 @@ connections are closed, and the hog is told whose limit it hit.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import Agent, wait_for
+from tests.conftest import group_agent, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: plays two ordinary users")
 
@@ -80,15 +77,8 @@ print(json.dumps({"ok": ok, "errors": errors[:3]}), flush=True)
 
 @pytest.fixture
 def agent():
-    top = Path(tempfile.mkdtemp(prefix="gw-fair-"))
-    top.chmod(0o755)  # ordinary users must reach the socket's directory
-    a = Agent(top / "agent", "--no-nvml", "--no-ebpf", "--no-baseline", "--no-otlp", "--socket-group", "65534")
-    try:
-        a.metrics()
+    with group_agent("--no-nvml", "--no-ebpf", "--no-baseline", "--no-otlp", prefix="gw-fair-") as a:
         yield a
-    finally:
-        a.stop()
-        shutil.rmtree(top, ignore_errors=True)
 
 
 def counter(text: str, method: str, result: str) -> float:

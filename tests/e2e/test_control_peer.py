@@ -7,16 +7,13 @@ why, closes the connection, and keeps nothing.
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 
 from gpuwatch.agent import control
-from tests.conftest import Agent, wait_for
+from tests.conftest import group_agent, wait_for
 
 NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
 REPORT = {"version": 1, "process": "attacker", "cupti": {"state": "idle"}}
@@ -59,15 +56,8 @@ print(json.dumps([json.loads(line) for line in buf.splitlines()]), flush=True)
 
 @pytest.fixture
 def agent():
-    top = Path(tempfile.mkdtemp(prefix="gw-peer-"))
-    top.chmod(0o755)  # nobody must reach the socket's directory
-    a = Agent(top / "agent", "--no-nvml", "--no-ebpf", "--no-baseline", "--no-otlp", "--socket-group", "65534")
-    try:
-        a.metrics()
+    with group_agent("--no-nvml", "--no-ebpf", "--no-baseline", "--no-otlp", prefix="gw-peer-") as a:
         yield a
-    finally:
-        a.stop()
-        shutil.rmtree(top, ignore_errors=True)
 
 
 def inherited(agent, wait: bool):

@@ -7,12 +7,9 @@ folded by the same code the agent runs and sent over the socket as the agent sen
 """
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +17,7 @@ from gpuwatch.agent import control
 from gpuwatch.probes.cupti.records import ActivityTables
 from gpuwatch.probes.cupti.reports import MIN_REPORT_INTERVAL
 from gpuwatch.probes.process.identity import identify
-from tests.conftest import ROOT, Agent
+from tests.conftest import ROOT, group_agent, series
 
 FIXTURE = ROOT / "tests" / "fixtures" / "cupti-h200.json"
 NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
@@ -42,13 +39,6 @@ def h200_report(pid: int) -> dict:
             "memory": [dict(m) for m in rec["memory"]]}
 
 
-def series(text: str, name: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels[len(name):]] = float(value)
-    return out
 
 
 def wait_for(fn, timeout=15.0):
@@ -63,15 +53,8 @@ def wait_for(fn, timeout=15.0):
 @pytest.fixture
 def agent():
     """An agent whose control socket nobody reaches through its group, as a job's user would."""
-    top = Path(tempfile.mkdtemp(prefix="gw-cupti-"))
-    top.chmod(0o755)  # pytest's own tmp_path is private to root
-    a = Agent(top / "agent", "--no-nvml", "--no-ebpf", "--socket-group", "65534")
-    try:
-        a.metrics()
+    with group_agent("--no-nvml", "--no-ebpf", prefix="gw-cupti-") as a:
         yield a
-    finally:
-        a.stop()
-        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_gpuwatch_run_program_reports_cupti_unavailable_to_the_daemon(agent):

@@ -19,7 +19,7 @@ import pytest
 
 from gpuwatch.agent import control
 from gpuwatch.probes.cupti import reports as R
-from tests.conftest import FIXTURE, Agent, nvml_recording as recording
+from tests.conftest import FIXTURE, Agent, nvml_recording as recording, series
 
 NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
 GIB, MIB = 1 << 30, 1 << 20
@@ -91,13 +91,6 @@ def start_agent(top: Path, nvml: Path) -> Agent:
     return a
 
 
-def series(text: str, name: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels[len(name):]] = float(value)
-    return out
 
 
 def rss_bytes(pid: int) -> int:

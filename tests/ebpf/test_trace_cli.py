@@ -19,6 +19,7 @@ import pytest
 
 from gpuwatch.agent import trace as trace_mod
 from gpuwatch.probes.process import identity
+from gpuwatch.agent.trace.output import read_summary
 from . import test_ebpf_cuda as _base
 from .test_ebpf_cuda import ERRORS_BY_CODE, EXPECTED, EXPECTED_WITH_LAUNCH_ERRORS, LIVE_ALLOCATIONS, LIVE_BYTES
 
@@ -128,7 +129,7 @@ def test_duration_summary_counts_exact(fake_cuda, drivers, tmp_path):
     assert "compiling eBPF program…" in t.stderr
     d.go()
     assert t.wait() == 0, t.stderr
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["ended"] == "duration"
     assert 2.9 <= summary["duration_seconds"] < 4.5
     _assert_exact(summary, d.pid)
@@ -150,7 +151,7 @@ def test_process_exit_ends_trace_with_summary(fake_cuda, drivers, tmp_path):
     assert d.finish() == 0
     t0 = time.monotonic()
     assert t.wait() == 0, t.stderr
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["ended"] == "process exited"
     assert summary["duration_seconds"] < 30
     _assert_exact(summary, d.pid)
@@ -173,7 +174,7 @@ def test_ctrl_c_ends_trace_with_summary(fake_cuda, drivers, tmp_path):
     time.sleep(0.2)
     t.proc.send_signal(signal.SIGINT)  # a second Ctrl-C costs neither the summary nor the detach
     assert t.wait() == 0, t.stderr
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["ended"] == "interrupted"
     _assert_exact(summary, d.pid)
     assert "ended: interrupted" in t.stdout and "Traceback" not in t.stderr and "Aborted" not in t.stderr
@@ -341,7 +342,7 @@ def test_output_writes_a_perfetto_trace_with_every_call(fake_cuda, drivers, tmp_
     time.sleep(1.0)
     t.proc.send_signal(signal.SIGINT)
     assert t.wait() == 0, t.stderr
-    summary = json.loads(summary_path.read_text())
+    summary = read_summary(str(summary_path))
     total = sum(c for c, _e, _b in EXPECTED.values())
     assert summary["events"] == {"recorded": total, "not_written": 0, "error": None}
     assert summary["dropped_events"] == 0

@@ -9,7 +9,6 @@ compiles the probe (~3 s), stopping it detaches the uprobes (~0.1 s each).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 
 from gpuwatch.agent import trace as trace_mod
 from gpuwatch.agent.control import ControlError, call
+from gpuwatch.agent.trace.output import read_summary
 from tests.conftest import Agent
 from . import test_ebpf_cuda as _base
 from .conftest import _build
@@ -127,7 +127,7 @@ def test_own_process_counts_exact_from_the_start_of_the_trace(agent, world, driv
     t.wait_for("tracing PID", t.err)
     d.go()
     assert t.wait() == 0, t.output
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["ended"] == "duration" and 2.9 <= summary["duration_seconds"] < 4.5
     assert summary["pid"] == d.pid and summary["process"] == "driver"
     calls, errors, nbytes = EXPECTED["cuModuleGetFunction"]
@@ -158,7 +158,7 @@ def test_process_exit_ends_the_trace_with_the_last_counts(agent, world, drivers)
     t.wait_for(f"calls {TOTAL_CALLS} ", t.out)  # a refresh has seen the whole workload
     assert d.finish() == 0
     assert t.wait() == 0, t.output
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["ended"] == "process exited"
     _assert_exact(summary, d.pid)
     assert "Traceback" not in t.stderr

@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpuwatch.agent.trace.output import read_summary
 from tests.conftest import FIXTURE, Agent, wait_for
 from tests.ebpf.conftest import Driver, _build
 from tests.ebpf.test_ebpf_cuda import EXPECTED, _uprobe_events_mention, _uprobes_installed
@@ -131,7 +132,7 @@ def test_process_killed_in_the_middle_of_a_trace(world, tmp_path):
         if prog.poll() is None:
             prog.kill()
             prog.wait()
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["ended"] == "process exited" and summary["pid"] == pid
     assert summary["apis"]["cuStreamSynchronize"]["calls"] > 1000
     assert "Traceback" not in t.stderr
@@ -186,7 +187,7 @@ def test_trace_does_not_count_a_new_process_under_the_reused_pid(world, drivers,
             t.proc.send_signal(signal.SIGCONT)
         if b is not None:
             b.finish()
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["ended"] == "process exited" and summary.get("pid_reused") is True, summary
     got = {api: (x["calls"], x["errors"], x["bytes"]) for api, x in summary["apis"].items()}
     assert got == EXPECTED  # the first driver's, once: none of the second's
@@ -224,7 +225,7 @@ def test_target_in_its_own_pid_and_mount_namespace(world, tmp_path):
             ns.kill()
             ns.wait()
     assert f"/proc/{host_pid}/root" in t.stderr  # attached through the namespace's root
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     got = {api: (a["calls"], a["errors"], a["bytes"]) for api, a in summary["apis"].items()}
     assert got == EXPECTED
     assert not os.path.exists(inside) or not os.listdir(inside)  # the bind mount stayed in its namespace
@@ -308,7 +309,7 @@ def test_event_storm_drops_counted_memory_bounded(world, tmp_path):
         if prog.poll() is None:
             prog.kill()
             prog.wait()
-    summary = json.loads(out.read_text())
+    summary = read_summary(str(out))
     assert summary["apis"]["cuStreamSynchronize"]["calls"] == n
     ev, dropped = summary["events"], summary["dropped_events"]
     assert ev["recorded"] == 100_000

@@ -5,6 +5,7 @@ the real probe down or busy (what it says then). tests/ebpf/test_trace_daemon.py
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -276,6 +277,26 @@ def test_summarize_exact_document():
         "gpu": {"index": 0},
         "latency_resolution": "log2 buckets: p50/p99 are the bucket's upper edge (true value within a factor 2 below)",
     }
+
+
+def test_summaries_are_their_wire_type_and_read_back_checked(tmp_path):
+    from gpuwatch.agent.trace.output import read_summary
+    from gpuwatch.agent.wire import TraceSummary
+
+    doc = trace.summarize(START, pid=42, process="train", duration=1.5, ended="exited")
+    TraceSummary.parse(doc)
+    TraceSummary.parse(trace.summarize({}, pid=1, process="?", duration=0.0, ended="Ctrl-C"))
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    assert read_summary(str(path)) == doc
+    for bad, field in ((dict(doc, pid=0), "pid"), (dict(doc, dropped_events=-1), "dropped_events"),
+                       ({k: v for k, v in doc.items() if k != "apis"}, "apis: is required")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(trace.TraceError, match=f"is not a gpuwatch trace summary: {field}"):
+            read_summary(str(path))
+    path.write_text("{")
+    with pytest.raises(trace.TraceError, match="is not a gpuwatch trace summary"):
+        read_summary(str(path))
 
 
 def test_summarize_of_an_empty_snapshot():
