@@ -564,6 +564,7 @@ class TraceSummary(Message):
     dropped_events: int = wire(Int())
     gpu: Any = wire(Opt(Json()))
     latency_resolution: str = wire(Str(256))
+    dropped_by_kind: Mapping = wire(MapOf(Int(), 64, Str(64, clean=True)), EMPTY_MAP)
     pid_reused: bool = wire(Bool(), False)
     events: Any = wire(Opt(Json()), None)
 

@@ -59,6 +59,7 @@ def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended:
                    "allocations": mem.get("allocations", 0), "frees": mem.get("frees", 0)},
         "stacks": (snapshot.get("stacks") or [])[:TOP_STACKS],
         "dropped_events": snapshot.get("dropped_events", 0),
+        "dropped_by_kind": dict(snapshot.get("dropped_by_kind") or {}),  # which map or buffer was full
         "gpu": snapshot.get("gpu"),
         "latency_resolution": "log2 buckets: p50/p99 are the bucket's upper edge (true value within a factor 2 below)",
     }

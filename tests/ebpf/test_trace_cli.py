@@ -345,7 +345,9 @@ def test_output_writes_a_perfetto_trace_with_every_call(fake_cuda, drivers, tmp_
     summary = read_summary(str(summary_path))
     total = sum(c for c, _e, _b in EXPECTED.values())
     assert summary["events"] == {"recorded": total, "not_written": 0, "error": None}
-    assert summary["dropped_events"] == 0
+    # Every call is in the ring buffer. (A map can drop under load, e.g. a user stack that cannot be
+    # read: counted by kind, and no call missing from the trace.)
+    assert summary["dropped_by_kind"].get("events", 0) == 0, summary["dropped_by_kind"]
     doc = json.loads(trace_path.read_text())
     calls = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     per_api: dict[str, int] = {}

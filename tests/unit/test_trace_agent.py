@@ -274,6 +274,7 @@ def test_summarize_exact_document():
         "memory": {"live_bytes": 10, "live_allocations": 2, "allocations": 3, "frees": 1},
         "stacks": snap["stacks"][:3],
         "dropped_events": 2,
+        "dropped_by_kind": {},
         "gpu": {"index": 0},
         "latency_resolution": "log2 buckets: p50/p99 are the bucket's upper edge (true value within a factor 2 below)",
     }
