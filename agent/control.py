@@ -38,11 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, TypeVar
 
 from gpuwatch.agent import wire
-from gpuwatch.agent.api import Probe, Sample
+from gpuwatch.agent.api import GpuwatchError, Probe, Sample
 from gpuwatch.probes.process import identity as ident
 from gpuwatch.probes.process.identity import ProcessIdentity
-
-from gpuwatch.agent.api import GpuwatchError
 
 log = logging.getLogger("gpuwatch.control")
 
@@ -84,11 +82,6 @@ class PeerCred:
     def is_root(self) -> bool:
         return self.uid == 0
 
-    def owns(self, pid: int) -> bool:
-        """May this caller look inside process `pid`? Root: any. Others: their own processes
-        (every uid of it theirs; see identity.owns)."""
-        return ident.owns(self.uid, ident.identify(pid))
-
     def alive(self) -> bool:
         """Does the process that opened the connection still run? With a pidfd the kernel says
         (it is readable once that process exits); otherwise its PID must still carry the start
@@ -102,12 +95,6 @@ class PeerCred:
     def gone_message(self) -> str:
         return (f"the process that opened this connection (pid {self.pid}) has exited; "
                 f"a connection speaks only for the process that opened it")
-
-
-def process_uids(pid: int) -> tuple[int, int, int] | None:
-    """The (real, effective, saved) uids of a process, or None if it does not exist."""
-    found = ident.identify(pid)
-    return found.uids if found else None
 
 
 def _readable(fd: int, timeout_ms: int) -> bool:

@@ -7,35 +7,16 @@ its results parse as their wire types; it stays up and /metrics stays readable.
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuwatch.agent import wire
-from gpuwatch.agent.control import MAX_REQUEST, ControlError, call
-from tests.conftest import FIXTURE, Agent, wait_for
-from tests.e2e.test_control_bad_input import exchange
+from gpuwatch.agent.control import MAX_REQUEST, call
+from tests.conftest import wait_for
+from tests.e2e.test_control_bad_input import agent, exchange  # noqa: F401 - the same module-scoped real agent
 from tests.wire_strategies import expect, params
-
-
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    a = Agent(tmp_path_factory.mktemp("wire"), "--nvml-replay", str(FIXTURE), "--no-ebpf", "--no-cupti-sampling",
-              "--no-baseline", "--no-otlp")
-    a.metrics()
-    end = time.monotonic() + 30
-    while time.monotonic() < end:  # until the first snapshot with the replayed GPU is out
-        try:
-            if call(str(a.socket), "status")["gpus"]:
-                break
-        except ControlError:
-            pass
-        time.sleep(0.1)
-    yield a
-    assert a.stop() == 0, a.output()
-    assert "Traceback" not in a.output(), a.output()
 
 
 @pytest.mark.parametrize("method", sorted(wire.METHODS))

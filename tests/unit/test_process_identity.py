@@ -89,6 +89,16 @@ def test_process_names_are_sanitised_as_every_probe_labels_them():
 
 
 @root_only
+def test_a_caller_owns_only_its_own_processes():
+    # What the control socket and trace decide a caller may see (identity.owns of identify(pid)).
+    assert identify(os.getpid()).uids == (os.getuid(), os.geteuid(), os.getuid())
+    assert owns(os.getuid(), identify(os.getpid()))
+    assert not owns(65534, identify(os.getpid())) or os.getuid() == 65534
+    assert not owns(65534, identify(2**22 + 12345))  # no such process
+    assert owns(0, identify(1))
+    assert identify(2**22 + 12345) is None
+
+
 def test_owners_are_every_uid_of_the_process():
     p = subprocess.Popen([*NOBODY, "sleep", "30"])
     try:
