@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterable
 
 from gpuwatch.agent.api import Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
+from gpuwatch.agent.wire import printable
 from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
 from gpuwatch.probes.ebpf import loader as _loader
@@ -100,7 +101,7 @@ class ProcessQuery:
 def _name_text(raw: bytes, truncated: bool) -> str:
     """A kernel name from the maps as text: UTF-8 (invalid bytes replaced), characters that are not
     printable (terminal controls included) as "?", "…" appended when truncated."""
-    text = "".join(c if c.isprintable() else "?" for c in raw.decode("utf-8", errors="replace"))
+    text = printable(raw.decode("utf-8", errors="replace"))
     return text + "…" if truncated else text
 
 

@@ -21,7 +21,7 @@ from gpuwatch.probes.nvml.backend import (
     Backend, GpuLost, LibraryUnavailable, NotSupported, NoValue, NvmlError, RealBackend,
 )
 from gpuwatch.probes.nvml.events import XidWatcher
-from gpuwatch.probes.process.identity import sanitise_process_name  # noqa: F401 - one name rule, shared
+from gpuwatch.probes.process.identity import sanitise_process_name
 from gpuwatch.probes.process.kubernetes import PodResolver
 
 log = logging.getLogger("gpuwatch.nvml")
