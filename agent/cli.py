@@ -389,7 +389,7 @@ def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) ->
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--pid", "pid", required=True, type=int, metavar="PID", help="The running process to trace.")
+@click.option("--pid", "-p", "pid", required=True, type=int, metavar="PID", help="The running process to trace.")
 @click.option("--duration", type=click.FloatRange(min=0, min_open=True), callback=_not_nan, metavar="SECONDS",
               help="Stop after this long (default: until Ctrl-C or the process exits).")
 @click.option("--summary-json", "summary_json", metavar="FILE", type=click.Path(dir_okay=False),

@@ -76,6 +76,12 @@ def _at_least_float(n: float) -> Callable[[float], float]:
     return check
 
 
+def _fraction(v: float) -> float:
+    if not (0 < v <= 1):  # NaN fails too
+        raise ValueError
+    return v
+
+
 def _process_names(v: str) -> str:
     names = [n.strip() for n in v.split(",") if n.strip()]
     for n in names:
@@ -266,6 +272,17 @@ SETTINGS: tuple[Setting, ...] = (
             "Path of the CUDA driver library to attach to. Empty: every libcuda.so mapped by a running "
             "process, found in /proc and rescanned every 10 s (containers included).",
             "--ebpf-library", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("ebpf", "attach", str, "auto",
+            "How uprobes are attached: links (one multi-uprobe link per library, Linux >= 6.6: attach and "
+            "detach in milliseconds), perf_events (one perf event per probe: ~0.1 s each to detach), or "
+            "auto (links where the kernel has them).",
+            "--ebpf-attach", "auto, links or perf_events", _one_of(("auto", "links", "perf_events"))),
+    Setting("ebpf", "launch_sampling", float, 0.1,
+            "Fraction of each 10 s during which the launch APIs (the hottest calls, ~1 us of probe each) "
+            "are probed; their call counts are then estimated (gpuwatch_ebpf_launch_sampled_ratio). 1: every "
+            "launch, exact, at the full cost. Needs links; allocations, copies, syncs and errors are always exact, "
+            "and `gpuwatch trace` always counts every launch.",
+            "--ebpf-launch-sampling", "a fraction > 0 and <= 1", _fraction),
     Setting("ebpf", "max_processes", int, 32,
             "Processes that get CUDA API series of their own; the rest are folded into pid=\"other\".",
             "--ebpf-max-processes", "an integer >= 1", _at_least(1)),

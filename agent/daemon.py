@@ -47,6 +47,7 @@ LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 
 # How long trace.snapshot waits for the eBPF probe's own work (a collection, or a start that
 # compiles and attaches) before answering that it is busy: well within the client's timeout.
+TRACE_EXACT_S = 60.0  # launches counted exactly this long after each trace.snapshot
 TRACE_LOCK_WAIT = 3.0
 
 
@@ -315,7 +316,8 @@ class Daemon:
             if fid is not None:
                 mapped.setdefault(fid, path)
         try:
-            answer = self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT)
+            # a trace refreshes every second or so: its launches stay exact while it asks
+            answer = self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT, exact_launches=TRACE_EXACT_S)
         except ProbeBusy:
             raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
                                "libcuda): try again in a few seconds") from None

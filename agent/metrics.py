@@ -178,7 +178,9 @@ METRICS: tuple[Metric, ...] = (
     # into pid="other" (see probes/ebpf).
     Metric("gpuwatch.cuda.calls", "", Kind.COUNTER,
            "CUDA driver API calls seen by the eBPF probe on libcuda (runtime, cuBLAS and Triton work "
-           "all arrive here).", ("pid", "process", "api")),
+           "all arrive here). Launch APIs (cuLaunch*, cuGraphLaunch) are ESTIMATED from a duty cycle "
+           "when gpuwatch_ebpf_launch_sampled_ratio < 1 (ebpf.launch_sampling); every other API is exact.",
+           ("pid", "process", "api")),
     Metric("gpuwatch.cuda.errors", "", Kind.COUNTER,
            "CUDA driver API calls that returned an error (a CUresult other than CUDA_SUCCESS).",
            ("pid", "process", "api")),
@@ -193,6 +195,10 @@ METRICS: tuple[Metric, ...] = (
            ("pid", "process")),
     Metric("gpuwatch.ebpf.attached", "", Kind.GAUGE,
            "CUDA driver libraries the eBPF probe has attached to, and the uprobes on them.", ("what",)),
+    Metric("gpuwatch.ebpf.launch.sampled", "1", Kind.GAUGE,
+           "Fraction of the time since the eBPF probe started during which launch calls were counted; "
+           "below 1 the launch APIs' gpuwatch_cuda_calls_total are estimates (calls in the windows scaled "
+           "by the cycle).", ()),
     # --- CUPTI, from in-process agents (`gpuwatch run`) ---------------------------------------
     # Kernel series count only while activity was on in that process (a duty cycle by default):
     # divide by gpuwatch.cupti.observed for the fraction of time. The busiest kernels

@@ -4,13 +4,15 @@ Two identical worker processes run the same work in alternation, round after rou
 real libcuda (where the probe's uprobes are), the other a byte-identical copy of it under another
 inode (LD_LIBRARY_PATH), which no uprobe touches. The rounds first run with no probe at all (the
 two processes' own difference), then with the default probe attached system-wide to the real
-libcuda. Overhead = (traced / control with the probe) / (traced / control without): the same
-machine state, the same minutes, medians over the rounds.
+libcuda. The probe is switched between three states round by round (see main), so each is
+measured in the same minutes; the daemon's default (launch probes on for ebpf.launch_sampling of
+the time) costs that fraction of `every_launch` plus the rest of `launches_off`. Overhead =
+(traced / control in a state) / (traced / control with nothing attached), medians over the rounds.
 
 Work: a tiny-op launch loop (x.add_(1) on 16 floats: launch-bound, the worst case) and a
 training step (a 4-layer MLP, batch 256, width 2048: forward, backward, AdamW).
 
-  python3 bench/ebpf_overhead.py --rounds 9 --out overhead.json    (see tests/gpu/ebpf_check.sh)
+  python3 bench/ebpf_overhead.py --rounds 15 --tiny 100000 --steps 40 --out overhead.json  (tests/gpu/ebpf_links_check.sh)
 """
 from __future__ import annotations
 
@@ -41,23 +43,26 @@ tiny(1000); train(5); torch.cuda.synchronize()
 print("ready", flush=True)
 for line in sys.stdin:
     what, n = line.split()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     (tiny if what == "tiny" else train)(int(n))
     torch.cuda.synchronize()
-    print(f"{time.perf_counter() - t:.6f}", flush=True)
+    print(f"{time.perf_counter() - t:.6f} {time.process_time() - c:.6f}", flush=True)
 '''
 
 
 class Worker:
-    def __init__(self, env: dict) -> None:
+    def __init__(self, env: dict, cpu: int | None = None) -> None:
+        # pinned to a core of its own: a launch loop is CPU-bound, and migrations are noise
+        pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
         self.p = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True, env=env)
+                                  text=True, env=env, preexec_fn=pin)
         assert self.p.stdout.readline().strip() == "ready"
 
     def run(self, what: str, n: int) -> float:
         self.p.stdin.write(f"{what} {n}\n")
         self.p.stdin.flush()
-        return float(self.p.stdout.readline())
+        wall, self.cpu = (float(x) for x in self.p.stdout.readline().split())
+        return wall
 
     def libcuda(self) -> list[str]:
         from gpuwatch.probes.ebpf import loader
@@ -68,8 +73,10 @@ class Worker:
         self.p.wait(60)
 
 
-def rounds(traced: Worker, control: Worker, what: str, n: int, k: int) -> list[float]:
-    """k ratios traced/control, the order alternating so neither always runs first."""
+def rounds(traced: Worker, control: Worker, what: str, n: int, k: int, cpu: list | None = None) -> list[float]:
+    """k ratios traced/control of wall time, the order alternating so neither always runs first;
+    the same ratios of the workers' CPU time (the probe's traps are the traced one's system time,
+    and CPU time is not disturbed by the machine's stalls) appended to `cpu`."""
     out = []
     for i in range(k):
         if i % 2:
@@ -77,6 +84,8 @@ def rounds(traced: Worker, control: Worker, what: str, n: int, k: int) -> list[f
         else:
             t, c = traced.run(what, n), control.run(what, n)
         out.append(t / c)
+        if cpu is not None:
+            cpu.append(traced.cpu / control.cpu)
     return out
 
 
@@ -85,58 +94,90 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--tiny", type=int, default=20000, help="launches per tiny-op round")
     ap.add_argument("--steps", type=int, default=20, help="training steps per round")
+    ap.add_argument("--launch-sampling", type=float, default=0.1, help="the daemon's default (ebpf.launch_sampling)")
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each worker to a core of its own")
     ap.add_argument("--out")
     a = ap.parse_args()
-    from gpuwatch.probes.ebpf import EbpfCudaProbe
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")}
     for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
         if os.environ.get(f"WORKLOAD_{var}"):
             env[var] = os.environ[f"WORKLOAD_{var}"]
-    traced = Worker(env)
+    cpus = sorted(os.sched_getaffinity(0))
+    pins = (cpus[-1], cpus[-2]) if a.pin and len(cpus) >= 4 else (None, None)
+    traced = Worker(env, pins[0])
     real = traced.libcuda()[0]
     copy_dir = tempfile.mkdtemp(prefix="gpuwatch-libcuda-copy-")
     shutil.copy2(real, os.path.join(copy_dir, "libcuda.so.1"))
     cenv = dict(env, LD_LIBRARY_PATH=copy_dir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else ""))
-    control = Worker(cenv)
-    result: dict = {"traced_libcuda": real, "control_libcuda": control.libcuda()}
+    control = Worker(cenv, pins[1])
+    result: dict = {"traced_libcuda": real, "control_libcuda": control.libcuda(), "pinned_to_cpus": pins}
     assert control.libcuda() and os.path.samefile(control.libcuda()[0], os.path.join(copy_dir, "libcuda.so.1")), \
         f"the control process did not load the copy: {control.libcuda()}"
-    before = {w: rounds(traced, control, w, n, a.rounds) for w, n in (("tiny", a.tiny), ("train", a.steps))}
-    probe = EbpfCudaProbe(libraries=[real], driver_names=False)  # system-wide, the daemon's default set
-    probe.start()
+    # One loader, system-wide as the daemon runs it, switched between three states round by round
+    # (links come and go in milliseconds), so every state is measured across the same minutes:
+    #   none          nothing attached;
+    #   launches_off  every probe but the launch entries: the daemon between its launch windows;
+    #   every_launch  every probe: the daemon inside a window, and what `gpuwatch trace` pays.
+    from gpuwatch.probes.ebpf import loader
+    ld = loader.Loader()
+    states = ("none", "launches_off", "every_launch")
+    ratios: dict = {s: {"tiny": [], "train": []} for s in states}
+    cpu_ratios: dict = {s: {"tiny": [], "train": []} for s in states}
     try:
-        n_tiny_before = probe.snapshot(traced.p.pid)["apis"].get("cuLaunchKernel", {}).get("calls", 0)
-        after = {w: rounds(traced, control, w, n, a.rounds) for w, n in (("tiny", a.tiny), ("train", a.steps))}
-        snap = probe.snapshot(traced.p.pid)
-        ctl = probe.snapshot(control.p.pid)
-        # absolute times per tiny launch, probe attached (the traced one pays it)
+        for i in range(a.rounds):
+            for state in states[i % 3:] + states[:i % 3]:  # rotated: no state always first
+                fid = loader.file_id(real)
+                if state == "none":
+                    ld.detach(fid)
+                else:
+                    ld.attach(real)  # None when attached already
+                    ld.set_launches(state == "every_launch")
+                for w, n in (("tiny", a.tiny), ("train", a.steps)):
+                    ratios[state][w] += rounds(traced, control, w, n, 2, cpu_ratios[state][w])  # both orders
+        ld.attach(real)
+        ld.set_launches(True)
         per_launch = {label: statistics.median(w.run("tiny", a.tiny) for _ in range(3)) / a.tiny
                       for label, w in (("control", control), ("traced", traced))}
+        counted = {pid: sum(v[0] for k, v in ld.stats().items() if k[0] == pid)
+                   for pid in (traced.p.pid, control.p.pid)}
     finally:
-        probe.shutdown(wait=False)
-    tiny_launches = snap["apis"].get("cuLaunchKernel", {}).get("calls", 0) - n_tiny_before
+        ld.close()
     control.close()
     traced.close()
     shutil.rmtree(copy_dir, ignore_errors=True)
-    for w in ("tiny", "train"):
-        b, t = statistics.median(before[w]), statistics.median(after[w])
-        result[w] = {"ratios_without_probe": [round(r, 4) for r in before[w]],
-                     "ratios_with_probe": [round(r, 4) for r in after[w]],
-                     "median_without": round(b, 4), "median_with": round(t, 4), "overhead": round(t / b - 1, 4)}
-    result["launches_counted_in_traced"] = tiny_launches
-    result["calls_counted_in_control"] = sum(x["calls"] for x in ctl["apis"].values())
+    for state in states:
+        result[state] = {}
+        for w in ("tiny", "train"):
+            m = statistics.median(ratios[state][w])
+            base = statistics.median(ratios["none"][w])
+            cm = statistics.median(cpu_ratios[state][w])
+            cbase = statistics.median(cpu_ratios["none"][w])
+            result[state][w] = {"ratios": [round(r, 4) for r in ratios[state][w]], "median": round(m, 4),
+                                "overhead": round(m / base - 1, 4),
+                                "cpu_ratios": [round(r, 4) for r in cpu_ratios[state][w]], "cpu_median": round(cm, 4),
+                                "cpu_overhead": round(cm / cbase - 1, 4)}
+    f = a.launch_sampling
+    result["daemon_default"] = {"launch_sampling": f, **{w: {k: round(
+        f * result["every_launch"][w][k] + (1 - f) * result["launches_off"][w][k], 4) for k in ("overhead", "cpu_overhead")}
+        for w in ("tiny", "train")}}
+    result["calls_counted"] = {"traced": counted[traced.p.pid], "control": counted[control.p.pid]}
     result["per_launch_us_end"] = {k: round(v * 1e6, 3) for k, v in per_launch.items()}
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-    print(f"{'work':8s} {'ratio without':>14s} {'ratio with':>11s} {'overhead':>9s}")
+        with open(a.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print(f"{'probe state':14s} {'work':6s} {'wall ratio':>11s} {'overhead':>9s} {'CPU ratio':>10s} {'CPU overhead':>13s}")
+    for state in states:
+        for w in ("tiny", "train"):
+            r = result[state][w]
+            print(f"{state:14s} {w:6s} {r['median']:>11.4f} {r['overhead'] * 100:>8.2f}% {r['cpu_median']:>10.4f} "
+                  f"{r['cpu_overhead'] * 100:>12.2f}%")
     for w in ("tiny", "train"):
-        r = result[w]
-        print(f"{w:8s} {r['median_without']:>14.4f} {r['median_with']:>11.4f} {r['overhead'] * 100:>8.2f}%")
-    print(f"launches counted in the traced worker: {tiny_launches} (training launches included); in the control: "
-          f"{result['calls_counted_in_control']} calls (must be 0); per tiny launch at the end, control/traced "
-          f"{result['per_launch_us_end']} us")
-    return 0 if result["calls_counted_in_control"] == 0 else 1
+        r = result["daemon_default"][w]
+        print(f"{'daemon default':14s} {w:6s} {'':>11s} {r['overhead'] * 100:>8.2f}% {'':>10s} {r['cpu_overhead'] * 100:>12.2f}%"
+              f"  (= {f:g} x every_launch + {1 - f:g} x launches_off)")
+    print(f"calls counted in the control (must be 0): {counted[control.p.pid]}; per tiny launch, every launch "
+          f"probed, control/traced {result['per_launch_us_end']} us")
+    return 0 if counted[control.p.pid] == 0 else 1
 
 
 if __name__ == "__main__":

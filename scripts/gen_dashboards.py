@@ -504,7 +504,9 @@ def cuda_api() -> Dashboard:
             stat("Errors", Q(f'sum({rate("gpuwatch.cuda.errors", **proc)})', needs="ebpf"), unit="ops", width=4,
                  thresholds=[(0.001, "orange")]),
             stat("Kernel launches", Q(f"sum({rate(calls, api=('=~', LAUNCH_APIS), **proc)})", needs="ebpf"),
-                 unit="ops", width=4, base_color="blue"),
+                 unit="ops", width=4, base_color="blue",
+                 description="Estimated from the launch duty cycle unless ebpf.launch_sampling is 1 (see the "
+                             "agent dashboard's eBPF launch sampling)."),
             Row("Calls"),
             ts("Calls by API", Q(f"sum by (api) ({rate(calls, **proc)})", "{{api}}", needs="ebpf"), unit="ops"),
             ts("Calls by process", Q(f"sum by (instance, pid, process) ({rate(calls, **proc)})", who, needs="ebpf"),
@@ -723,6 +725,10 @@ def agent() -> Dashboard:
                description="NVML calls that failed (other than not-supported), by NVML error."),
             ts("eBPF attachments", Q(sel("gpuwatch.ebpf.attached"), "{{instance}} {{what}}", needs="ebpf"),
                unit="none", min=0),
+            ts("eBPF launch sampling", Q(sel("gpuwatch.ebpf.launch.sampled"), "{{instance}}", needs="ebpf"),
+               unit="percentunit", min=0,
+               description="Fraction of the time launches were counted (ebpf.launch_sampling); below 100 % the "
+                           "launch APIs' call counts are estimates. Every other API is exact."),
             Row("Bounds"),
             ts("History series", Q(sel("gpuwatch.history.series"), "{{instance}}"),
                Q(f'sum by (instance, reason) ({rate("gpuwatch.history.series.evicted")})',

@@ -15,6 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "nvml-h200.json"
 
+# The compiled eBPF probe is cached for the whole run (agents and CLIs started by tests inherit
+# this), never in the machine's /var/cache/gpuwatch: the first test that loads it compiles.
+os.environ.setdefault("GPUWATCH_BPF_CACHE", tempfile.mkdtemp(prefix="gpuwatch-bpf-cache-"))
+
+# Tests look in tracefs' uprobe_events for uprobes left behind (gpuwatch itself needs no tracefs).
+if os.geteuid() == 0 and not os.path.exists("/sys/kernel/tracing/uprobe_events"):
+    subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"], capture_output=True, check=False)
+
 
 def load_script(name: str, folder: str = "scripts"):
     """FOLDER/NAME.py as a module (scripts/ and bench/ are not packages), e.g. the dashboard generator."""

@@ -94,7 +94,7 @@ class AgentTrace:
     def attached(self) -> list[dict]:
         return self._start["libraries"]
 
-    def snapshot(self, pid: int) -> dict:
+    def snapshot(self, pid: int, wait_symbols: bool = True) -> dict:
         """Counts since start(). Once the process is gone the agent no longer answers for it: then
         the last counts it gave (at most one refresh before the exit)."""
         try:
@@ -155,8 +155,8 @@ class GpuKernels:
             k["display_name"] = self._names.get(k["name"], k["name"])
         return dict(report, kernels=out)
 
-    def snapshot(self, pid: int) -> dict:
-        snap = self.probe.snapshot(pid)
+    def snapshot(self, pid: int, wait_symbols: bool = True) -> dict:
+        snap = self.probe.snapshot(pid, wait_symbols=wait_symbols)
         return dict(snap, gpu=self.gpu(pid))
 
 
@@ -241,7 +241,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     uprobes = 0
     try:
         t_compile = time.monotonic()
-        starting = f"asking the gpuwatch agent on {agent}…" if agent else "compiling eBPF program…"
+        starting = f"asking the gpuwatch agent on {agent}…" if agent else "loading the eBPF probe…"
         try:
             if sys.stderr.isatty():
                 with err.status(starting):
@@ -267,7 +267,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         ended, t0, verified = _loop(probe, target, duration, interval, out, live_tty, uprobes)
         elapsed = time.monotonic() - t0
         # From here on a second Ctrl-C or SIGTERM neither costs the summary nor leaves the probes
-        # half detached: the summary takes milliseconds, the detach a few seconds (said on stderr).
+        # half detached: the summary and the detach take milliseconds (perf-event uprobes: seconds).
         if main_thread:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -315,14 +315,17 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
 
 
 def _detach(probe, err, uprobes: int) -> None:
-    """Detach every uprobe before exiting.
+    """Detach every uprobe before exiting, after the summary is out.
 
-    The kernel waits for an RCU grace period per uprobe (~0.1 s each), so this takes seconds; it
-    happens after the summary is out. Letting the process exit instead saves nothing: the kernel
-    then releases the uprobes the same way, one at a time.
+    Multi-uprobe links go in milliseconds. Perf-event uprobes (kernels before 6.6) cost an RCU
+    grace period each (~0.1 s), so that takes seconds, said on stderr; letting the process exit
+    instead saves nothing: the kernel then releases them the same way, one at a time.
     """
-    if uprobes:
-        err.print(f"detaching {uprobes} uprobes (the kernel takes about 0.1 s each)…", highlight=False)
+    inner = getattr(probe, "probe", probe)  # GpuKernels wraps the eBPF probe
+    slow = getattr(getattr(inner, "loader", None), "method", None) == "perf_events"
+    if uprobes and slow:
+        err.print(f"detaching {uprobes} uprobes (perf-event uprobes: the kernel takes about 0.1 s each)…",
+                  highlight=False)
     try:
         params = inspect.signature(probe.shutdown).parameters
     except (TypeError, ValueError):
@@ -366,7 +369,7 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
             if deadline is not None and now >= deadline:
                 return "duration", t0, snap
             if now >= next_tick:
-                taken = probe.snapshot(pid)
+                taken = probe.snapshot(pid, wait_symbols=False)  # a refresh waits for no symboliser
                 if not alive(pid, target.start_time):
                     return "process exited", t0, snap
                 snap = taken

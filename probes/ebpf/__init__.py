@@ -1,9 +1,10 @@
-"""eBPF probe on the CUDA driver API: bcc uprobes on libcuda's exported functions.
+"""eBPF probe on the CUDA driver API: uprobes on libcuda's exported functions.
 
 Counts, errors, time and bytes per process and API, log2 latency histograms and live device
 allocations are aggregated in the kernel (cuda.bpf.c); the hooked symbols and the struct layouts
-shared with the C side are in symbols.py; loader.py finds libcuda, compiles and attaches.
-bcc (Debian's python3-bpfcc) is imported only when the probe starts.
+shared with the C side are in symbols.py; compiler.py has bcc (Debian's python3-bpfcc) compile
+the program in a child process and caches the object; loader.py loads it, finds libcuda and
+attaches (bpfsys.py: the system calls); probe.py turns the maps into samples.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def from_config(cfg: Config) -> EbpfCudaProbe | None:
     ebpf.enabled is false."""
     if not cfg.ebpf.enabled:
         return None
-    p = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (), max_processes=cfg.ebpf.max_processes)
-    p.deadline = 10.0  # the first collection compiles the BPF program (1-3 s)
+    p = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (), max_processes=cfg.ebpf.max_processes,
+                      attach=cfg.ebpf.attach, launch_sampling=cfg.ebpf.launch_sampling)
+    p.deadline = 30.0  # the first start on a machine compiles the BPF program (1-6 s; then it is cached)
     return p

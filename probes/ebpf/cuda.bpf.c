@@ -1,8 +1,9 @@
 // gpuwatch eBPF probe on libcuda: per (process, API) counters, latency histograms, live
-// allocations, per-kernel launch configurations and kernel names, aggregated in the kernel. Compiled by bcc;
-// the loader replaces the two markers below with the text from symbols.py (struct layouts and
-// constants, then one entry program per hooked symbol and one return program per timed one), so
-// layouts and the symbol table are defined in one place.
+// allocations, per-kernel launch configurations and kernel names, aggregated in the kernel. Compiled by bcc
+// (in a child process, see compiler.py); the loader replaces the two markers below with the text from
+// symbols.py (struct layouts, constants and hash maps, then the two programs gw_entry and gw_return,
+// which learn the hooked symbol from the attach cookie), so layouts and the symbol table are defined
+// in one place.
 #include <uapi/linux/ptrace.h>
 
 GW_DEFINITIONS
@@ -10,22 +11,12 @@ GW_DEFINITIONS
 // 1-based argument n of the hooked function, x86-64 System V (rdi, rsi, rdx, rcx, r8, r9).
 #define ARG(n) ((u64)PT_REGS_PARM##n(ctx))
 
-// Hash maps are not preallocated: their sizes are caps, memory follows use.
-BPF_F_TABLE("hash", struct gw_api_key, struct gw_api_stats, stats, GW_STATS_MAX, BPF_F_NO_PREALLOC);
-BPF_F_TABLE("hash", struct gw_call_key, struct gw_call, inflight, GW_CALLS_MAX, BPF_F_NO_PREALLOC);
-BPF_F_TABLE("hash", struct gw_live_key, struct gw_live, live, GW_LIVE_MAX, BPF_F_NO_PREALLOC);
-BPF_F_TABLE("hash", u32, s64, live_bytes, GW_LIVE_PIDS_MAX, BPF_F_NO_PREALLOC);
-BPF_F_TABLE("hash", struct gw_hist_key, u64, hist, GW_HIST_MAX, BPF_F_NO_PREALLOC);
-BPF_F_TABLE("hash", struct gw_error_key, u64, errors, GW_ERRORS_MAX, BPF_F_NO_PREALLOC);
-BPF_F_TABLE("hash", struct gw_kernel_key, struct gw_kernel, kernels, GW_KERNELS_MAX, BPF_F_NO_PREALLOC);
-BPF_F_TABLE("hash", struct gw_name_key, struct gw_name, names, GW_NAMES_MAX, BPF_F_NO_PREALLOC);
 // The user stacks that allocated (ids kept in live allocations): few distinct ones in practice
 // (an allocator has a handful of call sites), so stacks of freed allocations are left in place.
 BPF_STACK_TRACE(stacks, GW_STACKS_MAX);
-#ifdef GW_EVENTS
-// One record per call (gw_event), for `gpuwatch trace --output`: compiled in only then.
+// One record per call (gw_event), for `gpuwatch trace --output`: written by return probes whose
+// cookie has GW_COOKIE_EVENTS. The loader creates it with one page unless events are recorded.
 BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
-#endif
 // Scratch for one name (too big for the 512-byte BPF stack next to the rest of gw_return).
 BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
@@ -181,7 +172,7 @@ static __always_inline void gw_name_store(u32 pid, u32 kind, u64 h, const char *
     gw_name_put(pid, kind, h, n);
 }
 
-static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
+static __always_inline int gw_finish(struct pt_regs *ctx, u32 api, u32 op, u64 record) {
     u64 now = bpf_ktime_get_ns();
     struct gw_call_key k = {};
     k.pid_tgid = bpf_get_current_pid_tgid();
@@ -291,7 +282,8 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
     hk.api = api;
     hk.slot = bpf_log2l(ns);
     hist.atomic_increment(hk);
-#ifdef GW_EVENTS
+    if (!record)
+        return 0;
     struct gw_event *ev = events.ringbuf_reserve(sizeof(struct gw_event));
     if (!ev) {
         gw_drop(6);
@@ -307,7 +299,6 @@ static __always_inline int gw_return(struct pt_regs *ctx, u32 api, u32 op) {
     ev->rc = rc;
     ev->dims = c.dims;
     events.ringbuf_submit(ev, 0);
-#endif
     return 0;
 }
 

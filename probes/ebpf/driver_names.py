@@ -19,6 +19,7 @@ libcuda, with a timeout.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import os
@@ -195,6 +196,46 @@ def calibrate(libcuda: str, timeout: float = 60.0, device: int = 0) -> Calibrati
         return Calibration(error=answer["error"])
     return Calibration(function=tuple(tuple(c) for c in answer.get("function", ())),
                        kernel=tuple(tuple(c) for c in answer.get("kernel", ())))
+
+
+MAX_CHAINS, MAX_CHAIN_LEN, MAX_OFFSET = 16, 8, 1 << 16  # a cached calibration's bounds
+
+
+def calibrate_cached(libcuda: str) -> Calibration:
+    """calibrate(), kept in the eBPF cache (compiler.read_cache: only a file only we or root may
+    write) per libcuda build (its size, modification time and inode): the calibration starts CUDA
+    in a child (~0.5 s), once per driver rather than once per trace."""
+    from gpuwatch.probes.ebpf import compiler
+    try:
+        st = os.stat(libcuda)
+    except OSError as e:
+        return Calibration(error=f"cannot read {libcuda}: {e.strerror}")
+    ident = f"{CALIBRATION_FORMAT}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+    name = "names-" + hashlib.sha256(ident.encode()).hexdigest()[:24] + ".json"
+    raw = compiler.read_cache(name)
+    if raw is not None:
+        try:
+            data = json.loads(raw)
+            chains = {k: tuple(_chain(c) for c in data[k]) for k in ("function", "kernel")}
+            if data.get("ident") == ident and all(len(v) <= MAX_CHAINS for v in chains.values()):
+                return Calibration(**chains)
+        except (ValueError, KeyError, TypeError):
+            pass
+    cal = calibrate(libcuda)
+    if not cal.error:
+        compiler.write_cache(name, json.dumps({"ident": ident, "function": [list(c) for c in cal.function],
+                                               "kernel": [list(c) for c in cal.kernel]}).encode())
+    return cal
+
+
+CALIBRATION_FORMAT = 1
+
+
+def _chain(c) -> Chain:
+    if not isinstance(c, list) or not 1 <= len(c) <= MAX_CHAIN_LEN or \
+            not all(type(o) is int and 0 <= o < MAX_OFFSET for o in c):
+        raise ValueError(f"not an offset chain: {c!r}")
+    return tuple(c)
 
 
 # ---- demangling ------------------------------------------------------------------------------------

@@ -11,7 +11,6 @@ when every kernel name known to the probe can go into the events.
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import struct
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, BinaryIO, Mapping
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.safefile import AtomicFile
 
+from gpuwatch.probes.ebpf import bpfsys
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, curesult_name
 
 log = logging.getLogger("gpuwatch.ebpf")
@@ -35,8 +35,9 @@ LAUNCH_GROUP = "launch"
 class EventRecorder:
     """Drains the ring buffer "events" of a loaded BPF program into a file of raw records."""
 
-    def __init__(self, bpf, path: "str | BinaryIO", max_events: int) -> None:
-        """path: where to write, or a binary file already open for it (then closed by stop())."""
+    def __init__(self, ring: tuple[int, int], path: "str | BinaryIO", max_events: int) -> None:
+        """ring: the ring buffer map's fd and size in bytes (Loader.events_map); path: where to
+        write, or a binary file already open for it (then closed by stop())."""
         if isinstance(path, str):
             self._file: BinaryIO = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in stop)
         else:
@@ -46,30 +47,28 @@ class EventRecorder:
         self.recorded = 0
         self.not_written = 0  # over max_events, or the file could not take them
         self.error: str | None = None
-        self._bpf = bpf
         self._stop = threading.Event()
-        bpf[b"events"].open_ring_buffer(self._on_event)
+        self._ring = bpfsys.RingBuffer(ring[0], ring[1], self._on_event)
         self._thread = threading.Thread(target=self._poll, name="gpuwatch-ebpf-events", daemon=True)
         self._thread.start()
 
-    def _on_event(self, _ctx, data, size) -> int:
+    def _on_event(self, data: memoryview) -> None:
         if self.error is not None or self.recorded >= self.max_events:
             self.not_written += 1
-            return 0
+            return
         try:
-            self._file.write(ctypes.string_at(data, size))
+            self._file.write(data)
         except OSError as e:
             self.error = f"writing {self.path}: {e.strerror or e}"
             log.warning("per-call events: %s; the events after %d are counted, not written", self.error,
                         self.recorded)
             self.not_written += 1
-            return 0
+            return
         self.recorded += 1
-        return 0
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            self._bpf.ring_buffer_poll(POLL_MS)
+            self._ring.poll(POLL_MS)
 
     def stop(self) -> None:
         """Stop polling, take what is left in the ring buffer, close the file. Idempotent."""
@@ -77,7 +76,8 @@ class EventRecorder:
             return
         self._stop.set()
         self._thread.join()
-        self._bpf.ring_buffer_consume()
+        self._ring.consume()
+        self._ring.close()
         try:
             self._file.close()
         except OSError as e:

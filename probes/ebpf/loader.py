@@ -1,33 +1,32 @@
-"""Find libcuda, compile cuda.bpf.c with bcc, attach uprobes, read and prune the maps.
+"""Find libcuda, load the compiled probe, attach its uprobes, read and prune the maps.
 
-bcc is imported lazily (`import bcc` only in check_environment/Loader), so this module imports on
-machines without it. Everything that can stop the probe from running raises ProbeUnavailable with
-what a person should do about it.
+bcc never enters this process: compiler.py compiles in a child (or takes the cached object) and
+bpfsys.py makes the system calls. Everything that can stop the probe from running raises
+ProbeUnavailable with what a person should do about it.
 """
 from __future__ import annotations
 
 import atexit
+import ctypes
+import errno
+import importlib.util
 import logging
 import os
 import platform
 import re
-import subprocess
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 from gpuwatch.agent.api import ProbeUnavailable
-from gpuwatch.probes.ebpf import symbols
-from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS
+from gpuwatch.probes.ebpf import bpfsys, compiler, symbols
+from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, LAUNCH_APIS
 
 log = logging.getLogger("gpuwatch.ebpf")
 
-BPF_SOURCE = Path(__file__).with_name("cuda.bpf.c")
 LIBCUDA_RE = re.compile(r"/libcuda\.so(\.[0-9.]+)?$")
-TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 
@@ -84,40 +83,16 @@ def kernel_headers() -> str | None:
     return None
 
 
-def tracefs_dir() -> str | None:
-    for d in TRACEFS_DIRS:
-        if os.path.exists(os.path.join(d, "uprobe_events")):
-            return d
-    return None
-
-
-def ensure_tracefs() -> str:
-    """bcc's detach path reads <tracefs>/uprobe_events: mount tracefs if it is not (as root)."""
-    d = tracefs_dir()
-    if d:
-        return d
-    if os.geteuid() == 0:
-        subprocess.run(["mount", "-t", "tracefs", "nodev", TRACEFS_DIRS[0]], capture_output=True, check=False)
-        d = tracefs_dir()
-        if d:
-            return d
-    raise ProbeUnavailable("tracefs is not mounted (bcc needs /sys/kernel/tracing/uprobe_events): run "
-                           "`mount -t tracefs nodev /sys/kernel/tracing` as root, or add it to /etc/fstab")
-
-
-def check_environment() -> None:
-    """Raise ProbeUnavailable with the remedy when bcc cannot work here."""
-    try:
-        with warnings.catch_warnings():
-            # bcc 0.26's own module has an invalid escape sequence; its warning is noise to our users.
-            warnings.simplefilter("ignore", SyntaxWarning)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import bcc  # noqa: F401
-    except ImportError:
-        raise ProbeUnavailable(BCC_REMEDY) from None
+def check_environment(compiling: bool = True) -> None:
+    """Raise ProbeUnavailable with the remedy when the probe cannot work here (compiling: bcc and
+    kernel headers are needed too, not only the capabilities)."""
     missing = missing_capabilities()
     if missing:
         raise ProbeUnavailable(privileges_message(missing))
+    if not compiling:
+        return
+    if importlib.util.find_spec("bcc") is None:
+        raise ProbeUnavailable(BCC_REMEDY)
     if kernel_headers() is None:
         release = platform.release()
         raise ProbeUnavailable(
@@ -126,7 +101,6 @@ def check_environment() -> None:
             f"distribution headers (e.g. linux-headers-amd64) and symlink /lib/modules/{release}/build to "
             f"/usr/src/linux-headers-VERSION-amd64 and /source to its -common sibling: uprobe programs "
             f"need little from them (verified with Debian's 6.1 headers on 6.18 kernels)")
-    ensure_tracefs()
 
 
 # ---- processes in /proc ----------------------------------------------------------------------
@@ -167,7 +141,9 @@ def file_id(path: str) -> tuple[int, int] | None:
 
 
 def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str]:
-    """Every distinct libcuda file (by device and inode) mapped by a running process."""
+    """Every distinct libcuda file (by device and inode) mapped by a running process, under the
+    path this process sees it by when that is the same file (the host's libcuda: the path outlives
+    the process), else through /proc/PID/root (a container's copy)."""
     if pids is None:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     seen: dict[tuple[int, int], str] = {}
@@ -175,24 +151,58 @@ def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str
         for path in libcuda_in(pid):
             fid = file_id(path)
             if fid is not None and fid not in seen:
-                seen[fid] = path
+                own = path[len(f"/proc/{pid}/root"):]
+                seen[fid] = own if file_id(own) == fid else path
     return seen
 
 
-def function_symbols(path: str) -> dict[str, int]:
-    """Function symbols (dynamic and static) of an ELF file: name -> address."""
-    from bcc import BPF
+def function_offsets(path: str) -> dict[str, int]:
+    """The file offset of every exported function of an ELF file whose name starts with "cu" (the
+    driver API): where a uprobe goes. From the dynamic symbol table, by pyelftools."""
+    from elftools.common.exceptions import ELFError
+    from elftools.elf.elffile import ELFFile
     out: dict[str, int] = {}
-    for name, addr in BPF.get_user_functions_and_addresses(path.encode(), rb"^cu"):
-        out[name.decode() if isinstance(name, bytes) else name] = addr
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            loads = [(s["p_vaddr"], s["p_memsz"], s["p_offset"]) for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+            dynsym = elf.get_section_by_name(".dynsym")
+            if dynsym is None:
+                return out
+            for sym in dynsym.iter_symbols():
+                if sym["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or sym["st_shndx"] == "SHN_UNDEF" \
+                        or not sym.name.startswith("cu") or sym.name in out:
+                    continue
+                v = sym["st_value"]
+                for vaddr, memsz, offset in loads:
+                    if vaddr <= v < vaddr + memsz:
+                        out[sym.name] = v - vaddr + offset
+                        break
+    except ELFError as e:
+        raise OSError(f"{path} is not a readable ELF file: {e}") from None
     return out
 
 
 # ---- the loaded program ------------------------------------------------------------------------
-def bpf_text(launch_latency: bool = False, events: bool = False) -> str:
-    src = ("#define GW_EVENTS 1\n" if events else "") + BPF_SOURCE.read_text()
-    return src.replace("GW_DEFINITIONS", symbols.render_c()).replace(
-        "GW_PROGRAMS", symbols.render_programs(launch_latency))
+LINKS, PERF_EVENTS = "links", "perf_events"
+ATTACH_MODES = ("auto", LINKS, PERF_EVENTS)
+LINKS_SINCE = (6, 6)  # BPF_TRACE_UPROBE_MULTI
+
+
+def kernel_version(release: str | None = None) -> tuple[int, int]:
+    m = re.match(r"(\d+)\.(\d+)", release or platform.release())
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def attach_method(mode: str = "auto") -> str:
+    """links (one multi-uprobe link per library and kind: attach and detach in milliseconds) where
+    the kernel has them (Linux >= 6.6), else perf_events (one perf event per probe: ~0.03 s to
+    attach and ~0.1 s to detach each)."""
+    if mode not in ATTACH_MODES:
+        raise ValueError(f"attach mode {mode!r}: one of {', '.join(ATTACH_MODES)}")
+    if mode != "auto":
+        return mode
+    return LINKS if kernel_version() >= LINKS_SINCE else PERF_EVENTS
 
 
 @dataclass
@@ -202,42 +212,88 @@ class Library:
     attached: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     uprobes: int = 0
+    fds: list[int] = field(default_factory=list)  # links, then perf events: closing them detaches
+    launch_probes: list[tuple[int, int]] = field(default_factory=list)  # (offset, cookie): links mode
+    launch_fd: int | None = None  # the link of the launch entries, while they are on
 
 
 class Loader:
-    """One compiled BPF program and the uprobes attached from it."""
+    """The probe's maps and programs, loaded into the kernel, and the uprobes attached from them.
+
+    No bcc here: the compiled object comes from compiler.compiled() (cache or child), and maps,
+    programs and links are plain bpf() calls (bpfsys)."""
 
     def __init__(self, pid: int | None = None, apis: Iterable[str] | None = None,
-                 launch_latency: bool = False, events: bool = False) -> None:
-        """launch_latency: give the launch APIs a return probe too (latency, errors); by default
-        they are counted at entry only (see symbols.timed). events: compile in the per-call ring
-        buffer "events" (one gw_event per timed call; see events.py)."""
-        self.pid = pid  # attach only for this process (perf filters by its mm), or None: everyone
+                 launch_latency: bool = False, events: bool = False, attach: str = "auto") -> None:
+        """pid: attach for this process only, or None: every process. apis: hook only these
+        symbols. launch_latency: give the launch APIs a return probe too (latency, errors); by
+        default they are counted at entry only (see symbols.timed). events: one gw_event per timed
+        call in the ring buffer "events" (see events.py), created big enough only then.
+        attach: auto | links | perf_events (see attach_method)."""
+        self.pid = pid
         self.hooks = HOOKS if apis is None else tuple(h for h in HOOKS if h.name in set(apis))
         self.launch_latency = launch_latency
+        self.events = events
+        self.method = attach_method(attach)
         self.untimed = frozenset(h.name for h in self.hooks if not symbols.timed(h, launch_latency))
+        self.libraries: dict[tuple[int, int], Library] = {}
+        self.attach_seconds = 0.0
+        self._closed = False
         self._detacher: threading.Thread | None = None
         self._stop = threading.Event()  # set at interpreter exit: a background detach stops
-        self.libraries: dict[tuple[int, int], Library] = {}
-        self.compile_seconds = 0.0
-        self.attach_seconds = 0.0
-        check_environment()
-        from bcc import BPF
+        self._symbols: dict[tuple[int, int], str] = {}  # (pid, address) -> symbolised frame
+        self._symboliser: threading.Thread | None = None
+        self._fds: list[int] = []  # maps and programs
+        self.launches_on = True  # launch entry probes attached (see set_launches)
+        missing = missing_capabilities()
+        if missing:
+            raise ProbeUnavailable(privileges_message(missing))
         t0 = time.perf_counter()
+        obj = compiler.compiled()
+        self.compile_seconds = 0.0 if obj.cached else obj.compile_seconds
+        self.cached = obj.cached
         try:
-            self.bpf = BPF(text=bpf_text(launch_latency, events).encode(),
-                           cflags=["-Wno-macro-redefined", "-Wno-unused-function"])
-        except Exception as e:
-            raise ProbeUnavailable(f"bcc could not compile the probe ({e}); see the compiler messages in the "
-                                   f"agent's log; the kernel headers used are {kernel_headers()}: install "
-                                   f"linux-headers for the running kernel (`gpuwatch doctor` says what is "
-                                   f"missing)") from None
-        self.compile_seconds = time.perf_counter() - t0
-        self._closed = False
-        # bcc registers BPF.cleanup to run at interpreter exit; it would race a background detach
-        # (close(wait=False)) over the same file descriptors. Ours runs instead (see _at_exit).
-        atexit.unregister(self.bpf.cleanup)
+            self._load(obj)
+        except BaseException:
+            bpfsys.close_all(self._fds)
+            raise
+        self.load_seconds = time.perf_counter() - t0
         atexit.register(self._at_exit)
+
+    def _load(self, obj: compiler.CompiledObject) -> None:
+        self.maps: dict[str, bpfsys.Map] = {}
+        fds = []
+        for m in obj.maps:
+            entries = m["max_entries"]
+            if m["type"] == bpfsys.MAP_RINGBUF and not self.events:
+                entries = 4096  # one page: nothing writes to it
+            try:
+                fd = bpfsys.map_create(m["type"], m["key_size"], m["value_size"], entries, m["flags"], m["name"])
+            except OSError as e:
+                raise ProbeUnavailable(f"cannot create the eBPF map {m['name']}: {e.strerror or e} (memlock limit? "
+                                       f"run as root with CAP_BPF; the unit sets LimitMEMLOCK=infinity)") from None
+            self._fds.append(fd)
+            fds.append(fd)
+            kv = symbols.MAP_TYPES.get(m["name"])
+            if kv is not None:
+                k, v = symbols.ctype(kv[0]), symbols.ctype(kv[1])
+                if (ctypes.sizeof(k), ctypes.sizeof(v)) != (m["key_size"], m["value_size"]):
+                    raise ProbeUnavailable(f"eBPF map {m['name']}: key/value of {m['key_size']}/{m['value_size']} "
+                                           f"bytes, Python expects {ctypes.sizeof(k)}/{ctypes.sizeof(v)}")
+                self.maps[m["name"]] = bpfsys.Map(fd, m["name"], k, v)
+            if m["name"] == "events":
+                self.events_map = (fd, entries)
+        expected = bpfsys.ATTACH_UPROBE_MULTI if self.method == LINKS else 0
+        self.progs: dict[str, int] = {}
+        for name in symbols.PROGRAMS:
+            try:
+                fd = bpfsys.prog_load(obj.instructions(name, fds), name, obj.license,
+                                      expected_attach_type=expected, kern_version=obj.kern_version)
+            except bpfsys.VerifierError as e:
+                log.warning("%s; the verifier said:\n%s", e, e.log)
+                raise ProbeUnavailable(f"{e} (the verifier's log is in the agent's log)") from None
+            self._fds.append(fd)
+            self.progs[name] = fd
 
     # -- attach / detach ---------------------------------------------------------------------
     def attach(self, path: str) -> Library | None:
@@ -247,61 +303,128 @@ class Loader:
             raise FileNotFoundError(path)
         if fid in self.libraries:
             return None
+        if self._closed:
+            raise RuntimeError("the loader is closed")
         t0 = time.perf_counter()
         lib = Library(path, fid)
-        self.libraries[fid] = lib
         try:
-            present = function_symbols(path)
-        except Exception as e:
+            present = function_offsets(path)
+        except OSError as e:
             log.warning("cannot read the symbols of %s: %s", path, e)
             present = {}
-        pid = self.pid if self.pid is not None else -1
+        entries, returns = [], []  # (offset, cookie)
         for hook in self.hooks:
-            addr = present.get(hook.name)
-            if addr is None:
+            off = present.get(hook.name)
+            if off is None:
                 lib.skipped.append(hook.name)
                 continue
-            try:
-                # Return probe first: a call entered between the two attaches then has no entry
-                # record and is not counted, rather than leaving a stale in-flight record.
-                if hook.name not in self.untimed:
-                    self.bpf.attach_uretprobe(name=path.encode(), sym=hook.name.encode(),
-                                              fn_name=symbols.return_fn(hook.name).encode(), pid=pid)
-                    lib.uprobes += 1
-                self.bpf.attach_uprobe(name=path.encode(), sym=hook.name.encode(),
-                                       fn_name=symbols.entry_fn(hook.name).encode(), pid=pid)
-                lib.uprobes += 1
-                lib.attached.append(hook.name)
-            except Exception as e:
-                log.warning("cannot attach to %s in %s: %s", hook.name, path, e)
-                lib.skipped.append(hook.name)
+            lib.attached.append(hook.name)
+            entries.append((off, symbols.entry_cookie(hook, self.launch_latency)))
+            if hook.name not in self.untimed:
+                returns.append((off, symbols.return_cookie(hook, self.events)))
+        try:
+            # Return probes first: a call entered between the two attaches then has no entry
+            # record and is not counted, rather than leaving a stale in-flight record.
+            for probes, kind in ((returns, "return"), (entries, "entry")):
+                if probes and kind == "entry" and self.method == LINKS:
+                    # launch entries in a link of their own, which set_launches() can take away
+                    lib.launch_probes = [(o, c) for o, c in probes if API_NAMES[c & symbols.COOKIE_API] in LAUNCH_APIS]
+                    probes = [(o, c) for o, c in probes if API_NAMES[c & symbols.COOKIE_API] not in LAUNCH_APIS]
+                    if lib.launch_probes and self.launches_on:
+                        lib.launch_fd = self._link(path, lib.launch_probes, False)
+                        lib.uprobes += len(lib.launch_probes)
+                if probes:
+                    self._attach(lib, path, probes, kind == "return")
+        except OSError as e:
+            self._close_library(lib)
+            if e.errno == errno.ESRCH and self.pid:
+                raise ProbeUnavailable(f"process {self.pid} does not exist") from None
+            raise OSError(e.errno, f"attaching to {path}: {e.strerror or e}") from None
+        self.libraries[fid] = lib
         self.attach_seconds += time.perf_counter() - t0
         if lib.skipped:
             log.info("%s: %d symbols hooked, not present: %s", path, len(lib.attached), ", ".join(lib.skipped))
         return lib
 
+    def _link(self, path: str, probes: list[tuple[int, int]], retprobe: bool) -> int:
+        return bpfsys.uprobe_multi_link(self.progs["gw_return" if retprobe else "gw_entry"], path,
+                                        [o for o, _ in probes], [c for _, c in probes], pid=self.pid or 0,
+                                        retprobe=retprobe)
+
+    def _attach(self, lib: Library, path: str, probes: list[tuple[int, int]], retprobe: bool) -> None:
+        prog = self.progs["gw_return" if retprobe else "gw_entry"]
+        if self.method == LINKS:
+            lib.fds.append(self._link(path, probes, retprobe))
+            lib.uprobes += len(probes)
+            return
+        for off, cookie in probes:
+            pfd = bpfsys.perf_uprobe(path, off, -1 if self.pid is None else self.pid, retprobe)
+            lib.fds.append(pfd)
+            lib.fds.append(bpfsys.perf_event_link(prog, pfd, cookie))
+            lib.uprobes += 1
+
+    @property
+    def can_toggle_launches(self) -> bool:
+        return self.method == LINKS
+
+    def set_launches(self, on: bool) -> None:
+        """Attach (on) or detach the launch APIs' entry probes of every library: the per-launch cost
+        goes with them (links mode only: a link comes and goes in well under a millisecond)."""
+        if not self.can_toggle_launches or on == self.launches_on or self._closed:
+            return
+        self.launches_on = on
+        for lib in self.libraries.values():
+            if on and lib.launch_probes and lib.launch_fd is None:
+                try:
+                    lib.launch_fd = self._link(lib.path, lib.launch_probes, False)
+                except OSError as e:
+                    log.warning("cannot attach the launch probes of %s again: %s", lib.path, e)
+                    continue
+                lib.uprobes += len(lib.launch_probes)
+            elif not on and lib.launch_fd is not None:
+                os.close(lib.launch_fd)
+                lib.launch_fd = None
+                lib.uprobes -= len(lib.launch_probes)
+
+    def detach(self, fid: tuple[int, int]) -> bool:
+        """Detach one library (its file is no longer mapped anywhere); False when not attached."""
+        lib = self.libraries.pop(fid, None)
+        if lib is None:
+            return False
+        self._close_library(lib)
+        return True
+
+    def _close_library(self, lib: Library) -> None:
+        # Entry probes first (attached last): no call starts being timed that no return probe finishes.
+        if lib.launch_fd is not None:
+            os.close(lib.launch_fd)
+            lib.launch_fd = None
+        for fd in reversed(lib.fds):
+            if self._stop.is_set():
+                return  # exiting: the kernel closes the rest
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        lib.fds.clear()
+
     @property
     def uprobe_count(self) -> int:
-        return len(self.bpf.uprobe_fds) if not self._closed else 0
+        return sum(lib.uprobes for lib in self.libraries.values()) if not self._closed else 0
 
     def close(self, wait: bool = True) -> None:
         """Detach everything and free the maps. Idempotent.
 
-        Slow by the kernel's doing: closing each uprobe's perf event waits for an RCU grace period
-        under a global mutex (~0.08-0.1 s each measured on kernel 6.18; closing from threads does
-        not overlap them). Entry probes go first, so no call starts being timed that no return
-        probe will finish.
-
-        wait=False: return at once and detach in a daemon thread (`wait_closed()` waits for it).
-        The maps must not be read after close() either way. Should the interpreter exit first, the
-        thread stops between two uprobes (see _at_exit) and the kernel releases the rest when it
-        closes the process's perf-event file descriptors at exit (bcc attaches through the uprobe
-        PMU: nothing is left in uprobe_events).
-        """
+        Links close in milliseconds. Perf-event uprobes (the fallback) do not: closing each waits
+        for an RCU grace period under a global mutex (~0.08-0.1 s each on 6.18). wait=False:
+        return at once and detach in a daemon thread (`wait_closed()` waits for it); should the
+        interpreter exit first, the thread stops between two probes (see _at_exit) and the
+        kernel releases the rest when it closes the process's file descriptors.
+        The maps must not be read after close()."""
         if self._closed:
             return
         self._closed = True
-        if wait:
+        if wait or self.method == LINKS:
             self._detach()
         else:
             self._detacher = threading.Thread(target=self._detach, name="gpuwatch-ebpf-detach", daemon=True)
@@ -321,18 +444,15 @@ class Loader:
         return t is not None and t.is_alive()
 
     def _at_exit(self) -> None:
-        # Detaching in the background: stop after the uprobe being detached now and leave the rest
-        # to the kernel, which closes them when the process exits. The thread must NOT be inside
-        # close() when the process exits: a task being killed (exit_group kills the other threads)
-        # that unregisters a uprobe fails to restore the original instruction in the traced
-        # processes (measured on 6.18: the int3 stayed in the driver's text), while the kernel's
-        # own closing at exit restores everything.
+        # A task being killed at exit (exit_group kills the other threads) that is unregistering a
+        # perf-event uprobe fails to restore the original instruction in the traced processes
+        # (measured on 6.18: the int3 stayed in the driver's text), while the kernel's own closing
+        # of the fds at exit restores everything: a background detach stops first.
         t = self._detacher
         if t is not None and t.is_alive():
             self._stop.set()
             t.join(5.0)
             return
-        # Not closed: detach as bcc's own exit handler did.
         if not self._closed:
             try:
                 self.close()
@@ -341,81 +461,89 @@ class Loader:
 
     def _detach(self) -> None:
         t0 = time.perf_counter()
-        bpf = self.bpf
-        n = len(bpf.uprobe_fds)
-        for ev in sorted(bpf.uprobe_fds, key=lambda ev: not ev.startswith(b"p_")):
+        n = sum(lib.uprobes for lib in self.libraries.values())
+        for lib in list(self.libraries.values()):
+            self._close_library(lib)
             if self._stop.is_set():
-                log.info("exiting: %d uprobes left to the kernel to release", len(bpf.uprobe_fds))
+                log.info("exiting: the uprobes left are released by the kernel")
                 return
-            try:
-                bpf.detach_uprobe_event(ev)
-            except Exception as e:
-                log.warning("detaching %s: %s", ev, e)
-        try:
-            bpf.cleanup()
-        except Exception as e:
-            log.warning("bcc cleanup: %s", e)
         self.libraries.clear()
+        bpfsys.close_all(self._fds)
+        self._fds.clear()
         atexit.unregister(self._at_exit)  # lets the Loader be garbage-collected
-        log.info("detached %d uprobes in %.2f s", n, time.perf_counter() - t0)
+        log.info("detached %d uprobes (%s) in %.3f s", n, self.method.replace("_", "-"), time.perf_counter() - t0)
 
     # -- maps ----------------------------------------------------------------------------------
     def stats(self) -> dict[tuple[int, str], tuple[int, int, int, int]]:
         """(pid, api) -> (calls, errors, ns, bytes)."""
         out = {}
-        for k, v in self.bpf[b"stats"].items():
-            out[(k.pid, API_NAMES[k.api])] = (v.calls, v.errors, v.ns, v.bytes)
+        for k, v in self.maps["stats"].items():
+            if k.api < len(API_NAMES):
+                out[(k.pid, API_NAMES[k.api])] = (v.calls, v.errors, v.ns, v.bytes)
         return out
 
     def errors(self, pid: int | None = None) -> dict[tuple[int, str], dict[int, int]]:
         """(pid, api) -> {CUresult: calls that returned it} (errors only: CUresult != 0)."""
         out: dict[tuple[int, str], dict[int, int]] = {}
-        for k, v in self.bpf[b"errors"].items():
-            if pid is None or k.pid == pid:
+        for k, v in self.maps["errors"].items():
+            if (pid is None or k.pid == pid) and k.api < len(API_NAMES):
                 out.setdefault((k.pid, API_NAMES[k.api]), {})[k.code] = v.value
         return out
 
     def live_bytes(self) -> dict[int, int]:
-        return {k.value: v.value for k, v in self.bpf[b"live_bytes"].items()}
+        return {k.value: v.value for k, v in self.maps["live_bytes"].items()}
 
     def live_by_stack(self, pid: int) -> dict[tuple[int, int], tuple[int, int]]:
         """Live allocations of a process by the user stack that made them: (stack id, return
         address) -> (bytes, allocations); stack id -1 where the stack could not be taken."""
         out: dict[tuple[int, int], tuple[int, int]] = {}
-        for k, v in self.bpf[b"live"].items():
+        for k, v in self.maps["live"].items():
             if k.pid == pid:
                 b, n = out.get((v.stack, v.caller), (0, 0))
                 out[(v.stack, v.caller)] = (b + v.size, n + 1)
         return out
 
-    def stack_frames(self, stack_id: int, caller: int, pid: int, limit: int = 16) -> list[str]:
+    def stack_frames(self, stack_id: int, caller: int, pid: int, limit: int = 16, wait: bool = True) -> list[str]:
         """The frames of an allocation's stack, innermost first (the API, its caller, ...),
-        symbolised and demangled by bcc in the process's binaries: "function+0x1c [library]", or
-        the address when nothing names it. With frame pointers missing (most optimised builds)
-        the walk stops early: the API and its caller are always there."""
+        symbolised and demangled by bcc (in a child, once per address) in the process's binaries:
+        "function+0x1c [library]", or the address when nothing names it. With frame pointers
+        missing (most optimised builds) the walk stops early: the API and its caller are there.
+        wait=False: addresses not symbolised yet are given as hex now and symbolised in the
+        background (a live view must not wait for the child)."""
         addrs: list[int] = []
         if stack_id >= 0:
-            try:
-                addrs = list(self.bpf[b"stacks"].walk(stack_id))[:limit]
-            except KeyError:
-                pass
+            v = self.maps["stacks"].lookup(symbols.ctype("u32")(stack_id))
+            if v is not None:
+                addrs = [a for a in v.ip if a][:limit]
         if caller:  # the walk from the API's first instruction skips its caller
             addrs = addrs[:1] + [caller] + addrs[1:]
-        frames = []
-        for a in addrs[:limit]:
-            name = self.bpf.sym(a, pid, show_module=True, show_offset=True, demangle=True)
-            text = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
-            frames.append(f"{a:#x}" if text.startswith("[unknown]") else text)
-        return frames
+        addrs = addrs[:limit]
+        unknown = [a for a in dict.fromkeys(addrs) if (pid, a) not in self._symbols]
+        if unknown:
+            if wait:
+                self._symbolise(pid, unknown)
+            elif self._symboliser is None or not self._symboliser.is_alive():
+                self._symboliser = threading.Thread(target=self._symbolise, args=(pid, unknown),
+                                                    name="gpuwatch-ebpf-symbols", daemon=True)
+                self._symboliser.start()
+        return [self._symbols.get((pid, a), f"{a:#x}") for a in addrs]
+
+    def _symbolise(self, pid: int, addrs: list[int]) -> None:
+        try:
+            names = compiler.symbolise(pid, addrs)
+        except ProbeUnavailable as e:
+            log.debug("symbolising process %d: %s", pid, e)
+            return
+        self._symbols.update(((pid, a), name) for a, name in zip(addrs, names))
 
     def live_allocations(self, pid: int | None = None) -> int:
-        return sum(1 for k in self.bpf[b"live"].keys() if pid is None or k.pid == pid)
+        return sum(1 for k in self.maps["live"].keys() if pid is None or k.pid == pid)
 
     def histogram(self, pid: int | None = None) -> dict[str, dict[int, int]]:
         """api -> {log2 slot: count}; slot s (bcc's bpf_log2l) holds latencies in [2**(s-1), 2**s) ns; slot 0: 0 ns."""
         out: dict[str, dict[int, int]] = {}
-        for k, v in self.bpf[b"hist"].items():
-            if pid is None or k.pid == pid:
+        for k, v in self.maps["hist"].items():
+            if (pid is None or k.pid == pid) and k.api < len(API_NAMES):
                 slots = out.setdefault(API_NAMES[k.api], {})
                 slots[k.slot] = slots.get(k.slot, 0) + v.value
         return out
@@ -424,7 +552,7 @@ class Loader:
         """(pid, CUfunction handle) -> {"launches", "degenerate_launches", "grid", "block",
         "shared_mem_bytes", "stream"} (grid, block, shared memory and stream of the last launch)."""
         out = {}
-        for k, v in self.bpf[b"kernels"].items():
+        for k, v in self.maps["kernels"].items():
             if pid is None or k.pid == pid:
                 out[(k.pid, k.handle)] = {
                     "launches": v.launches, "degenerate_launches": v.degenerate,
@@ -437,17 +565,18 @@ class Loader:
         """(pid, symbols.NAME_FUNCTION or NAME_KERNEL, handle) -> (name as the process gave it, up
         to NAME_LEN - 1 bytes; truncated)."""
         out = {}
-        for k, v in self.bpf[b"names"].items():
+        for k, v in self.maps["names"].items():
             if pid is None or k.pid == pid:
-                out[(k.pid, k.kind, k.handle)] = (bytes(v.name)[:v.len], bool(v.truncated))
+                out[(k.pid, k.kind, k.handle)] = (bytes(v.name)[:min(v.len, symbols.NAME_LEN - 1)], bool(v.truncated))
         return out
 
     def dropped(self) -> int:
-        return sum(v.value for v in self.bpf[b"dropped"].values())
+        return sum(v.value for v in self.maps["dropped"].values())
 
     def dropped_by_kind(self) -> dict[str, int]:
         """What was not recorded, by what (symbols.DROPPED_KINDS), where anything was."""
-        return {symbols.DROPPED_KINDS[k.value]: v.value for k, v in self.bpf[b"dropped"].items() if v.value}
+        return {symbols.DROPPED_KINDS[k.value]: v.value for k, v in self.maps["dropped"].items()
+                if v.value and k.value < len(symbols.DROPPED_KINDS)}
 
     def forget(self, pids: set[int]) -> None:
         """Remove every map entry of these processes (they exited)."""
@@ -456,19 +585,18 @@ class Loader:
         for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("errors", lambda k: k.pid),
                              ("live", lambda k: k.pid), ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
                              ("kernels", lambda k: k.pid), ("names", lambda k: k.pid)):
-            table = self.bpf[name.encode()]
-            doomed = [k for k in table.keys() if pid_of(k) in pids]
-            for k in doomed:
-                try:
-                    del table[k]
-                except KeyError:
-                    pass
+            table = self.maps[name]
+            for k in table.keys():
+                if pid_of(k) in pids:
+                    table.delete(k)
+        if self._symbols:
+            self._symbols = {k: v for k, v in self._symbols.items() if k[0] not in pids}
 
     def pids(self) -> set[int]:
         """Every process with an entry in any map."""
-        pids = {k.pid for k in self.bpf[b"stats"].keys()}
-        pids.update(k.value for k in self.bpf[b"live_bytes"].keys())
-        pids.update(k.pid_tgid >> 32 for k in self.bpf[b"inflight"].keys())
-        pids.update(k.pid for k in self.bpf[b"kernels"].keys())
-        pids.update(k.pid for k in self.bpf[b"names"].keys())
+        pids = {k.pid for k in self.maps["stats"].keys()}
+        pids.update(k.value for k in self.maps["live_bytes"].keys())
+        pids.update(k.pid_tgid >> 32 for k in self.maps["inflight"].keys())
+        pids.update(k.pid for k in self.maps["kernels"].keys())
+        pids.update(k.pid for k in self.maps["names"].keys())
         return pids

@@ -44,9 +44,19 @@ counted. "symbol" is the name as the driver has it; "name" is it demangled by c+
 process: a name a traced process chose never reaches a demangler inside the agent). Characters
 that are not printable are shown as "?"; a truncated name ends in "…".
 
-Shutdown: detaching costs the kernel ~0.1 s per uprobe (an RCU grace period each, serialised), so
-a full set on the real libcuda takes seconds. `shutdown(wait=False)` returns at once and detaches in
-a daemon thread; should the process exit first, its exit releases what is left.
+Attaching: one multi-uprobe link per library for the return probes, one for the entries and one
+for the launch entries (Linux >= 6.6; loader.attach_method), so attaching to a libcuda and
+detaching from it take milliseconds. On older kernels (or attach="perf_events") each probe is a
+perf event, and detaching costs the kernel ~0.1 s per probe (an RCU grace period each,
+serialised): `shutdown(wait=False)` then returns at once and detaches in a daemon thread; should
+the process exit first, its exit releases what is left.
+
+Launch sampling (the daemon's default, ebpf.launch_sampling = 0.1): the launch entries' link is
+attached for 10 % of each 10 s and the launch APIs' call counts are estimated from those windows
+(gpuwatch.ebpf.launch.sampled says which fraction of the time was seen); kernels, grids and
+degenerate launches are those of the windows. Every other API is probed all the time, exact.
+A trace through the daemon (query(exact_launches=...)) turns the launches on at once for as long as
+it asks; `gpuwatch trace` on its own (pid set) and events always count every launch.
 
 Threads: start, collect and shutdown (the runner's) and the queries (snapshot, query, live_stacks,
 attached; the control socket's threads) take the probe's own lock, so a query never reads maps a
@@ -61,6 +71,7 @@ libcuda is not an error: the probe is up, attached to nothing, and keeps looking
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -68,7 +79,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterable
 
 from gpuwatch.agent.api import Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
@@ -86,7 +97,53 @@ NANO = 1e-9
 TOP_STACKS = 8  # allocation stacks in a snapshot
 ALLOC_APIS = frozenset(h.name for h in HOOKS if h.group == "alloc" or h.name == "cuMemCreate")
 FREE_APIS = frozenset(h.name for h in HOOKS if h.group == "free" or h.name == "cuMemRelease")
+_ATTACH_WORDS = {_loader.LINKS: "multi-uprobe links",
+                 _loader.PERF_EVENTS: "perf-event uprobes: this kernel has no multi-uprobe links (Linux >= 6.6), "
+                                      "so attaching and detaching take ~0.1 s per probe"}
 STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
+
+
+@dataclass
+class _LaunchSampling:
+    """The state of the launch duty cycle (EbpfCudaProbe._sample_launches)."""
+
+    started: float | None = None
+    window_start: float = 0.0  # when the current (or last) window opened
+    window_seconds: float = 0.0  # how long the last closed window was on
+    on_seconds: float = 0.0  # on, in closed windows
+    exact_until: float = 0.0
+    scaled: dict = field(default_factory=dict)  # (pid, api) -> estimate of closed, scaled windows
+    at_open: dict = field(default_factory=dict)  # (pid, api) -> calls when the window opened
+    pending: dict = field(default_factory=dict)  # (pid, api) -> calls of the closed window, not yet scaled
+
+    def close_window(self, calls: dict, now: float) -> None:
+        self.window_seconds = now - self.window_start
+        self.on_seconds += self.window_seconds
+        self.pending = {k: c - self.at_open.get(k, 0) for k, c in calls.items()}
+
+    def open_window(self, calls: dict, now: float) -> None:
+        cycle = now - self.window_start
+        factor = cycle / self.window_seconds if self.window_seconds > 0 else 1.0
+        for k, n in self.pending.items():
+            self.scaled[k] = self.scaled.get(k, 0.0) + n * factor
+        self.pending = {}
+        self.at_open = dict(calls)
+        self.window_start = now
+
+    def estimate(self, key, calls: int, on: bool) -> float:
+        base = self.scaled.get(key, 0.0) + self.pending.get(key, 0)
+        return base + (calls - self.at_open.get(key, 0) if on else 0)
+
+    def ratio(self, now: float, on: bool) -> float:
+        """The fraction of the time since start during which launches were counted."""
+        if self.started is None or now <= self.started:
+            return 1.0
+        return min(1.0, (self.on_seconds + (now - self.window_start if on else 0.0)) / (now - self.started))
+
+    def forget(self, pids: set[int]) -> None:
+        for d in (self.scaled, self.at_open, self.pending):
+            for k in [k for k in d if k[0] in pids]:
+                del d[k]
 
 
 @dataclass(frozen=True)
@@ -112,14 +169,24 @@ class EbpfCudaProbe(Probe):
                  rescan_interval: float = 10.0, max_processes: int = 32, apis: Iterable[str] | None = None,
                  clock: Callable[[], float] = time.monotonic, launch_latency: bool = False,
                  driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
-                 max_events: int = 5_000_000) -> None:
+                 max_events: int = 5_000_000, attach: str = "auto", launch_sampling: float = 1.0,
+                 sampling_period: float = 10.0) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
         entry and return probes on the launch APIs too (latency and errors; see the module doc);
         driver_names: name the kernels no hook saw from the driver's memory (driver_names.py);
         events_path: record one event per call there, a path or a binary file open for writing
         (raw records, see events.py; implies
-        launch_latency, so that launches are calls with a duration too), at most max_events."""
+        launch_latency, so that launches are calls with a duration too), at most max_events;
+        attach: auto | links | perf_events (loader.attach_method); launch_sampling: the fraction of
+        each sampling_period (seconds) during which the launch APIs' probes are attached (1: always;
+        links only), their counts estimated from those windows (see _sample_launches)."""
+        self.attach_mode = attach
+        if not 0 < launch_sampling <= 1:
+            raise ValueError(f"launch_sampling {launch_sampling}: a fraction in (0, 1]")
+        self.launch_sampling = launch_sampling if pid is None and events_path is None else 1.0  # trace: exact
+        self.sampling_period = sampling_period
+        self._sampling = _LaunchSampling()
         self.apis = None if apis is None else tuple(apis)
         self.events_path = events_path
         self.max_events = max_events
@@ -141,7 +208,9 @@ class EbpfCudaProbe(Probe):
         self._retired: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0, 0])
         self._closing: list[_loader.Loader] = []  # detaching in the background
         self.driver_names = driver_names
-        self._calibrations: dict[tuple[int, int], driver_names_.Calibration] = {}  # per libcuda file
+        self._calibrations: dict[tuple[int, int], concurrent.futures.Future] = {}  # per libcuda file
+        self._calibration_lock = threading.Lock()
+        self._calibrator: concurrent.futures.ThreadPoolExecutor | None = None
         self._driver_named: dict[tuple[int, int], bytes | None] = {}  # (pid, handle) -> name read
         # Re-entrant: start() shuts down first, shutdown() stops the events, query() snapshots.
         self._lock = threading.RLock()
@@ -154,6 +223,7 @@ class EbpfCudaProbe(Probe):
 
     def _start(self) -> None:
         self.shutdown()
+        self._sampling = _LaunchSampling()  # new maps: counts start again
         if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
             raise ProbeUnavailable(f"process {self.pid} does not exist")
         for path in self.libraries:
@@ -162,22 +232,30 @@ class EbpfCudaProbe(Probe):
                                        f"fix the path, or leave it unset to find libcuda in running processes")
         # raises ProbeUnavailable with the remedy
         self._loader = _loader.Loader(pid=self.pid, apis=self.apis, launch_latency=self.launch_latency,
-                                      events=self.events_path is not None)
+                                      events=self.events_path is not None, attach=self.attach_mode)
         try:
             if self.events_path is not None:
                 try:
-                    self._recorder = events_.EventRecorder(self._loader.bpf, self.events_path, self.max_events)
+                    self._recorder = events_.EventRecorder(self._loader.events_map, self.events_path, self.max_events)
                 except OSError as e:
                     raise ProbeUnavailable(f"cannot record per-call events in {getattr(self.events_path, 'name', self.events_path)}: "
                                            f"{e.strerror or e}") from None
             for path in self.libraries:
-                self._loader.attach(path)
+                try:
+                    self._loader.attach(path)
+                except OSError as e:
+                    raise ProbeUnavailable(f"cannot attach to {path}: {e.strerror or e}") from None
             self._rescan()
         except BaseException:
             self.shutdown()
             raise
-        log.info("eBPF probe compiled in %.2f s, %d uprobes on %d libraries",
-                 self._loader.compile_seconds, self._loader.uprobe_count, len(self._loader.libraries))
+        ld = self._loader
+        if self.driver_names and self.pid is not None:
+            # a trace names kernels at its first refresh: calibrate meanwhile, not then
+            for lib in ld.libraries.values():
+                self._calibration(lib.file, lib.path)
+        log.info("eBPF probe %s in %.3f s (%s), %d uprobes on %d libraries", "loaded" if ld.cached else "compiled",
+                 ld.load_seconds, _ATTACH_WORDS[ld.method], ld.uprobe_count, len(ld.libraries))
 
     def collect(self) -> list[Sample]:
         with self._lock, self._failures_kept():
@@ -191,6 +269,7 @@ class EbpfCudaProbe(Probe):
         if now >= self._next_rescan:
             self._rescan()
         stats = ld.stats()
+        self._sample_launches(ld, stats, now)
         live = ld.live_bytes()
         dead = self._prune(stats, ld.pids() | set(live))
         for (pid, api), values in list(stats.items()):
@@ -201,6 +280,7 @@ class EbpfCudaProbe(Probe):
                 del stats[(pid, api)]
         for pid in dead:
             live.pop(pid, None)
+        self._sampling.forget(dead)
 
         per_pid_calls: dict[int, int] = defaultdict(int)
         for (pid, _api), values in stats.items():
@@ -237,7 +317,40 @@ class EbpfCudaProbe(Probe):
         samples.append(Sample("gpuwatch.ebpf.attached", float(sum(1 for lib in ld.libraries.values() if lib.attached)),
                               "", {"what": "libraries"}, wall))
         samples.append(Sample("gpuwatch.ebpf.attached", float(ld.uprobe_count), "", {"what": "uprobes"}, wall))
+        samples.append(Sample("gpuwatch.ebpf.launch.sampled", self._sampling.ratio(now, ld.launches_on), "", {}, wall))
         return samples
+
+    def _exact_launches(self, ld: _loader.Loader, seconds: float) -> None:
+        """Keep the launch probes on for the next `seconds`: a trace through the daemon counts
+        launches exactly from its first snapshot on. On now, not at the next collection."""
+        now, smp = self._clock(), self._sampling
+        smp.exact_until = max(smp.exact_until, now + seconds)
+        if not ld.launches_on and smp.started is not None:
+            smp.open_window({k: v[0] for k, v in ld.stats().items() if k[1] in LAUNCH_APIS}, now)
+            ld.set_launches(True)
+
+    def _sample_launches(self, ld: _loader.Loader, stats: dict, now: float) -> None:
+        """The launch duty cycle, run at each collection: the launch probes are on for
+        launch_sampling x sampling_period seconds of each period; the launch APIs' calls in `stats`
+        are replaced by estimates: each window's calls x (the cycle's length / the window's).
+        An estimate only grows (a window's calls count once, unscaled, while it is open, then
+        scaled when the next window begins), so the counters stay counters."""
+        smp = self._sampling
+        if smp.started is None:
+            smp.started = smp.window_start = now
+        if self.launch_sampling >= 1 or not ld.can_toggle_launches:
+            return  # always on: the ratio is 1
+        launch = {k: v[0] for k, v in stats.items() if k[1] in LAUNCH_APIS}
+        exact = now < smp.exact_until
+        if ld.launches_on and not exact and now - smp.window_start >= self.launch_sampling * self.sampling_period:
+            ld.set_launches(False)  # the window closes
+            smp.close_window(launch, now)
+        elif not ld.launches_on and (exact or now - smp.window_start >= self.sampling_period):
+            smp.open_window(launch, now)  # the last window is scaled by the cycle it began
+            ld.set_launches(True)
+        for key, calls in launch.items():
+            values = stats[key]
+            stats[key] = (smp.estimate(key, calls, ld.launches_on),) + tuple(values[1:])
 
     def shutdown(self, wait: bool = True) -> None:
         """Detach and free the maps. wait=False: return at once, detach in a daemon thread
@@ -300,10 +413,13 @@ class EbpfCudaProbe(Probe):
             self._lock.release()
 
     # ---- queries (the daemon's control socket, `gpuwatch trace`, tests) ----------------------
-    def query(self, pid: int, timeout: float | None = None) -> ProcessQuery:
+    def query(self, pid: int, timeout: float | None = None, exact_launches: float = 0.0) -> ProcessQuery:
         """snapshot(pid) and the file of each attached library (ProcessQuery). Waits at most
-        `timeout` seconds for the probe's own work (ProbeBusy); ProbeNotRunning when it is down."""
+        `timeout` seconds for the probe's own work (ProbeBusy); ProbeNotRunning when it is down.
+        exact_launches: keep every launch counted for that many seconds from now (a trace)."""
         with self._running(timeout) as ld:
+            if exact_launches:
+                self._exact_launches(ld, exact_launches)
             return ProcessQuery(self._snapshot(ld, pid), {lib.path: lib.file for lib in ld.libraries.values()})
 
     @property
@@ -322,7 +438,7 @@ class EbpfCudaProbe(Probe):
         return [{"path": lib.path, "attached": list(lib.attached), "skipped": list(lib.skipped),
                  "uprobes": lib.uprobes} for lib in ld.libraries.values()]
 
-    def snapshot(self, pid: int | None = None) -> dict:
+    def snapshot(self, pid: int | None = None, wait_symbols: bool = True) -> dict:
         """What the maps hold now, for one process or (pid=None) all processes still running.
 
         {"pid", "apis": {api: {"calls", "errors", "errors_by_code": {"CUDA_ERROR_…": count},
@@ -339,14 +455,15 @@ class EbpfCudaProbe(Probe):
         (mangled, "…" at the end when truncated) or None when the handle was fetched before the
         probe attached.
         With pid=None the kernels of every process are listed, each with its "pid".
+        wait_symbols=False: stack frames not symbolised yet are addresses now (a live view).
         """
         with self._lock:
             ld = self._loader
             if ld is None:
                 raise ProbeUnavailable("the eBPF probe is not started")
-            return self._snapshot(ld, pid)
+            return self._snapshot(ld, pid, wait_symbols)
 
-    def _snapshot(self, ld: _loader.Loader, pid: int | None) -> dict:
+    def _snapshot(self, ld: _loader.Loader, pid: int | None, wait_symbols: bool = True) -> dict:
         apis: dict[str, dict] = {}
         for (p, api), (calls, errors, ns, nbytes) in ld.stats().items():
             if pid is not None and p != pid:
@@ -377,7 +494,7 @@ class EbpfCudaProbe(Probe):
                        "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
             "kernels": self._kernels(ld, pid),
-            "stacks": self._stacks(ld, pid) if pid is not None else [],
+            "stacks": self._stacks(ld, pid, wait=wait_symbols) if pid is not None else [],
             "dropped_events": ld.dropped(),
             "dropped_by_kind": ld.dropped_by_kind(),
             **({"events": self._recorder.counts()} if self._recorder is not None else {}),
@@ -418,11 +535,31 @@ class EbpfCudaProbe(Probe):
             return self._stacks(ld, pid, top)
 
     @staticmethod
-    def _stacks(ld: _loader.Loader, pid: int, top: int = TOP_STACKS) -> list[dict]:
+    def _stacks(ld: _loader.Loader, pid: int, top: int = TOP_STACKS, wait: bool = True) -> list[dict]:
         """The user stacks holding the most live bytes: [{"bytes", "allocations", "frames"}]."""
         by_stack = sorted(ld.live_by_stack(pid).items(), key=lambda kv: (-kv[1][0], kv[0]))
-        return [{"bytes": b, "allocations": n, "frames": ld.stack_frames(sid, caller, pid)}
+        return [{"bytes": b, "allocations": n, "frames": ld.stack_frames(sid, caller, pid, wait=wait)}
                 for (sid, caller), (b, n) in by_stack[:top]]
+
+    def _calibration(self, fid: tuple[int, int], path: str) -> concurrent.futures.Future:
+        """The driver-name calibration of one libcuda file: begun once (in a thread; from the cache
+        after the first time on a machine), shared by whoever asks."""
+        with self._calibration_lock:
+            fut = self._calibrations.get(fid)
+            if fut is None:
+                if self._calibrator is None:
+                    self._calibrator = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpuwatch-names")
+                fut = self._calibrations[fid] = self._calibrator.submit(self._calibrate, path)
+            return fut
+
+    @staticmethod
+    def _calibrate(path: str) -> driver_names_.Calibration:
+        cal = driver_names_.calibrate_cached(path)
+        if cal.error:
+            log.warning("kernels fetched before the probe attached stay unnamed: %s", cal.error)
+        else:
+            log.info("kernel names from driver memory: chains %s in %s", cal.chains, path)
+        return cal
 
     def _driver_name(self, pid: int, handle: int) -> bytes | None:
         """The name the driver keeps for this handle, read in the process's memory (cached)."""
@@ -433,13 +570,7 @@ class EbpfCudaProbe(Probe):
         libs = _loader.libcuda_in(pid) or list(self.libraries)
         fid = _loader.file_id(libs[0]) if libs else None
         if fid is not None:
-            cal = self._calibrations.get(fid)
-            if cal is None:
-                cal = self._calibrations[fid] = driver_names_.calibrate(libs[0])
-                if cal.error:
-                    log.warning("kernels fetched before the probe attached stay unnamed: %s", cal.error)
-                else:
-                    log.info("kernel names from driver memory: chains %s in %s", cal.chains, libs[0])
+            cal = self._calibration(fid, libs[0]).result()
             if cal.chains:
                 try:
                     with driver_names_.Memory(pid) as mem:
@@ -451,12 +582,17 @@ class EbpfCudaProbe(Probe):
         return name
 
     def _rescan(self) -> None:
+        """Attach to libcuda files that processes map now; detach from those that no process maps
+        and that are gone from where they were found (a container's copy, once it stopped). The
+        host's libcuda stays attached between jobs: a uprobe on a file fires in every process that
+        maps it later, from its first call."""
         self._next_rescan = self._clock() + self.rescan_interval
         ld = self._loader
         if ld is None or self.libraries:
             return  # explicit libraries: attached at start, no scan
         pids = [self.pid] if self.pid is not None else None
-        for fid, path in _loader.scan_libcuda(pids).items():
+        found = _loader.scan_libcuda(pids)
+        for fid, path in found.items():
             if fid in ld.libraries:
                 continue
             try:
@@ -466,6 +602,10 @@ class EbpfCudaProbe(Probe):
                 continue
             if lib is not None:
                 log.info("attached to %s: %d symbols (%d not present)", path, len(lib.attached), len(lib.skipped))
+        for fid, lib in list(ld.libraries.items()):
+            if fid not in found and _loader.file_id(lib.path) != fid:
+                ld.detach(fid)
+                log.info("detached from %s: no process maps it any more", lib.path)
 
     def _prune(self, stats: dict, pids: set[int]) -> set[int]:
         """Processes gone (or whose PID was reused) since first seen; their map entries removed."""

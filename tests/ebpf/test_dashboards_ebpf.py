@@ -14,7 +14,8 @@ gen = load_script("gen_dashboards")
 
 
 def test_every_ebpf_panel_returns_series(agent_factory, prometheus, fake_cuda, drivers):  # noqa: F811
-    agent = agent_factory("--nvml-replay", str(FIXTURE), "--ebpf-library", fake_cuda["lib"])
+    # every launch probed: the driver's launches come in one burst, which a 1-in-10-s window may miss
+    agent = agent_factory("--nvml-replay", str(FIXTURE), "--ebpf-library", fake_cuda["lib"], "--ebpf-launch-sampling", "1")
     agent.metrics()
     d = drivers()
     base = prometheus(f"127.0.0.1:{agent.port}")

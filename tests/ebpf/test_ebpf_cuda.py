@@ -117,11 +117,13 @@ def _calls(samples, pid: str, api: str, metric: str = "gpuwatch.cuda.calls") -> 
     return None
 
 
-def _perf_fds() -> int:
+def _probe_fds(kind: str = "bpf_link") -> int:
+    """This process's open fds of one kind: bpf_link (links, and the fallback's perf-event links),
+    [perf_event] (the fallback's uprobes) — what holds uprobes in place."""
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[perf_event]":
+            if os.readlink(f"/proc/self/fd/{fd}") == f"anon_inode:{kind}":
                 n += 1
         except OSError:
             pass
@@ -294,7 +296,8 @@ def test_samples_use_registered_metrics_with_exact_labels(probe, drivers):
     for s in samples:
         m = REGISTRY[s.metric]
         assert s.metric in {"gpuwatch.cuda.calls", "gpuwatch.cuda.errors", "gpuwatch.cuda.call.duration",
-                            "gpuwatch.cuda.bytes", "gpuwatch.process.cuda.memory.live", "gpuwatch.ebpf.attached"}
+                            "gpuwatch.cuda.bytes", "gpuwatch.process.cuda.memory.live", "gpuwatch.ebpf.attached",
+                            "gpuwatch.ebpf.launch.sampled"}
         assert s.resource == ""
         assert tuple(sorted(s.labels)) == tuple(sorted(m.labels)), s
     pid = str(d.pid)
@@ -348,14 +351,21 @@ def test_exited_process_entries_removed_and_folded(probe, drivers):
     assert all(key[0] != d.pid for key in probe.loader.names())
 
 
-def test_pid_filter_and_shutdown_detaches_everything(fake_cuda, drivers):
-    fds_before = _perf_fds()
+@pytest.mark.parametrize("attach", ["links", "perf_events"])
+def test_pid_filter_and_shutdown_detaches_everything(fake_cuda, drivers, attach):
+    links_before, perf_before = _probe_fds(), _probe_fds("[perf_event]")
     a, b = drivers(), drivers()
-    # few hooks: each uprobe takes ~0.1 s to detach (the kernel waits for an RCU grace period)
-    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=a.pid, apis=("cuLaunchKernel", "cuMemAlloc_v2"))
+    # few hooks: each perf-event uprobe takes ~0.1 s to detach (the kernel waits for an RCU grace period)
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=a.pid, apis=("cuLaunchKernel", "cuMemAlloc_v2"),
+                      attach=attach)
     p.start()
     try:
-        assert _perf_fds() - fds_before == p.attached()[0]["uprobes"]
+        uprobes = p.attached()[0]["uprobes"]
+        assert uprobes == 3  # cuLaunchKernel at entry, cuMemAlloc_v2 at entry and return
+        if attach == "links":  # one link each: the return probes, the entries, the launch entries
+            assert (_probe_fds() - links_before, _probe_fds("[perf_event]") - perf_before) == (3, 0)
+        else:  # a perf event and its link per probe
+            assert (_probe_fds() - links_before, _probe_fds("[perf_event]") - perf_before) == (uprobes, uprobes)
         a.go()
         b.go()
         assert p.attached()[0]["attached"] == ["cuLaunchKernel", "cuMemAlloc_v2"]
@@ -364,7 +374,7 @@ def test_pid_filter_and_shutdown_detaches_everything(fake_cuda, drivers):
         assert p.snapshot(b.pid)["apis"] == {}
     finally:
         p.shutdown()
-    assert _perf_fds() == fds_before
+    assert (_probe_fds(), _probe_fds("[perf_event]")) == (links_before, perf_before)
     assert p.loader is None and p.attached() == []
     with open("/sys/kernel/tracing/uprobe_events") as f:
         assert fake_cuda["lib"] not in f.read()
@@ -404,18 +414,21 @@ def test_launch_latency_option_times_launches_and_counts_errors(fake_cuda, drive
 
 def _first_byte(pid: int, lib: str, symbol: str) -> int:
     """The first byte of a function of `lib` as the process sees it: 0xCC (int3) where a uprobe is
-    installed in that process."""
+    installed in that process. The function's file offset is found in the mapping that holds it."""
     from gpuwatch.probes.ebpf import loader
     real = os.path.realpath(lib)
-    base = None
+    off = loader.function_offsets(lib)[symbol]
+    addr = None
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 6 and parts[5] == real and int(parts[2], 16) == 0:
-                base = int(parts[0].split("-")[0], 16)
-                break
-    assert base is not None, f"{real} not mapped by {pid}"
-    addr = base + loader.function_symbols(lib)[symbol]
+            if len(parts) >= 6 and parts[5] == real:
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                map_off = int(parts[2], 16)
+                if map_off <= off < map_off + (end - start):
+                    addr = start + off - map_off
+                    break
+    assert addr is not None, f"{symbol} of {real} not mapped by {pid}"
     with open(f"/proc/{pid}/mem", "rb") as m:
         m.seek(addr)
         return m.read(1)[0]
@@ -448,8 +461,8 @@ def test_shutdown_without_waiting_detaches_in_the_background(fake_cuda_private, 
     lib = fake_cuda_private["lib"]
     d = drivers(fake_cuda_private["driver"])
     assert _uprobes_installed(d.pid, lib) == [False] * 4
-    fds_before = _perf_fds()
-    p = EbpfCudaProbe(libraries=[lib], apis=SHUTDOWN_APIS)  # system-wide
+    fds_before = _probe_fds(), _probe_fds("[perf_event]")
+    p = EbpfCudaProbe(libraries=[lib], apis=SHUTDOWN_APIS, attach="perf_events")  # system-wide, slow detach
     p.start()
     try:
         assert p.attached()[0]["uprobes"] == 2 + 2 * 2  # two launches entry-only, two entry+return
@@ -466,7 +479,7 @@ def test_shutdown_without_waiting_detaches_in_the_background(fake_cuda_private, 
     assert p.wait_detached(60)
     print(f"shutdown(wait=False) returned in {returned * 1e3:.1f} ms; background detach of 6 uprobes "
           f"finished {time.perf_counter() - t0:.2f} s later")
-    assert _perf_fds() == fds_before
+    assert (_probe_fds(), _probe_fds("[perf_event]")) == fds_before
     assert _uprobes_installed(d.pid, lib) == [False] * 4
     assert not _uprobe_events_mention(lib)
     assert p.wait_detached(0)  # nothing left: idempotent
@@ -475,7 +488,7 @@ def test_shutdown_without_waiting_detaches_in_the_background(fake_cuda_private, 
 _CHILD = """
 import os, signal, sys, time
 from gpuwatch.probes.ebpf import EbpfCudaProbe
-p = EbpfCudaProbe(libraries=[sys.argv[1]], apis=sys.argv[3].split(","))
+p = EbpfCudaProbe(libraries=[sys.argv[1]], apis=sys.argv[3].split(","), attach=sys.argv[4])
 p.start()
 print("attached", p.loader.uprobe_count, flush=True)
 sys.stdin.readline()
@@ -488,11 +501,12 @@ os.kill(os.getpid(), signal.SIGKILL)  # "killed": no detach at all
 """
 
 
-@pytest.mark.parametrize("how", ["background", "killed"])
-def test_exiting_process_releases_its_uprobes(fake_cuda_private, drivers, how):
+@pytest.mark.parametrize("how,attach", [("background", "perf_events"), ("killed", "perf_events"),
+                                        ("killed", "links")])
+def test_exiting_process_releases_its_uprobes(fake_cuda_private, drivers, how, attach):
     lib = fake_cuda_private["lib"]
     d = drivers(fake_cuda_private["driver"])
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, lib, how, ",".join(SHUTDOWN_APIS)],
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, lib, how, ",".join(SHUTDOWN_APIS), attach],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
     try:
         line = child.stdout.readline().split()
@@ -522,7 +536,8 @@ def test_system_wide_finds_libcuda_in_running_processes(drivers):
     p.start()
     try:
         paths = [lib["path"] for lib in p.attached()]
-        assert any(path.endswith("/libcuda.so.1") and f"/proc/{d.pid}/root/" in path for path in paths)
+        # under the path this process sees it by: the same file, and it outlives the process
+        assert any(path.endswith("/libcuda.so.1") and not path.startswith("/proc/") for path in paths), paths
         d.go()
         assert p.snapshot(d.pid)["apis"]["cuLaunchKernelEx"]["calls"] == 53
     finally:
@@ -570,7 +585,8 @@ def test_missing_bcc_says_how_to_install_it(tmp_path):
     fake = tmp_path / "bcc"
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('no bcc here')\n")
-    out = _start_in_child({"PYTHONPATH": str(tmp_path)})
+    # nothing cached: the probe must compile, in a child that finds this bcc
+    out = _start_in_child({"PYTHONPATH": str(tmp_path), "GPUWATCH_BPF_CACHE": "off"})
     assert "ProbeUnavailable" in out and "apt-get install python3-bpfcc" in out and "--system-site-packages" in out
 
 

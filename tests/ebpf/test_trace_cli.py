@@ -126,7 +126,7 @@ def test_duration_summary_counts_exact(fake_cuda, drivers, tmp_path):
     t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--summary-json", str(out),
               "--duration", "3", "--interval", "0.5")
     t.wait_attached()
-    assert "compiling eBPF program…" in t.stderr
+    assert "loading the eBPF probe…" in t.stderr
     d.go()
     assert t.wait() == 0, t.stderr
     summary = read_summary(str(out))

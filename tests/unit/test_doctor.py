@@ -51,7 +51,7 @@ def run_child(call: str, *prefix: str, python: str = os.path.realpath(sys.execut
     return json.loads(out.stdout)
 
 
-EXPECTED = ["bcc (eBPF)", "kernel headers", "tracefs", "uprobes", "BPF capability", "capabilities",
+EXPECTED = ["bcc (eBPF)", "kernel headers", "tracefs", "uprobes", "uprobe links", "BPF capability", "capabilities",
             "perf_event_paranoid",
             "unprivileged_bpf_disabled", "GPU profiling permission", "reference workload",
             "state directory", "control socket directory"]

@@ -20,7 +20,7 @@ def test_every_probe_package_registers_its_factory_in_order():
 def test_the_probes_the_config_turns_on_in_the_table_order(tmp_path):
     probes = daemon.build_probes(load("", {"agent.state_dir": str(tmp_path), "ebpf.max_processes": 7}))
     assert [type(p) for p in probes] == [NvmlProbe, EbpfCudaProbe, CuptiSamplerProbe]
-    assert probes[1].max_processes == 7 and probes[1].libraries == () and probes[1].deadline == 10.0
+    assert probes[1].max_processes == 7 and probes[1].libraries == () and probes[1].deadline == 30.0
     assert daemon.build_probes(load("", OFF)) == []
     for key, kind in [("nvml.enabled", NvmlProbe), ("ebpf.enabled", EbpfCudaProbe),
                       ("cupti.sampling", CuptiSamplerProbe)]:

@@ -417,7 +417,8 @@ class FakeEbpf(Probe):
     def shutdown(self) -> None:
         self.running = False
 
-    def query(self, pid: int, timeout: float | None = None) -> ProcessQuery:
+    def query(self, pid: int, timeout: float | None = None, exact_launches: float = 0.0) -> ProcessQuery:
+        self.exact_launches = exact_launches  # a trace through the daemon asks for every launch
         if not self.running:
             raise ProbeNotRunning(STARTING)
         snap = {"pid": pid, "apis": {"cuLaunchKernel": _api(1)}, "memory": {}, "kernels": [], "dropped_events": 0,
@@ -459,6 +460,7 @@ def test_snapshot_of_an_own_process_with_its_libraries_as_it_sees_them(agent):
     snap = d._trace_snapshot(PidParams(pid=os.getpid()), ME)
     assert snap["apis"]["cuLaunchKernel"]["calls"] == 1
     assert snap["libraries"] == [{"path": MINE, "attached": ["cuLaunchKernel"], "skipped": [], "uprobes": 1}]
+    assert fake.exact_launches > 0  # the daemon counts every launch while a trace asks
 
 
 def test_snapshot_refused_for_another_users_process(agent):

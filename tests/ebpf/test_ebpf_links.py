@@ -1,0 +1,209 @@
+"""Multi-uprobe links against the fake libcuda: exact counts on links and on the perf-event
+fallback, libraries that come and go, and the launch duty cycle (a fake clock drives the windows;
+the uprobes are real: the int3 in the traced process's text says what is attached)."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from gpuwatch.probes.ebpf import EbpfCudaProbe
+from gpuwatch.probes.ebpf.symbols import LAUNCH_APIS
+from tests.ebpf.test_ebpf_cuda import EXPECTED, _probe_fds, _uprobes_installed
+
+pytestmark = pytest.mark.root
+
+LAUNCHES = {api: v[0] for api, v in EXPECTED.items() if api in LAUNCH_APIS}
+EXACT = {api: v for api, v in EXPECTED.items() if api not in LAUNCH_APIS}
+
+
+def _calls(snap: dict) -> dict:
+    return {api: (a["calls"], a["errors"], a["bytes"]) for api, a in snap["apis"].items()}
+
+
+def test_perf_event_fallback_counts_every_api_exactly(fake_cuda, drivers):
+    """ebpf.attach = perf_events (what kernels before 6.6 get): the same programs on one perf
+    event per probe, told apart by the same cookies: every count, error and byte exact."""
+    d = drivers()
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, attach="perf_events")
+    p.start()
+    try:
+        assert p.loader.method == "perf_events"
+        d.go()
+        assert _calls(p.snapshot(d.pid)) == EXPECTED
+    finally:
+        p.shutdown(wait=False)  # ~0.1 s per perf event: in the background
+    assert p.wait_detached(60)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _launch_installed(pid: int, lib: str) -> list[bool]:
+    return _uprobes_installed(pid, lib, ("cuLaunchKernel", "cuMemAlloc_v2"))
+
+
+def test_launch_duty_cycle_estimates_launches_and_keeps_the_rest_exact(fake_cuda_private, drivers):
+    lib = fake_cuda_private["lib"]
+    clock = Clock()
+    p = EbpfCudaProbe(libraries=[lib], launch_sampling=0.1, sampling_period=10.0, clock=clock)
+    p.start()
+    try:
+        a = drivers(fake_cuda_private["driver"])
+        assert _launch_installed(a.pid, lib) == [True, True]
+        a.go()  # inside the first window: seen, counted once
+        p.collect()
+        clock.t += 1.0
+        samples = p.collect()  # the window (1 s of 10) closes: the launch link goes
+        b = drivers(fake_cuda_private["driver"])
+        assert _launch_installed(b.pid, lib) == [False, True]  # allocations stay probed
+        b.go()  # between windows: its launches are not seen, everything else is
+        snap_b = p.snapshot(b.pid)
+        assert _calls(snap_b) == EXACT
+        assert p.snapshot(a.pid)["kernels"] and not snap_b["kernels"]
+
+        def calls(samples, pid):
+            return {s.labels["api"]: s.value for s in samples if s.metric == "gpuwatch.cuda.calls"
+                    and s.labels["pid"] == str(pid) and s.labels["api"] in LAUNCH_APIS}
+
+        assert calls(samples, a.pid) == LAUNCHES  # a closed window, not scaled yet: as seen
+        clock.t += 9.0
+        samples = p.collect()  # the next window opens: the last one is scaled by its cycle (10 s / 1 s)
+        assert _launch_installed(b.pid, lib) == [True, True]
+        assert calls(samples, a.pid) == {api: 10 * n for api, n in LAUNCHES.items()}
+        ratio = [s.value for s in samples if s.metric == "gpuwatch.ebpf.launch.sampled"]
+        assert ratio == [pytest.approx(0.1)]
+        # every other API exact for both, whatever the windows
+        for d in (a, b):
+            got = {s.labels["api"]: s.value for s in samples if s.metric == "gpuwatch.cuda.calls"
+                   and s.labels["pid"] == str(d.pid) and s.labels["api"] not in LAUNCH_APIS}
+            assert got == {api: v[0] for api, v in EXACT.items()}
+        # a trace through the daemon: launches on at once, however the cycle stands
+        clock.t += 1.0
+        p.collect()
+        assert _launch_installed(b.pid, lib) == [False, True]
+        p.query(b.pid, exact_launches=60.0)
+        assert _launch_installed(b.pid, lib) == [True, True]
+        clock.t += 30.0
+        p.collect()  # still within the 60 s asked for
+        assert _launch_installed(b.pid, lib) == [True, True]
+    finally:
+        p.shutdown()
+
+
+def test_a_library_appearing_and_going_is_attached_and_detached(fake_cuda, tmp_path, drivers):
+    """System-wide scan: a copy of libcuda in a directory of its own (a container's copy) is
+    attached at the rescan after a process maps it, and detached at the rescan after the last
+    process that mapped it exited and the file is gone; the other libcuda stays."""
+    copy_dir = tmp_path / "container"
+    copy_dir.mkdir()
+    for name in ("libcuda.so.1", "driver"):
+        shutil.copy(fake_cuda["lib" if name.startswith("lib") else "driver"], copy_dir / name)
+    os.chmod(copy_dir / "driver", 0o755)
+    clock = Clock()
+    host = drivers()  # maps the first libcuda
+    p = EbpfCudaProbe(rescan_interval=10.0, apis=("cuMemAlloc_v2", "cuLaunchKernel"), clock=clock)
+    p.start()
+    links = _probe_fds()
+    try:
+        paths = lambda: {lib["path"] for lib in p.attached()}  # noqa: E731
+        assert fake_cuda["lib"] in paths()
+        env = dict(os.environ, LD_LIBRARY_PATH=str(copy_dir))
+        # the copied driver's rpath names the original directory: LD_LIBRARY_PATH does not win over
+        # DT_RPATH, so load the copy by preloading it
+        env["LD_PRELOAD"] = str(copy_dir / "libcuda.so.1")
+        import subprocess
+
+        from tests.ebpf.conftest import Driver
+        proc = subprocess.Popen([str(copy_dir / "driver")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env=env)
+        c = Driver.__new__(Driver)
+        c.proc = proc
+        c.pid = int(proc.stdout.readline().split()[1])
+        clock.t += 10.0
+        p.collect()  # the rescan
+        assert str(copy_dir / "libcuda.so.1") in {os.path.realpath(x) for x in paths()} or \
+            any(x.endswith("/container/libcuda.so.1") for x in paths())
+        assert _probe_fds() == links + 3  # its links: return probes, entries, launch entries
+        c.go()
+        assert p.snapshot(c.pid)["apis"]["cuMemAlloc_v2"]["calls"] == EXPECTED["cuMemAlloc_v2"][0]
+        c.finish()
+        shutil.rmtree(copy_dir)
+        clock.t += 10.0
+        p.collect()
+        assert not any("container" in x for x in paths()) and fake_cuda["lib"] in paths()
+        assert _probe_fds() == links
+        host.go()
+        assert p.snapshot(host.pid)["apis"]["cuMemAlloc_v2"]["calls"] == EXPECTED["cuMemAlloc_v2"][0]
+    finally:
+        p.shutdown()
+
+
+NOP_PROGRAM = bytes.fromhex("b700000000000000" "9500000000000000")  # r0 = 0; exit: counts nothing
+
+
+def _planted(where, mode_dir: int, mode_file: int) -> str:
+    """A copy of the real compiled object under its own name, its programs replaced by ones that
+    count nothing: what someone who may write in the cache would plant to blind the probe."""
+    import base64
+    import json
+
+    from gpuwatch.probes.ebpf import compiler
+    compiler.compiled()  # the run's own cache holds the real object now
+    key = compiler.cache_key(compiler.bpf_text())
+    with open(os.path.join(os.environ["GPUWATCH_BPF_CACHE"], f"{key}.json")) as f:
+        data = json.load(f)
+    for prog in data["programs"].values():
+        prog["insns"], prog["maps"] = base64.b64encode(NOP_PROGRAM).decode(), []
+    os.makedirs(where, exist_ok=True)
+    path = os.path.join(where, f"{key}.json")
+    with open(path, "w") as f:
+        json.dump(data, f)
+    os.chmod(path, mode_file)
+    os.chmod(where, mode_dir)
+    return path
+
+
+@pytest.mark.parametrize("mode_dir,mode_file,why", [(0o777, 0o600, "others may write in it"),
+                                                    (0o700, 0o666, "others may write it")])
+def test_a_planted_compiled_object_is_never_loaded(fake_cuda, drivers, tmp_path, monkeypatch, caplog,
+                                                   mode_dir, mode_file, why):
+    """A cache anyone else may write is input like any other: the probe compiles its own and
+    counts exactly, and says why once."""
+    where = str(tmp_path / "cache")
+    _planted(where, mode_dir, mode_file)
+    monkeypatch.setenv("GPUWATCH_BPF_CACHE", where)
+    d = drivers()
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid)
+    with caplog.at_level("WARNING", logger="gpuwatch.ebpf"):
+        p.start()
+    try:
+        assert not p.loader.cached
+        d.go()
+        assert _calls(p.snapshot(d.pid)) == EXPECTED
+    finally:
+        p.shutdown()
+    assert why in caplog.text
+
+
+def test_the_planted_object_would_blind_a_probe_that_trusted_it(fake_cuda, drivers, tmp_path, monkeypatch):
+    """The attack above is real: the same object in a cache only root may write (as if root had
+    written it) is loaded, and the probe then counts nothing. Keep the cache root's alone."""
+    where = str(tmp_path / "cache")
+    _planted(where, 0o700, 0o600)
+    monkeypatch.setenv("GPUWATCH_BPF_CACHE", where)
+    d = drivers()
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid)
+    p.start()
+    try:
+        assert p.loader.cached
+        d.go()
+        assert p.snapshot(d.pid)["apis"] == {}
+    finally:
+        p.shutdown()
