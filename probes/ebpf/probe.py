@@ -256,6 +256,8 @@ class EbpfCudaProbe(Probe):
                 self._calibration(lib.file, lib.path)
         log.info("eBPF probe %s in %.3f s (%s), %d uprobes on %d libraries", "loaded" if ld.cached else "compiled",
                  ld.load_seconds, _ATTACH_WORDS[ld.method], ld.uprobe_count, len(ld.libraries))
+        if self.launch_sampling < 1 and not ld.can_toggle_launches:
+            log.info("launch sampling (ebpf.launch_sampling) needs multi-uprobe links: every launch is probed")
 
     def collect(self) -> list[Sample]:
         with self._lock, self._failures_kept():
@@ -602,6 +604,8 @@ class EbpfCudaProbe(Probe):
                 continue
             if lib is not None:
                 log.info("attached to %s: %d symbols (%d not present)", path, len(lib.attached), len(lib.skipped))
+        if ld.method != _loader.LINKS:
+            return  # perf-event uprobes take ~0.1 s each to detach: a collection must not wait on that
         for fid, lib in list(ld.libraries.items()):
             if fid not in found and _loader.file_id(lib.path) != fid:
                 ld.detach(fid)

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+import workload
+
 JOB = r'''
 import sys, time, torch
 model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(2048, 2048), torch.nn.GELU())]).cuda()
@@ -35,19 +37,8 @@ while time.monotonic() < end:
 '''
 
 
-def job_env() -> dict:
-    env = dict(os.environ)
-    for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
-        orig = os.environ.get(f"WORKLOAD_{var}")
-        if orig is None:
-            env.pop(var, None)
-        else:
-            env[var] = orig
-    return env
-
-
 def start_job(seconds: float) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", JOB, str(seconds)], stdout=subprocess.PIPE, text=True, env=job_env())
+    p = subprocess.Popen([sys.executable, "-c", JOB, str(seconds)], stdout=subprocess.PIPE, text=True, env=workload.env())
     assert p.stdout.readline().strip() == "ready"
     return p
 

@@ -20,16 +20,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--matmuls", type=int, default=50)
 
 
-def start(a: argparse.Namespace, rounds: int = 1) -> subprocess.Popen:
-    env = dict(os.environ)
+def env() -> dict:
+    """The environment for a workload: the tracer's own LD_LIBRARY_PATH and PYTHONPATH (bcc's)
+    replaced by the WORKLOAD_ ones the scripts export (the workload must not load bcc's libraries)."""
+    out = dict(os.environ)
     for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
         orig = os.environ.get(f"WORKLOAD_{var}")
         if orig is None:
-            env.pop(var, None)
+            out.pop(var, None)
         else:
-            env[var] = orig
-    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the expand phase: cuMemCreate/cuMemMap
+            out[var] = orig
+    return out
+
+
+def start(a: argparse.Namespace, rounds: int = 1) -> subprocess.Popen:
+    environ = env()
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the expand phase: cuMemCreate/cuMemMap
     return subprocess.Popen([sys.executable, os.path.join(HERE, "cuda_workload.py"), "--adds", str(a.adds),
                              "--mallocs", str(a.mallocs), "--malloc-bytes", str(a.malloc_bytes),
                              "--matmuls", str(a.matmuls), "--rounds", str(rounds)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=environ)
