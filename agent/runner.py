@@ -20,6 +20,7 @@ from gpuwatch.agent import __version__
 from gpuwatch.agent.api import Detector, Event, Exporter, Finding, Probe, ProbeUnavailable, Sample
 from gpuwatch.agent.history import History
 from gpuwatch.agent.snapshot import EMPTY, ProbeStatus, Snapshot
+from gpuwatch.probes.process import identity
 
 log = logging.getLogger("gpuwatch.runner")
 
@@ -119,6 +120,12 @@ class Runner:
         self._detector_due = [0.0] * len(self.detectors)
         self._detector_out: list[tuple[list[Finding], list[Sample]]] = [([], []) for _ in self.detectors]
         self._open_findings: dict[tuple, Finding] = {}
+        # A finding about a process (attrs "pid") is about the process that held that PID when it
+        # opened: its start time then (None: no such process here, e.g. an NVML replay) ...
+        self._finding_starts: dict[tuple, int | None] = {}
+        # ... and the findings closed because that process exited, not opened again while a
+        # detector still reports them from the history it left
+        self._exited_findings: set[tuple] = set()
         self._dropped_findings: set[tuple] = set()  # keys left out at the last pass
         self.findings_dropped = 0
         self.exporters = list(exporters)
@@ -384,6 +391,7 @@ class Runner:
                             "gpuwatch_findings_dropped_total; not logged again)", MAX_OPEN_FINDINGS)
             self.findings_dropped += len(dropped - self._dropped_findings)  # each left-out finding once
         self._dropped_findings = dropped
+        exited = self._process_exits(current)
         for key, f in current.items():
             before = self._open_findings.get(key)
             if before is None or before.severity != f.severity:
@@ -391,9 +399,38 @@ class Runner:
                                       finding_attrs(f), wall))
         for key, f in self._open_findings.items():
             if key not in current:
-                self._add_event(Event("finding.closed", f.resource, finding_attrs(f), wall))
+                attrs = finding_attrs(f)
+                if key in exited:
+                    attrs["closed_because"] = "process exited"
+                self._add_event(Event("finding.closed", f.resource, attrs, wall))
+                self._finding_starts.pop(key, None)
         self._open_findings = current
         return list(current.values())
+
+    def _process_exits(self, current: dict[tuple, Finding]) -> set[tuple]:
+        """Take out of `current` the findings whose process has exited (or whose PID now names
+        another process): they close now, not when the detector's history of it runs out. Returns
+        the keys that close so at this pass."""
+        reported = set(current)
+        self._exited_findings &= reported  # no longer reported: a later one is a new finding
+        closing: set[tuple] = set()
+        for key, f in list(current.items()):
+            pid = str(f.attrs.get("pid", ""))
+            if not pid.isdigit():
+                continue
+            if key in self._exited_findings:
+                del current[key]
+                continue
+            if key not in self._open_findings:
+                stat = identity.read_stat(int(pid))
+                self._finding_starts[key] = stat.start_time if stat is not None and not stat.exited else None
+                continue
+            start = self._finding_starts.get(key)
+            if start is not None and not identity.same_process(int(pid), start):
+                del current[key]
+                self._exited_findings.add(key)
+                closing.add(key)
+        return closing
 
     def _agent_samples(self, wall: float) -> Iterable[Sample]:
         yield Sample("gpuwatch.build", 1.0, labels={"version": __version__,

@@ -925,3 +925,67 @@ def test_points_from_the_future_are_not_kept_and_do_not_blind_the_probe(caplog):
     assert len(pts) == 2 and not list(r.history.series("hw.power", "GPU-b"))
     assert r.slots[0].appended_until < time.time() + 1
     assert next(s.value for s in r.snapshot.samples if s.metric == "gpuwatch.history.points.future") == 1.0
+
+
+class _PidMemoryProbe(MemorySeriesProbe):
+    def __init__(self, values, pid: int):
+        super().__init__(values)
+        self.pid = str(pid)
+
+    def collect(self):
+        out = super().collect()
+        return [Sample(s.metric, s.value, s.resource, dict(s.labels, pid=self.pid) if s.labels else s.labels, s.ts)
+                for s in out]
+
+
+def test_a_processs_finding_closes_the_moment_it_exits_and_stays_closed():
+    """A real process leaks (its memory series grows); once it has exited its finding closes at
+    the next pass, says why, and is not opened again while the detector still judges the history
+    it left."""
+    import subprocess
+
+    from gpuwatch.detectors.leak import LeakDetector
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        values = [8 * 2**30 + i * 500 * 2**20 / 60 for i in range(600)]  # growing all along
+        now = [0.0]
+        events = []
+        r = Runner([_PidMemoryProbe(values, child.pid)], detectors=[LeakDetector()], clock=lambda: now[0],
+                   wallclock=lambda: 1_800_000_000.0 + now[0], on_event=events.append)
+        tick = 0
+        while not r.snapshot.findings:
+            assert tick < 300, "the leak was never found"
+            now[0] = float(tick)
+            r.tick_once()
+            tick += 1
+        child.kill()
+        child.wait()
+        for _ in range(30):  # the detector keeps seeing the growth in the history
+            now[0] = float(tick)
+            snap = r.tick_once()
+            tick += 1
+            assert snap.findings == ()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    kinds = [e.kind for e in events if e.kind.startswith("finding.")]
+    assert kinds.count("finding.opened") == 1 and kinds[-1] == "finding.closed"
+    closed = [e for e in events if e.kind == "finding.closed"]
+    assert closed[-1].attrs["closed_because"] == "process exited" and closed[-1].attrs["pid"] == str(child.pid)
+
+
+def test_findings_about_processes_this_machine_does_not_have_are_left_to_the_detector():
+    """An NVML replay names processes of another machine: no process to watch, so the finding
+    lives as long as the detector reports it."""
+    from gpuwatch.detectors.leak import LeakDetector
+    pid = 1 << 22  # above the default pid_max: no such process
+    values = [8 * 2**30 + i * 500 * 2**20 / 60 for i in range(300)]
+    now = [0.0]
+    r = Runner([_PidMemoryProbe(values, pid)], detectors=[LeakDetector()], clock=lambda: now[0],
+               wallclock=lambda: 1_800_000_000.0 + now[0])
+    open_ticks = 0
+    for tick in range(300):
+        now[0] = float(tick)
+        open_ticks += bool(r.tick_once().findings)
+    assert open_ticks > 100
