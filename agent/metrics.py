@@ -262,6 +262,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.leak.time_to_oom", "s", Kind.GAUGE,
            "Seconds until the GPU runs out of memory at the leak's rate (free memory, other processes "
            "included, over the growth rate).", ("gpu", "pid", "process", "color")),
+    Metric("gpuwatch.oom.events", "", Kind.COUNTER,
+           "Out-of-memory events since the agent started: the driver returned CUDA_ERROR_OUT_OF_MEMORY "
+           "(cause=\"driver\", eBPF), or a process with a leak finding exited with its GPU >= 95 % full "
+           "(cause=\"gpu_full_at_exit\"). gpu is empty when no leak was found for the process.", ("gpu", "cause")),
+    Metric("gpuwatch.oom.forecast.error", "1", Kind.GAUGE,
+           "For the last OOM on the GPU that a leak finding had forecast: when it came over when it was "
+           "forecast, minus 1 (0.05: 5 % later than forecast; the forecast made when the leak was first found).",
+           ("gpu",)),
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),

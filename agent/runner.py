@@ -19,8 +19,11 @@ from typing import Callable, Iterable, Sequence
 from gpuwatch.agent import __version__
 from gpuwatch.agent.api import Detector, Event, Exporter, Finding, Probe, ProbeUnavailable, Sample
 from gpuwatch.agent.history import History
+from gpuwatch.agent.oom import OomRecorder
 from gpuwatch.agent.snapshot import EMPTY, ProbeStatus, Snapshot
 from gpuwatch.probes.process import identity
+
+LEAK_KIND = "memory_leak"  # detectors/leak.py KIND: the findings whose forecasts OOM events score
 
 log = logging.getLogger("gpuwatch.runner")
 
@@ -130,6 +133,7 @@ class Runner:
         self.findings_dropped = 0
         self.exporters = list(exporters)
         self.history = history or History()
+        self.oom = OomRecorder(self.history)  # OOM events, scored against the leak forecasts
         self.events: deque[Event] = deque(maxlen=max_events)
         self.on_event = on_event
         self.snapshot: Snapshot = EMPTY
@@ -285,6 +289,10 @@ class Runner:
                 if points:
                     slot.appended_until = max(slot.appended_until, max(s.ts for s in points))
             for ev in events:
+                if ev.kind == "cuda.oom":  # evidence, scored against the leak forecast
+                    ev = self.oom.driver_oom(ev, wall)
+                    if ev is None:
+                        continue
                 self._add_event(ev)
         else:
             # Start afresh next time: a failed source (driver reloaded, library gone) needs a new init.
@@ -356,6 +364,7 @@ class Runner:
                     log.exception("detector %s failed", det.name)
             findings.extend(self._detector_out[i][0])
         findings = self._track_findings(findings, wall)
+        samples.extend(self.oom.samples(wall))  # after tracking: an OOM of this pass is counted in it
         kept = {id(f) for f in findings}
         for i, det in enumerate(self.detectors):
             found, det_samples = self._detector_out[i]
@@ -404,6 +413,13 @@ class Runner:
                     attrs["closed_because"] = "process exited"
                 self._add_event(Event("finding.closed", f.resource, attrs, wall))
                 self._finding_starts.pop(key, None)
+                if f.kind == LEAK_KIND:
+                    oom = self.oom.leak_closed(f, key in exited, wall)
+                    if oom is not None:
+                        self._add_event(oom)
+        for f in current.values():
+            if f.kind == LEAK_KIND:
+                self.oom.leak_seen(f, wall)
         self._open_findings = current
         return list(current.values())
 

@@ -36,6 +36,8 @@ NEEDS = {
     "pm_sampling": "CUPTI PM sampling in the daemon (cupti-python installed, GPU counters readable, no other "
                    "profiler holding them)",
     "leak": "an open leak finding",
+    "oom": "an out-of-memory event since the agent started (CUDA_ERROR_OUT_OF_MEMORY seen by eBPF, or a leaking "
+           "process gone with its GPU nearly full)",
     "baseline": "runs of the reference workload (`gpuwatch baseline run`, or the daemon's schedule on idle GPUs)",
     "xid": "an XID error since the agent started",
     "nvlink": "GPUs with NVLink",
@@ -482,6 +484,13 @@ def gpu_memory() -> Dashboard:
                                      needs="leak"), unit="binBps", min=0, colors=COLOR_OF),
             ts("Time to out of memory", Q(with_index(sel("gpuwatch.leak.time_to_oom", **proc)), "{{color}} " + who,
                                           needs="leak"), unit="s", min=0, thresholds=[(1800, "red")]),
+            ts("Out-of-memory events", Q(f'sum by (instance, gpu, cause) ({increase("gpuwatch.oom.events", "1h")})',
+                                         "{{instance}} {{gpu}} {{cause}}", needs="oom"), unit="none", min=0,
+               description="OOMs in the last hour (`gpuwatch findings` lists each, with the forecast made for it)."),
+            ts("How good the forecasts were", Q(sel("gpuwatch.oom.forecast.error"), "{{instance}} {{gpu}}", needs="oom"),
+               unit="percentunit",
+               description="For the last OOM on each GPU that a leak finding forecast: how much later (+) or earlier "
+                           "(-) it came than forecast when the leak was first found."),
         ])
 
 

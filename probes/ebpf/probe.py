@@ -82,7 +82,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterable
 
-from gpuwatch.agent.api import Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
+from gpuwatch.agent.api import Event, Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
 from gpuwatch.agent.wire import printable
 from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
@@ -100,6 +100,8 @@ FREE_APIS = frozenset(h.name for h in HOOKS if h.group == "free" or h.name == "c
 _ATTACH_WORDS = {_loader.LINKS: "multi-uprobe links",
                  _loader.PERF_EVENTS: "perf-event uprobes: this kernel has no multi-uprobe links (Linux >= 6.6), "
                                       "so attaching and detaching take ~0.1 s per probe"}
+CUDA_ERROR_OUT_OF_MEMORY = 2
+MAX_EVENTS = 256  # undrained "cuda.oom" events kept
 STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
 
 
@@ -187,6 +189,8 @@ class EbpfCudaProbe(Probe):
         self.launch_sampling = launch_sampling if pid is None and events_path is None else 1.0  # trace: exact
         self.sampling_period = sampling_period
         self._sampling = _LaunchSampling()
+        self._events: list[Event] = []  # "cuda.oom", drained by events()
+        self._oom_seen: dict[tuple[int, str], int] = {}  # (pid, api) -> CUDA_ERROR_OUT_OF_MEMORY calls seen
         self.apis = None if apis is None else tuple(apis)
         self.events_path = events_path
         self.max_events = max_events
@@ -224,6 +228,7 @@ class EbpfCudaProbe(Probe):
     def _start(self) -> None:
         self.shutdown()
         self._sampling = _LaunchSampling()  # new maps: counts start again
+        self._oom_seen = {}
         if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
             raise ProbeUnavailable(f"process {self.pid} does not exist")
         for path in self.libraries:
@@ -271,6 +276,7 @@ class EbpfCudaProbe(Probe):
         if now >= self._next_rescan:
             self._rescan()
         stats = ld.stats()
+        self._out_of_memory(ld, wall)  # before pruning: a process that died of it is still in the maps
         self._sample_launches(ld, stats, now)
         live = ld.live_bytes()
         dead = self._prune(stats, ld.pids() | set(live))
@@ -283,6 +289,7 @@ class EbpfCudaProbe(Probe):
         for pid in dead:
             live.pop(pid, None)
         self._sampling.forget(dead)
+        self._oom_seen = {k: v for k, v in self._oom_seen.items() if k[0] not in dead}
 
         per_pid_calls: dict[int, int] = defaultdict(int)
         for (pid, _api), values in stats.items():
@@ -321,6 +328,23 @@ class EbpfCudaProbe(Probe):
         samples.append(Sample("gpuwatch.ebpf.attached", float(ld.uprobe_count), "", {"what": "uprobes"}, wall))
         samples.append(Sample("gpuwatch.ebpf.launch.sampled", self._sampling.ratio(now, ld.launches_on), "", {}, wall))
         return samples
+
+    def events(self) -> list[Event]:
+        """"cuda.oom" events since the last call: a process got CUDA_ERROR_OUT_OF_MEMORY from the
+        driver (attrs pid, process, api, errors: how many more calls than at the last collection)."""
+        with self._lock:
+            out, self._events = self._events, []
+            return out
+
+    def _out_of_memory(self, ld: _loader.Loader, wall: float) -> None:
+        for (pid, api), by_code in ld.errors().items():
+            n = by_code.get(CUDA_ERROR_OUT_OF_MEMORY, 0)
+            before = self._oom_seen.get((pid, api), 0)
+            if n > before:
+                self._oom_seen[(pid, api)] = n
+                if len(self._events) < MAX_EVENTS:
+                    self._events.append(Event("cuda.oom", "", {"pid": str(pid), "process": self._name(pid), "api": api,
+                                                               "errors": n - before}, wall))
 
     def _exact_launches(self, ld: _loader.Loader, seconds: float) -> None:
         """Keep the launch probes on for the next `seconds`: a trace through the daemon counts

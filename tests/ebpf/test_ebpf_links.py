@@ -207,3 +207,24 @@ def test_the_planted_object_would_blind_a_probe_that_trusted_it(fake_cuda, drive
         assert p.snapshot(d.pid)["apis"] == {}
     finally:
         p.shutdown()
+
+
+def test_out_of_memory_from_the_driver_is_an_event_once(fake_cuda, drivers):
+    """driver.c's five 1 GiB cuMemAlloc_v2 calls fail with CUDA_ERROR_OUT_OF_MEMORY: one
+    "cuda.oom" event says so (the runner scores it against the leak forecast, agent/oom.py)."""
+    d = drivers()
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, driver_names=False)
+    p.start()
+    try:
+        p.collect()
+        assert p.events() == []
+        d.go()
+        p.collect()
+        events = p.events()
+        assert [(e.kind, e.attrs["pid"], e.attrs["api"], e.attrs["errors"]) for e in events] == \
+            [("cuda.oom", str(d.pid), "cuMemAlloc_v2", 5)]
+        assert events[0].attrs["process"] == "driver"
+        p.collect()
+        assert p.events() == []  # counted once
+    finally:
+        p.shutdown()

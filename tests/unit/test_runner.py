@@ -989,3 +989,78 @@ def test_findings_about_processes_this_machine_does_not_have_are_left_to_the_det
         now[0] = float(tick)
         open_ticks += bool(r.tick_once().findings)
     assert open_ticks > 100
+
+
+class _FillingGpuProbe(Probe):
+    """A process whose memory grows 1 GiB a minute on a GPU of `limit` bytes, one point a second."""
+    name = "filling"
+
+    def __init__(self, pid: int, base: float, limit: float, t0: float = 1_800_000_000.0):
+        self.pid, self.base, self.limit, self.t0, self.i = str(pid), base, limit, t0, 0
+
+    def collect(self):
+        t, v = self.t0 + self.i, self.base + self.i * 2**30 / 60
+        self.i += 1
+        gpu = "GPU-oom"
+        return [Sample("gpuwatch.process.gpu.memory.usage", v, gpu, {"pid": self.pid, "process": "leaker"}, t),
+                Sample("hw.gpu.memory.limit", self.limit, gpu, {}, t),
+                Sample("hw.gpu.memory.usage", v, gpu, {}, t)]
+
+
+def test_a_leaking_process_gone_with_its_gpu_full_is_an_oom_scored_against_its_forecast():
+    """The OOM the forecast predicted: the process exits when its GPU is full; the event says when
+    it came against the forecast made when the leak was found, and is counted per GPU and cause."""
+    import subprocess
+
+    from gpuwatch.detectors.leak import LeakDetector
+    limit = 20 * 2**30
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        probe = _FillingGpuProbe(child.pid, 10 * 2**30, limit)  # full after 600 s at 1 GiB/min
+        now = [0.0]
+        events = []
+        r = Runner([probe], detectors=[LeakDetector()], clock=lambda: now[0],
+                   wallclock=lambda: 1_800_000_000.0 + now[0], on_event=events.append)
+        tick, found_at = 0, None
+        while probe.base + probe.i * 2**30 / 60 < 0.97 * limit:  # until 97 % full
+            now[0] = float(tick)
+            snap = r.tick_once()
+            if snap.findings and found_at is None:
+                found_at, forecast = tick, snap.findings[0].attrs["time_to_oom_seconds"]
+            tick += 1
+        child.kill()
+        child.wait()
+        now[0] = float(tick)
+        snap = r.tick_once()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert found_at is not None and forecast is not None
+    oom = [e for e in events if e.kind == "finding.oom"]
+    assert len(oom) == 1, [e.kind for e in events]
+    a = oom[0].attrs
+    assert oom[0].resource == "GPU-oom" and a["cause"] == "gpu_full_at_exit" and a["pid"] == str(child.pid)
+    assert a["forecast_seconds"] == round(forecast, 1)
+    came = a["came_after_seconds"]
+    assert abs(came - (tick - found_at)) <= 1.0  # from the first pass that saw the finding
+    assert a["forecast_error_ratio"] == pytest.approx(came / forecast - 1, abs=1e-3)
+    assert "ran out of GPU memory" in a["summary"] and "GPU 9" in a["summary"]
+    counted = {(s.resource, s.labels["cause"]): s.value for s in snap.samples if s.metric == "gpuwatch.oom.events"}
+    assert counted == {("GPU-oom", "gpu_full_at_exit"): 1.0}
+    errors = [s.value for s in snap.samples if s.metric == "gpuwatch.oom.forecast.error"]
+    assert errors == [pytest.approx(a["forecast_error_ratio"], abs=1e-3)]
+
+
+def test_a_driver_oom_event_is_scored_once_and_a_leak_ending_without_a_full_gpu_is_none():
+    from gpuwatch.agent.oom import OomRecorder
+    rec = OomRecorder(History())
+    ev = Event("cuda.oom", "", {"pid": "77", "process": "jax", "api": "cuMemAlloc_v2", "errors": 3}, 100.0)
+    first = rec.driver_oom(ev, 100.0)
+    assert first is not None and first.attrs["cause"] == "driver" and "no leak was forecast" in first.attrs["summary"]
+    assert "cuMemAlloc_v2 (3 calls)" in first.attrs["summary"]
+    assert rec.driver_oom(ev, 130.0) is None  # the same OOM, retried
+    assert rec.driver_oom(ev, 200.0) is not None  # a later one
+    leak = Finding("memory_leak", "GPU-x", "warning", "leak", {"pid": "78", "process": "p", "time_to_oom_seconds": 90.0})
+    rec.leak_seen(leak, 10.0)
+    assert rec.leak_closed(leak, exited=True, wall=50.0) is None  # no GPU memory series: not judged full

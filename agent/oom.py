@@ -1,0 +1,121 @@
+"""Out-of-memory events, scored against the leak forecast made for the process.
+
+The leak detector forecasts a time to OOM; this says when the OOM came and how good the forecast
+was. Evidence, whichever comes first (one event per process and OOM, not one per retry):
+
+- the driver returned CUDA_ERROR_OUT_OF_MEMORY to the process (the eBPF probe's "cuda.oom"
+  events: its errors by return code rose);
+- a process with an open memory-leak finding exited while its GPU was nearly full
+  (hw.gpu.memory.usage / limit >= FULL in the last seconds before).
+
+Each becomes a "finding.oom" event (stored and shown by `gpuwatch findings` like the other
+finding events) beside the forecast made when the leak was first found: "forecast 3.0 min, came
+at 3.1 min (+3 %)". The runner owns the one OomRecorder; it calls it from its own thread only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpuwatch.agent.api import Event, Finding, Sample
+from gpuwatch.agent.history import History
+
+FULL = 0.95  # of the GPU's memory in use: an exit then is taken for an OOM
+RECENT_S = 5.0  # how far back "before it exited" looks in the GPU's memory series
+SAME_OOM_S = 60.0  # evidence for the same process within this long is the same OOM
+MAX_TRACKED = 1024  # forecasts kept (processes with a leak finding); the oldest go first
+
+CAUSE_WORDS = {"driver": "the driver returned CUDA_ERROR_OUT_OF_MEMORY",
+               "gpu_full_at_exit": "it exited with its GPU {full:.0%} full"}
+
+
+@dataclass
+class _Forecast:
+    gpu: str
+    process: str
+    found_at: float  # when the leak was first found
+    seconds: float | None  # the time to OOM forecast then (None: no forecast could be made)
+    color: str
+
+
+class OomRecorder:
+    def __init__(self, history: History) -> None:
+        self.history = history
+        self._forecasts: dict[str, _Forecast] = {}  # pid -> the first forecast of its open leak
+        self._last_oom: dict[str, float] = {}  # pid -> when its last OOM event was made
+        self.events_total: dict[tuple[str, str], int] = {}  # (gpu, cause) -> OOM events
+        self.last_error: dict[str, float] = {}  # gpu -> the last OOM's forecast error ratio
+
+    def leak_seen(self, f: Finding, wall: float) -> None:
+        """A memory-leak finding is open (at the runner's time `wall`): keep the first forecast made
+        for its process."""
+        pid = str(f.attrs.get("pid", ""))
+        if pid and pid not in self._forecasts:
+            if len(self._forecasts) >= MAX_TRACKED:
+                del self._forecasts[next(iter(self._forecasts))]
+            tto = f.attrs.get("time_to_oom_seconds")
+            self._forecasts[pid] = _Forecast(f.resource, str(f.attrs.get("process", "")), wall,
+                                             float(tto) if isinstance(tto, (int, float)) else None,
+                                             str(f.attrs.get("color", "")))
+
+    def leak_closed(self, f: Finding, exited: bool, wall: float) -> Event | None:
+        """Its leak finding closed: when because the process exited with the GPU nearly full,
+        that was the OOM. The forecast is forgotten either way."""
+        pid = str(f.attrs.get("pid", ""))
+        fc = self._forecasts.pop(pid, None)
+        if not exited or fc is None or self._same_oom(pid, wall):
+            return None
+        full = self._fullness(fc.gpu, wall)
+        if full is None or full < FULL:
+            return None
+        return self._event(pid, fc.process, fc, "gpu_full_at_exit", wall, full=full)
+
+    def driver_oom(self, ev: Event, wall: float) -> Event | None:
+        """The eBPF probe saw CUDA_ERROR_OUT_OF_MEMORY returned to a process."""
+        pid = str(ev.attrs.get("pid", ""))
+        if not pid.isdigit() or self._same_oom(pid, wall):
+            return None
+        fc = self._forecasts.get(pid)
+        detail = f" to {ev.attrs.get('api', 'an allocation')} ({ev.attrs.get('errors', 1)} calls)"
+        return self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc, "driver", wall,
+                           detail=detail)
+
+    def _same_oom(self, pid: str, wall: float) -> bool:
+        last = self._last_oom.get(pid)
+        return last is not None and wall - last < SAME_OOM_S
+
+    def _fullness(self, gpu: str, wall: float) -> float | None:
+        def recent_max(metric: str) -> float | None:
+            vals = [v for _k, pts in self.history.series(metric, gpu, since=wall - RECENT_S) for _t, v in pts]
+            return max(vals) if vals else None
+        used, limit = recent_max("hw.gpu.memory.usage"), recent_max("hw.gpu.memory.limit")
+        return used / limit if used is not None and limit else None
+
+    def _event(self, pid: str, process: str, fc: _Forecast | None, cause: str, wall: float, full: float = 0.0,
+               detail: str = "") -> Event:
+        self._last_oom[pid] = wall
+        if len(self._last_oom) > MAX_TRACKED:
+            del self._last_oom[next(iter(self._last_oom))]
+        gpu = fc.gpu if fc else ""
+        attrs: dict = {"kind": "oom", "severity": "critical", "pid": pid, "process": process, "cause": cause}
+        why = CAUSE_WORDS[cause].format(full=full) + detail
+        score = "no leak was forecast for it"
+        if fc is not None:
+            came = wall - fc.found_at
+            attrs.update(leak_found_at=fc.found_at, came_after_seconds=round(came, 1), color=fc.color)
+            if fc.seconds:
+                err = came / fc.seconds - 1
+                attrs.update(forecast_seconds=round(fc.seconds, 1), forecast_error_ratio=round(err, 4))
+                self.last_error[gpu] = err
+                score = (f"forecast {fc.seconds / 60:.1f} min when the leak was found, came at {came / 60:.1f} min "
+                         f"({err:+.0%})")
+            else:
+                score = f"the leak was found {came / 60:.1f} min before, with no time to OOM forecast"
+        attrs["summary"] = f"{process or 'process'} (pid {pid}) ran out of GPU memory: {why}; {score}"
+        self.events_total[(gpu, cause)] = self.events_total.get((gpu, cause), 0) + 1
+        return Event("finding.oom", gpu, attrs, wall)
+
+    def samples(self, wall: float) -> list[Sample]:
+        out = [Sample("gpuwatch.oom.events", float(n), gpu, {"cause": cause}, wall)
+               for (gpu, cause), n in sorted(self.events_total.items())]
+        out += [Sample("gpuwatch.oom.forecast.error", err, gpu, {}, wall) for gpu, err in sorted(self.last_error.items())]
+        return out
