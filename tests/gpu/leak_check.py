@@ -146,6 +146,27 @@ def main() -> int:
                 line += f"; no OOM measured ({'oom' in ev}) or no forecast"
                 ok = False
             results.append((ok, line))
+            # The agent's own record of that OOM (agent/oom.py): a finding.oom event, scored against the
+            # forecast it made when it first found the leak.
+            if oom is not None:
+                time.sleep(3)  # the process's exit is seen at the agent's next pass
+                try:
+                    scored = [e for e in control.call(sock, "findings", {"kind": "oom"}, timeout=5)["recent"]
+                              if e.get("pid") == str(p.pid)]
+                except control.ControlError as e:
+                    scored = []
+                    progress(f"{mode}: findings oom: {e}")
+                record["runs"][mode]["oom_events"] = scored
+                actual = oom["t"] - first["ts"]
+                if scored:
+                    e = scored[-1]
+                    truth = actual / first["time_to_oom_seconds"] - 1 if first.get("time_to_oom_seconds") else None
+                    ok_e = e.get("forecast_error_ratio") is not None and truth is not None \
+                        and abs(e["forecast_error_ratio"] - truth) <= 0.1 and abs(e["came_after_seconds"] - actual) <= 10
+                    results.append((ok_e, f"{mode}: oom event ({e.get('cause')}): {e.get('summary')}; the program's own "
+                                          f"OOM came {actual:.0f} s after the first finding (error {truth:+.0%})"))
+                else:
+                    results.append((False, f"{mode}: no oom event for pid {p.pid}"))
         # The steady loop must have had its full time without a finding, open or recent.
         while time.time() - t_start < a.steady_seconds:
             steady_findings += [f for f in findings(sock)["open"] if f["pid"] == str(steady.pid)]
