@@ -132,8 +132,10 @@ class CompiledObject:
         return bytes(code)
 
 
-def compiled(timeout: float = CHILD_TIMEOUT) -> CompiledObject:
-    """The compiled probe, from the cache or a child that compiles it now (ProbeUnavailable)."""
+def compiled(timeout: float = CHILD_TIMEOUT, before_compiling=None) -> CompiledObject:
+    """The compiled probe, from the cache or a child that compiles it now (ProbeUnavailable).
+    before_compiling(): called on a cache miss only, to refuse with a remedy what the child
+    would fail on (loader.check_environment: bcc, kernel headers)."""
     text = bpf_text()
     key = cache_key(text)
     raw = read_cache(f"{key}.json")
@@ -146,6 +148,8 @@ def compiled(timeout: float = CHILD_TIMEOUT) -> CompiledObject:
                 return obj
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("the cached eBPF probe is not usable (%s): compiling again", e)
+    if before_compiling is not None:
+        before_compiling()
     data = _child(["compile"], text.encode(), timeout)
     data["key"] = key
     obj = CompiledObject(data)

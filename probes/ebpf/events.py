@@ -1,7 +1,7 @@
 """Per-call events for `gpuwatch trace --output`: one record per call from the BPF ring buffer.
 
-The BPF program (compiled with events on, see Loader(events=True)) submits a gw_event at the
-return of every timed call. EventRecorder drains the ring buffer in a thread and appends the raw
+The BPF program submits a gw_event at the return of every timed call whose return probe was
+attached with COOKIE_EVENTS (Loader(events=True), which also sizes the ring buffer). EventRecorder drains the ring buffer in a thread and appends the raw
 72-byte records to a file, nothing else per event: a callback per call is the one cost that grows
 with the traced process's call rate, so it does the least it can. When the reader falls behind
 and the ring buffer is full, the BPF program counts the call in dropped[6] instead; when the

@@ -245,11 +245,10 @@ class Loader:
         self._symboliser: threading.Thread | None = None
         self._fds: list[int] = []  # maps and programs
         self.launches_on = True  # launch entry probes attached (see set_launches)
-        missing = missing_capabilities()
-        if missing:
-            raise ProbeUnavailable(privileges_message(missing))
+        check_environment(compiling=False)
         t0 = time.perf_counter()
-        obj = compiler.compiled()
+        # bcc and kernel headers are needed only when nothing is cached: checked then, for their remedy
+        obj = compiler.compiled(before_compiling=check_environment)
         self.compile_seconds = 0.0 if obj.cached else obj.compile_seconds
         self.cached = obj.cached
         try:
@@ -319,22 +318,21 @@ class Loader:
                 lib.skipped.append(hook.name)
                 continue
             lib.attached.append(hook.name)
-            entries.append((off, symbols.entry_cookie(hook, self.launch_latency)))
+            entry = (off, symbols.entry_cookie(hook, self.launch_latency))
+            # links: launch entries in a link of their own, which set_launches() can take away
+            (lib.launch_probes if self.method == LINKS and hook.name in LAUNCH_APIS else entries).append(entry)
             if hook.name not in self.untimed:
                 returns.append((off, symbols.return_cookie(hook, self.events)))
         try:
             # Return probes first: a call entered between the two attaches then has no entry
             # record and is not counted, rather than leaving a stale in-flight record.
-            for probes, kind in ((returns, "return"), (entries, "entry")):
-                if probes and kind == "entry" and self.method == LINKS:
-                    # launch entries in a link of their own, which set_launches() can take away
-                    lib.launch_probes = [(o, c) for o, c in probes if API_NAMES[c & symbols.COOKIE_API] in LAUNCH_APIS]
-                    probes = [(o, c) for o, c in probes if API_NAMES[c & symbols.COOKIE_API] not in LAUNCH_APIS]
-                    if lib.launch_probes and self.launches_on:
-                        lib.launch_fd = self._link(path, lib.launch_probes, False)
-                        lib.uprobes += len(lib.launch_probes)
-                if probes:
-                    self._attach(lib, path, probes, kind == "return")
+            if returns:
+                self._attach(lib, path, returns, True)
+            if entries:
+                self._attach(lib, path, entries, False)
+            if lib.launch_probes and self.launches_on:
+                lib.launch_fd = self._link(path, lib.launch_probes, False)
+                lib.uprobes += len(lib.launch_probes)
         except OSError as e:
             self._close_library(lib)
             if e.errno == errno.ESRCH and self.pid:
@@ -352,11 +350,11 @@ class Loader:
                                         retprobe=retprobe)
 
     def _attach(self, lib: Library, path: str, probes: list[tuple[int, int]], retprobe: bool) -> None:
-        prog = self.progs["gw_return" if retprobe else "gw_entry"]
         if self.method == LINKS:
             lib.fds.append(self._link(path, probes, retprobe))
             lib.uprobes += len(probes)
             return
+        prog = self.progs["gw_return" if retprobe else "gw_entry"]
         for off, cookie in probes:
             pfd = bpfsys.perf_uprobe(path, off, -1 if self.pid is None else self.pid, retprobe)
             lib.fds.append(pfd)

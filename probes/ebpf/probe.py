@@ -148,6 +148,11 @@ class _LaunchSampling:
                 del d[k]
 
 
+def _launch_calls(stats: dict) -> dict:
+    """(pid, api) -> calls, for the launch APIs of loader.stats()."""
+    return {k: v[0] for k, v in stats.items() if k[1] in LAUNCH_APIS}
+
+
 @dataclass(frozen=True)
 class ProcessQuery:
     """query(pid)'s answer: snapshot(pid), and the file (device, inode) of each attached library by
@@ -352,7 +357,7 @@ class EbpfCudaProbe(Probe):
         now, smp = self._clock(), self._sampling
         smp.exact_until = max(smp.exact_until, now + seconds)
         if not ld.launches_on and smp.started is not None:
-            smp.open_window({k: v[0] for k, v in ld.stats().items() if k[1] in LAUNCH_APIS}, now)
+            smp.open_window(_launch_calls(ld.stats()), now)
             ld.set_launches(True)
 
     def _sample_launches(self, ld: _loader.Loader, stats: dict, now: float) -> None:
@@ -366,7 +371,7 @@ class EbpfCudaProbe(Probe):
             smp.started = smp.window_start = now
         if self.launch_sampling >= 1 or not ld.can_toggle_launches:
             return  # always on: the ratio is 1
-        launch = {k: v[0] for k, v in stats.items() if k[1] in LAUNCH_APIS}
+        launch = _launch_calls(stats)
         exact = now < smp.exact_until
         if ld.launches_on and not exact and now - smp.window_start >= self.launch_sampling * self.sampling_period:
             ld.set_launches(False)  # the window closes

@@ -22,7 +22,7 @@ def _root_and_environment():
     from gpuwatch.agent.api import ProbeUnavailable
     from gpuwatch.probes.ebpf import loader
     try:
-        loader.check_environment()  # also mounts tracefs when it is missing
+        loader.check_environment()  # capabilities, bcc and kernel headers: the tests compile the probe
     except ProbeUnavailable as e:
         pytest.fail(f"eBPF test environment incomplete: {e}")
 
