@@ -85,7 +85,8 @@ class OomRecorder:
 
     def _fullness(self, gpu: str, wall: float) -> float | None:
         def recent_max(metric: str) -> float | None:
-            vals = [v for _k, pts in self.history.series(metric, gpu, since=wall - RECENT_S) for _t, v in pts]
+            since = wall - RECENT_S  # series() adds the point before `since` too: not "just before it exited"
+            vals = [v for _k, pts in self.history.series(metric, gpu, since=since) for t, v in pts if t >= since]
             return max(vals) if vals else None
         used, limit = recent_max("hw.gpu.memory.usage"), recent_max("hw.gpu.memory.limit")
         return used / limit if used is not None and limit else None
