@@ -104,3 +104,12 @@ def test_forecasts_and_recent_ooms_are_bounded(monkeypatch):
     for pid in range(5):
         rec.driver_oom(Event("cuda.oom", "", {"pid": str(100 + pid)}, 0), 10.0)
     assert list(rec._last_oom) == ["102", "103", "104"]
+
+
+def test_the_edges_full_at_exactly_95_percent_and_a_leak_never_seen():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(), 0.0)
+    gpu_memory(h, "GPU-a", [(10.0, 95 * GIB)])
+    assert rec.leak_closed(leak(), exited=True, wall=11.0) is not None  # 95 % is full
+    assert rec.leak_closed(leak(pid="99"), exited=True, wall=12.0) is None  # no forecast kept for it

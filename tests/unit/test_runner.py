@@ -1064,3 +1064,70 @@ def test_a_driver_oom_event_is_scored_once_and_a_leak_ending_without_a_full_gpu_
     leak = Finding("memory_leak", "GPU-x", "warning", "leak", {"pid": "78", "process": "p", "time_to_oom_seconds": 90.0})
     rec.leak_seen(leak, 10.0)
     assert rec.leak_closed(leak, exited=True, wall=50.0) is None  # no GPU memory series: not judged full
+
+
+class _FixedFindings(Detector):
+    """Reports the same findings at every pass."""
+    name = "fixed"
+
+    def __init__(self, findings):
+        self.findings = findings
+
+    def observe(self, history):
+        return list(self.findings)
+
+
+def test_each_finding_about_a_process_is_judged_on_its_own():
+    """One pass with a finding without a process, one whose process has exited and one whose
+    process runs: only the exited one closes, and the runner keeps no state for closed ones."""
+    import subprocess
+    gone, alive = subprocess.Popen(["sleep", "600"]), subprocess.Popen(["sleep", "600"])
+    try:
+        found = [Finding("thermal", "GPU-t", "warning", "hot", {}),
+                 Finding("memory_leak", "GPU-t", "warning", "gone", {"pid": str(gone.pid)}),
+                 Finding("memory_leak", "GPU-t", "warning", "alive", {"pid": str(alive.pid)}),
+                 Finding("memory_leak", "GPU-t", "warning", "later", {"pid": str(alive.pid), "color": "grey"})]
+        events = []
+        r = Runner([CountingProbe()], detectors=[_FixedFindings(found)], on_event=events.append)
+        r.tick_once()
+        assert {f.summary for f in r.snapshot.findings} == {"hot", "gone", "alive", "later"}
+        gone.kill()
+        gone.wait()
+        r.tick_once()
+        r.tick_once()
+        assert [f.summary for f in r.snapshot.findings] == ["hot", "alive", "later"]
+        assert [e.attrs["summary"] for e in events if e.kind == "finding.closed"] == ["gone"]
+        assert len(r._finding_starts) == 2  # the two findings of the running process
+    finally:
+        for p in (gone, alive):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+class _OomEventsProbe(Probe):
+    """A probe that reports what the eBPF probe does when the driver returns an OOM."""
+    name = "oomy"
+
+    def __init__(self):
+        self.pending = [Event("cuda.oom", "", {"pid": "31", "process": "p", "api": "cuMemAlloc_v2", "errors": 1}, 0.0)]
+
+    def collect(self):
+        return []
+
+    def events(self):
+        out, self.pending = self.pending, []
+        return out
+
+
+def test_a_driver_oom_from_a_probe_becomes_one_scored_oom_event():
+    events = []
+    wall = [1_800_000_000.0]
+    r = Runner([_OomEventsProbe()], on_event=events.append, wallclock=lambda: wall[0])
+    snap = r.tick_once()
+    assert [e.kind for e in events] == ["finding.oom"]  # the evidence itself is not an event of its own
+    assert events[0].attrs["cause"] == "driver" and events[0].ts == wall[0]
+    wall[0] += 1
+    snap = r.tick_once()
+    counted = [s for s in snap.samples if s.metric == "gpuwatch.oom.events"]
+    assert [(s.resource, s.labels, s.value, s.ts) for s in counted] == [("", {"cause": "driver"}, 1.0, wall[0])]
