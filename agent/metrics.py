@@ -178,8 +178,9 @@ METRICS: tuple[Metric, ...] = (
     # into pid="other" (see probes/ebpf).
     Metric("gpuwatch.cuda.calls", "", Kind.COUNTER,
            "CUDA driver API calls seen by the eBPF probe on libcuda (runtime, cuBLAS and Triton work "
-           "all arrive here). Launch APIs (cuLaunch*, cuGraphLaunch) are ESTIMATED from a duty cycle "
-           "when gpuwatch_ebpf_launch_sampled_ratio < 1 (ebpf.launch_sampling); every other API is exact.",
+           "all arrive here). Kernel launch APIs (cuLaunch*) are ESTIMATED from a duty cycle "
+           "when gpuwatch_ebpf_launch_sampled_ratio < 1 (ebpf.launch_sampling); every other API "
+           "(cuGraphLaunch included) is exact.",
            ("pid", "process", "api")),
     Metric("gpuwatch.cuda.errors", "", Kind.COUNTER,
            "CUDA driver API calls that returned an error (a CUresult other than CUDA_SUCCESS).",
@@ -189,6 +190,15 @@ METRICS: tuple[Metric, ...] = (
            ("pid", "process", "api")),
     Metric("gpuwatch.cuda.bytes", "By", Kind.COUNTER,
            "Bytes asked for by allocations, copies and sets, by API function.", ("pid", "process", "api")),
+    Metric("gpuwatch.cuda.graph.launches", "", Kind.COUNTER,
+           "CUDA graph replays (cuGraphLaunch) by what the eBPF probe knows of the graph's content: "
+           "known (every kernel node followed from its capture or construction), partial (some nodes "
+           "missed: its kernels in gpuwatch_cuda_graph_kernel_launches_total are a lower bound), unknown "
+           "(instantiated before the probe attached).", ("pid", "process", "content")),
+    Metric("gpuwatch.cuda.graph.kernel.launches", "", Kind.COUNTER,
+           "Kernels run by CUDA graph replays (each replay runs every kernel node of its graph), from "
+           "the graphs' known content; direct launches are gpuwatch_cuda_calls_total{api=~\"cuLaunch.*\"}.",
+           ("pid", "process")),
     Metric("gpuwatch.process.cuda.memory.live", "By", Kind.GAUGE,
            "Device memory the process holds through driver allocations seen since the probe attached "
            "(cuMemAlloc*, cuMemCreate; minus frees): the grey color when no in-process agent reports.",

@@ -519,6 +519,19 @@ class SnapshotLibraryResult(Result):
 
 
 @dataclass(frozen=True)
+class GraphsResult(Result):
+    """CUDA graph replays and the kernels they ran (probes/ebpf/graphs.py GraphBook.summary)."""
+
+    launches: int = wire(Int(), 0)
+    kernel_launches: int = wire(Int(), 0)
+    unknown_content_launches: int = wire(Int(), 0)
+    partial_content_launches: int = wire(Int(), 0)
+    graphs: int = wire(Int(), 0)
+    executable_graphs: int = wire(Int(), 0)
+    captures_in_progress: int = wire(Int(), 0)
+
+
+@dataclass(frozen=True)
 class TraceSnapshotResult(Result):
     """`trace.snapshot` (EbpfCudaProbe.snapshot says what each field counts). Kernels, stacks
     and recorded-event counts are shown as they are."""
@@ -533,6 +546,7 @@ class TraceSnapshotResult(Result):
     dropped_by_kind: Mapping = wire(MapOf(Int(), 64, Str(64, clean=True)), EMPTY_MAP)
     events: Any = wire(Opt(Json()), None)
     libraries: tuple = wire(ListOf(Obj(SnapshotLibraryResult), 64), ())
+    graphs: GraphsResult = wire(Obj(GraphsResult), GraphsResult())
 
 
 @dataclass(frozen=True)
@@ -567,6 +581,7 @@ class TraceSummary(Message):
     dropped_by_kind: Mapping = wire(MapOf(Int(), 64, Str(64, clean=True)), EMPTY_MAP)
     pid_reused: bool = wire(Bool(), False)
     events: Any = wire(Opt(Json()), None)
+    graphs: GraphsResult = wire(Obj(GraphsResult), GraphsResult())
 
 
 # method -> the wire type of its result, where there is one

@@ -538,6 +538,18 @@ def cuda_api() -> Dashboard:
                  needs="ebpf"), unit="ops",
                description="cuLaunchKernel*, cuLaunchCooperativeKernel* and cuGraphLaunch*. Thousands a second of "
                            "tiny kernels: the process is launch-bound (CUDA graphs, torch.compile)."),
+            Row("CUDA graphs"),
+            ts("Kernels run by graph replays, by process",
+               Q(f'sum by (instance, pid, process) ({rate("gpuwatch.cuda.graph.kernel.launches", **proc)})', who,
+                 needs="ebpf"), unit="ops",
+               description="Each cuGraphLaunch runs every kernel node of its graph, with no launch call: counted "
+                           "from how each graph was built (stream capture or explicit nodes)."),
+            ts("Graph replays by what is known of their content",
+               Q(f'sum by (content) ({rate("gpuwatch.cuda.graph.launches", **proc)})', "{{content}}",
+                 needs="ebpf"), unit="ops",
+               description="known: every kernel node followed; partial: some missed (a capture while the launch "
+                           "duty cycle was off), its kernels a lower bound; unknown: instantiated before the probe "
+                           "attached, its kernels not counted."),
             Row("Memory"),
             ts("Bytes by API", Q(f'sum by (api) ({rate("gpuwatch.cuda.bytes", **proc)})', "{{api}}", needs="ebpf"),
                unit="Bps", description="Bytes asked for by allocations, copies and sets."),

@@ -75,6 +75,10 @@ def render_line(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     ks = _kernels(snapshot)
     if ks:
         line += f" | kernels {len(ks)}, top {kernel_label(ks[0])} {ks[0].get('launches', 0)}"
+    g = snapshot.get("graphs") or {}
+    if g.get("launches"):
+        line += (f" | graphs {g['launches']} replays, {g.get('kernel_launches', 0)} kernels"
+                 f" ({g.get('unknown_content_launches', 0)} replays of unknown content)")
     if top_s:
         line += f" | top: {top_s}"
     return line
@@ -119,13 +123,13 @@ def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
     t = Table(box=None, pad_edge=False, header_style="bold")
     from rich.text import Text
     cols = ["kernel (name or handle)"] + (["launches/s"] if kr is not None else []) + \
-        ["launches", "grid", "block", "shared mem", "1-block launches"]
+        ["launches", "in graphs", "grid", "block", "shared mem", "1-block launches"]
     for c in cols:
         t.add_column(c, justify="left" if c.startswith("kernel") else "right")
     for k in kernels[:limit]:
         # Text, not a str: a name is the traced process's choice and must not be read as rich markup
         row = [Text(kernel_label(k))] + ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
-        row += [str(k.get("launches", 0)), fmt_dims(k.get("grid")), fmt_dims(k.get("block")),
+        row += [str(k.get("launches", 0)), str(k.get("graph_launches", 0)), fmt_dims(k.get("grid")), fmt_dims(k.get("block")),
                 fmt_bytes(k.get("shared_mem_bytes")) if k.get("shared_mem_bytes") is not None else "—",
                 str(k.get("degenerate_launches", 0))]
         t.add_row(*row)
@@ -186,6 +190,20 @@ def _stacks_text(stacks: list[dict]) -> str:
     return "\n".join(["live bytes by allocating call stack:"] + lines) if lines else ""
 
 
+def graphs_text(g: dict | None) -> str:
+    """CUDA graph replays, the kernels they ran, and what is not known of them; "" for none."""
+    if not g or not g.get("launches"):
+        return ""
+    text = f"CUDA graphs: {g['launches']} replays ran {g.get('kernel_launches', 0)} kernels"
+    if g.get("unknown_content_launches"):
+        text += (f" · [yellow]{g['unknown_content_launches']} replays of graphs made before the probe "
+                 f"attached (content unknown: their kernels are not counted)[/yellow]")
+    if g.get("partial_content_launches"):
+        text += (f" · [yellow]{g['partial_content_launches']} replays of graphs known in part (their "
+                 f"known kernels are counted)[/yellow]")
+    return text
+
+
 def _memory_text(mem: dict, dropped: int) -> str:
     d = f"[red]{dropped}[/red]" if dropped else "0"
     return (f"device memory: live [bold]{fmt_bytes(mem.get('live_bytes', 0))}[/bold] in "
@@ -207,6 +225,8 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     ks = _kernels(snapshot)
     if ks:
         parts += [Text(""), _kernel_table(ks, kernel_rates(snapshot, previous, dt), TOP_KERNELS)]
+    if graphs_text(snapshot.get("graphs")):
+        parts.append(Text.from_markup(graphs_text(snapshot.get("graphs"))))
     parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0)))]
     if _stacks_text(snapshot.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(snapshot["stacks"])))
@@ -249,6 +269,8 @@ def render_summary(summary: dict):
         parts.append(Text("no CUDA driver calls seen during the trace"))
     if summary["kernels"]:
         parts += [Text(""), _kernel_table(summary["kernels"], None, TOP_KERNELS)]
+    if graphs_text(summary.get("graphs")):
+        parts.append(Text.from_markup(graphs_text(summary.get("graphs"))))
     parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
     if _stacks_text(summary.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(summary["stacks"])))

@@ -38,6 +38,12 @@ def _kernels(snapshot: dict) -> list[dict]:
     return sorted(ks, key=lambda k: (-int(k.get("launches", 0)), str(k.get("handle", ""))))
 
 
+def graphs(snapshot: dict) -> dict:
+    """CUDA graph replays and the kernels they ran (the probe's "graphs", zeros when it has none)."""
+    g = snapshot.get("graphs") or {}
+    return {k: g.get(k, 0) for k in GRAPH_COUNTERS + ("graphs", "executable_graphs")}
+
+
 def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended: str) -> dict:
     """The --summary-json document from the final snapshot."""
     apis = {}
@@ -55,6 +61,7 @@ def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended:
         "ended": ended,
         "apis": apis,
         "kernels": _kernels(snapshot),
+        "graphs": graphs(snapshot),
         "memory": {"live_bytes": mem.get("live_bytes", 0), "live_allocations": mem.get("live_allocations", 0),
                    "allocations": mem.get("allocations", 0), "frees": mem.get("frees", 0)},
         "stacks": (snapshot.get("stacks") or [])[:TOP_STACKS],
@@ -88,7 +95,8 @@ def totals(snapshot: dict) -> tuple[int, int]:
 
 
 API_COUNTERS = ("calls", "errors", "bytes", "seconds")
-KERNEL_COUNTERS = ("launches", "degenerate_launches")
+KERNEL_COUNTERS = ("launches", "direct_launches", "graph_launches", "degenerate_launches")
+GRAPH_COUNTERS = ("launches", "kernel_launches", "unknown_content_launches", "partial_content_launches")
 MEMORY_COUNTERS = ("allocations", "frees")
 RESTARTED = ("the gpuwatch agent's eBPF probe restarted during the trace (its counts went back to zero), so "
              "what happened since the trace started is lost: trace again")
@@ -120,7 +128,8 @@ def since(now: dict, start: dict) -> dict:
 
     The agent's counters run from when it first saw the process, a trace reports what happened
     during the trace. Subtracted: per API calls, errors, bytes, seconds and every count by key (the
-    latency histogram, errors by code); per kernel its launches; allocations, frees, dropped
+    latency histogram, errors by code); per kernel its launches (direct and through graphs); graph
+    replays and the kernels they ran; allocations, frees, dropped
     events and the probe's drops by kind. APIs and kernels with no calls in between are left out.
     Kept as they are: live bytes and allocations (the process's state now), each kernel's last launch
     configuration, every other key. Raises TraceError when a count went down: the agent's probe restarted and lost them."""
@@ -147,6 +156,8 @@ def since(now: dict, start: dict) -> dict:
                dropped_events=now.get("dropped_events", 0) - start.get("dropped_events", 0))
     if "memory" in now:
         out["memory"] = _minus(now["memory"], start.get("memory", {}), MEMORY_COUNTERS)
+    if isinstance(now.get("graphs"), dict):
+        out["graphs"] = _minus(now["graphs"], start.get("graphs") or {}, GRAPH_COUNTERS)
     if _is_counts(now.get("dropped_by_kind")):  # every kind kept, zeros too: the table's shape is fixed
         before = start.get("dropped_by_kind") or {}
         out["dropped_by_kind"] = {k: c - before.get(k, 0) for k, c in now["dropped_by_kind"].items()}

@@ -288,6 +288,10 @@ class RingBuffer:
                 struct.pack_into("Q", self._cons, 0, cons)
         return n
 
+    def wait(self, timeout_ms: int) -> bool:
+        """Whether records came within timeout_ms (taken by the next consume())."""
+        return bool(self._poll.poll(timeout_ms / 1000))
+
     def poll(self, timeout_ms: int) -> int:
         if self._poll.poll(timeout_ms / 1000):
             return self.consume()

@@ -21,12 +21,293 @@ BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
 // allocations, 3 kernels, 4 kernel names, 5 errors by return code, 6 per-call events (the ring
-// buffer was full: the reader fell behind), 7 allocation stacks. (A full histogram map loses
+// buffer was full: the reader fell behind), 7 allocation stacks, 8 graph events, 9 captures
+// (streams and events of captures too), 10 executable graphs' launches. (A full histogram map loses
 // buckets silently.) Python sizes its reads from the map: keep GW_DROPPED_KINDS in step.
 BPF_ARRAY(dropped, u64, GW_DROPPED_KINDS);
 
 static __always_inline void gw_drop(int what) {
     dropped.atomic_increment(what);
+}
+
+// ---- CUDA graphs (see symbols.py, "CUDA graphs"). What a graph holds is followed in Python
+// (graphs.py) from these events; the kernel side keeps only what a hot path must decide: which
+// streams are being captured (a launch there adds a node and does not run) and how many times
+// each executable graph was launched.
+BPF_RINGBUF_OUTPUT(graph_events, GW_GRAPH_RINGBUF_PAGES);  // 8: dropped when full
+
+static __always_inline struct gw_graph_event *gw_graph_event(u32 pid, u32 kind) {
+    struct gw_graph_event *e = graph_events.ringbuf_reserve(sizeof(struct gw_graph_event));
+    if (!e) {
+        gw_drop(8);
+        return 0;
+    }
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ts = bpf_ktime_get_ns();
+    e->pid = pid;
+    e->kind = kind;
+    return e;
+}
+
+// The capture a stream is part of, 0 for none (an entry left by a capture that ended is removed).
+static __always_inline u64 gw_capture_of(u32 pid, u64 stream) {
+    struct gw_handle_key k = {};
+    k.pid = pid;
+    k.handle = stream;
+    u64 *cid = capture_streams.lookup(&k);
+    if (!cid)
+        return 0;
+    struct gw_handle_key ck = {};
+    ck.pid = pid;
+    ck.handle = *cid;
+    if (!captures.lookup(&ck)) {
+        capture_streams.delete(&k);
+        return 0;
+    }
+    return ck.handle;
+}
+
+// cuEventRecord(event, stream) entry: an event recorded in a captured stream carries the capture
+// to the streams that wait on it (the fork of a multi-stream capture); recorded elsewhere, not.
+static __always_inline void gw_capture_record(u64 event, u64 stream) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    struct gw_handle_key k = {};
+    k.pid = pid;
+    k.handle = event;
+    u64 cid = gw_capture_of(pid, stream);
+    if (cid) {
+        if (capture_events.update(&k, &cid) != 0)
+            gw_drop(9);
+    } else {
+        capture_events.delete(&k);
+    }
+}
+
+// cuStreamWaitEvent(stream, event) entry: waiting on an event of a capture joins the capture.
+static __always_inline void gw_capture_join(u64 stream, u64 event) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    struct gw_handle_key k = {};
+    k.pid = pid;
+    k.handle = event;
+    u64 *cid = capture_events.lookup(&k);
+    if (!cid)
+        return;
+    u64 id = *cid;
+    struct gw_handle_key ck = {};
+    ck.pid = pid;
+    ck.handle = id;
+    if (!captures.lookup(&ck))
+        return;
+    struct gw_handle_key sk = {};
+    sk.pid = pid;
+    sk.handle = stream;
+    if (capture_streams.update(&sk, &id) != 0)
+        gw_drop(9);
+}
+
+// A launch into a captured stream: a kernel node of the graph being built, not a kernel that runs.
+static __always_inline void gw_capture_node(u32 pid, u64 cid, u64 f, struct gw_launch_config *lc) {
+    struct gw_handle_key ck = {};
+    ck.pid = pid;
+    ck.handle = cid;
+    struct gw_capture *cap = captures.lookup(&ck);
+    if (cap)
+        __sync_fetch_and_add(&cap->nodes, 1);
+    struct gw_graph_event *e = gw_graph_event(pid, GW_GE_NODE);
+    if (!e)
+        return;
+    e->capture = cid;
+    e->function = f;
+    e->dims = lc->dims;
+    e->shared_mem = lc->shared_mem;
+    graph_events.ringbuf_submit(e, 0);
+}
+
+// cuGraphLaunch(exec, stream) entry: one more launch of that executable graph (an entry of its
+// own when it was instantiated before the probe attached: serial 0, content unknown).
+static __always_inline void gw_graph_launch(u64 exec) {
+    struct gw_handle_key k = {};
+    k.pid = bpf_get_current_pid_tgid() >> 32;
+    k.handle = exec;
+    struct gw_exec zero = {};
+    struct gw_exec *x = execs.lookup_or_try_init(&k, &zero);
+    if (!x) {
+        gw_drop(10);
+        return;
+    }
+    __sync_fetch_and_add(&x->launches, 1);
+}
+
+// A kernel node's function (a CUfunction, or the CUkernel at byte 56 of the v2/v3 params when
+// func is NULL), grid, block and shared memory, from CUDA_KERNEL_NODE_PARAMS in user memory.
+static __always_inline void gw_kernel_params(struct gw_graph_event *e, u64 params) {
+    struct gw_kernel_params kp = {};
+    if (bpf_probe_read_user(&kp, sizeof(kp), (void *)params) != 0)
+        return;
+    u64 f = kp.func;
+    if (!f)
+        bpf_probe_read_user(&f, sizeof(f), (void *)(params + 56));
+    e->function = f;
+    e->dims = kp.dims;
+    e->shared_mem = kp.shared_mem;
+}
+
+// The serial and launches so far of the executable graph e->exec, into the event of a change to
+// it: the launches before the change ran what it held before.
+static __always_inline void gw_exec_launches(u32 pid, struct gw_graph_event *e) {
+    if (!e->exec)
+        return;
+    struct gw_handle_key xk = {};
+    xk.pid = pid;
+    xk.handle = e->exec;
+    struct gw_exec *x = execs.lookup(&xk);
+    if (x) {
+        e->serial = x->serial;
+        e->count = x->launches;
+    }
+}
+
+// What a graph call that returned rc did (c: its entry record; ops in symbols.py).
+static __always_inline void gw_graph_op(u32 pid, u32 op, int rc, struct gw_call *c) {
+    struct gw_graph_event *e = 0;
+    u64 h = 0;
+    if (op == GW_OP_CAPTURE_BEGIN) {
+        if (rc != 0)
+            return;
+        u64 cid = c->ts;  // the capture's id: when it began, unique within a process
+        struct gw_handle_key ck = {};
+        ck.pid = pid;
+        ck.handle = cid;
+        struct gw_capture cap = {};
+        cap.stream = c->ptr;
+        if (captures.update(&ck, &cap) != 0) {
+            gw_drop(9);
+            return;
+        }
+        struct gw_handle_key sk = {};
+        sk.pid = pid;
+        sk.handle = c->ptr;
+        if (capture_streams.update(&sk, &cid) != 0) {
+            captures.delete(&ck);
+            gw_drop(9);
+            return;
+        }
+        e = gw_graph_event(pid, GW_GE_BEGIN);
+        if (!e)
+            return;
+        e->capture = cid;
+        e->graph = c->aux;  // cuStreamBeginCaptureToGraph: the graph it adds to
+    } else if (op == GW_OP_CAPTURE_END) {
+        struct gw_handle_key sk = {};
+        sk.pid = pid;
+        sk.handle = c->ptr;
+        u64 *cidp = capture_streams.lookup(&sk);
+        if (!cidp)
+            return;  // began before the probe attached
+        struct gw_handle_key ck = {};
+        ck.pid = pid;
+        ck.handle = *cidp;
+        capture_streams.delete(&sk);
+        struct gw_capture *cap = captures.lookup(&ck);
+        u64 nodes = cap ? cap->nodes : 0;
+        captures.delete(&ck);
+        if (rc == 0 && c->aux)
+            bpf_probe_read_user(&h, sizeof(h), (void *)c->aux);
+        e = gw_graph_event(pid, GW_GE_END);
+        if (!e)
+            return;
+        e->capture = ck.handle;
+        e->graph = h;  // 0: the capture failed (invalidated), no graph
+        e->count = nodes;
+    } else if (op == GW_OP_GRAPH_ADD_KERNEL || op == GW_OP_GRAPH_ADD_NODE) {
+        if (rc != 0 || !c->ptr || !c->aux || bpf_probe_read_user(&h, sizeof(h), (void *)c->ptr) != 0)
+            return;
+        u64 params = c->aux;
+        if (op == GW_OP_GRAPH_ADD_NODE) {  // CUgraphNodeParams: type, then the kernel's params at 16
+            u32 type = 1;
+            if (bpf_probe_read_user(&type, sizeof(type), (void *)params) != 0 || type != 0)
+                return;  // not a kernel node (CU_GRAPH_NODE_TYPE_KERNEL is 0)
+            params += 16;
+        }
+        e = gw_graph_event(pid, GW_GE_ADD);
+        if (!e)
+            return;
+        e->graph = c->aux2;
+        e->node = h;
+        gw_kernel_params(e, params);
+    } else if (op == GW_OP_GRAPH_SET_KERNEL) {
+        if (rc != 0 || !c->aux)
+            return;
+        e = gw_graph_event(pid, GW_GE_SET);
+        if (!e)
+            return;
+        e->exec = c->aux2;  // 0: a node of a graph; else of this executable graph
+        e->node = c->ptr;
+        gw_kernel_params(e, c->aux);
+        gw_exec_launches(pid, e);
+    } else if (op == GW_OP_GRAPH_INSTANTIATE) {
+        if (rc != 0 || !c->ptr || bpf_probe_read_user(&h, sizeof(h), (void *)c->ptr) != 0 || !h)
+            return;
+        struct gw_handle_key xk = {};
+        xk.pid = pid;
+        xk.handle = h;
+        struct gw_exec x = {};
+        x.serial = c->ts;  // tells this executable graph from an earlier one at the same address
+        if (execs.update(&xk, &x) != 0)
+            gw_drop(10);
+        e = gw_graph_event(pid, GW_GE_INSTANTIATE);
+        if (!e)
+            return;
+        e->graph = c->aux;
+        e->exec = h;
+        e->serial = c->ts;
+    } else if (op == GW_OP_GRAPH_CLONE || op == GW_OP_GRAPH_CREATE) {
+        if (rc != 0 || !c->ptr || bpf_probe_read_user(&h, sizeof(h), (void *)c->ptr) != 0 || !h)
+            return;
+        e = gw_graph_event(pid, op == GW_OP_GRAPH_CLONE ? GW_GE_CLONE : GW_GE_CREATE);
+        if (!e)
+            return;
+        e->graph = h;
+        e->source = c->aux;
+    } else if (op == GW_OP_EXEC_UPDATE) {
+        if (rc != 0)
+            return;
+        e = gw_graph_event(pid, GW_GE_UPDATE);
+        if (!e)
+            return;
+        e->exec = c->ptr;
+        e->graph = c->aux;
+        gw_exec_launches(pid, e);
+    } else if (op == GW_OP_GRAPH_DESTROY) {
+        if (rc != 0)
+            return;
+        e = gw_graph_event(pid, GW_GE_DESTROY);
+        if (!e)
+            return;
+        e->graph = c->ptr;
+    } else if (op == GW_OP_EXEC_DESTROY) {
+        // Its final count goes with the event, so no launch is lost to the entry's removal. (A
+        // thread instantiating a graph at the same address between the driver's free and this
+        // probe would lose its entry: a window of microseconds, accepted.)
+        struct gw_handle_key xk = {};
+        xk.pid = pid;
+        xk.handle = c->ptr;
+        struct gw_exec *x = execs.lookup(&xk);
+        if (rc != 0 || !x)
+            return;
+        u64 serial = x->serial, launches = x->launches;
+        execs.delete(&xk);
+        e = gw_graph_event(pid, GW_GE_EXEC_DESTROY);
+        if (!e)
+            return;
+        e->exec = c->ptr;
+        e->serial = serial;
+        e->count = launches;
+    }
+    if (e) {
+        e->rc = rc;
+        graph_events.ringbuf_submit(e, 0);
+    }
 }
 
 // Per-kernel aggregation at launch entry. DECODE_REGS: cuLaunchKernel / cuLaunchCooperativeKernel
@@ -60,8 +341,14 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode, struct gw
     }
     c->ptr = f;
     c->dims = lc.dims;
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    u64 cid = gw_capture_of(pid, lc.stream);
+    if (cid) {
+        gw_capture_node(pid, cid, f, &lc);
+        return;
+    }
     struct gw_kernel_key kk = {};
-    kk.pid = bpf_get_current_pid_tgid() >> 32;
+    kk.pid = pid;
     kk.handle = f;
     struct gw_kernel zero = {};
     struct gw_kernel *kv = kernels.lookup_or_try_init(&kk, &zero);
@@ -254,6 +541,8 @@ static __always_inline int gw_finish(struct pt_regs *ctx, u32 api, u32 op, u64 r
             if (n)
                 gw_name_put(pid, GW_NAME_FUNCTION, h, n);
         }
+    } else if (op >= GW_OP_CAPTURE_BEGIN) {
+        gw_graph_op(pid, op, rc, &c);
     }
 
     if (rc != 0) {

@@ -7,6 +7,7 @@ ProbeUnavailable with what a person should do about it.
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import errno
 import importlib.util
@@ -22,7 +23,7 @@ from typing import Iterable
 
 from gpuwatch.agent.api import ProbeUnavailable
 from gpuwatch.probes.ebpf import bpfsys, compiler, symbols
-from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, LAUNCH_APIS
+from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, SAMPLED_APIS
 
 log = logging.getLogger("gpuwatch.ebpf")
 
@@ -187,6 +188,7 @@ def function_offsets(path: str) -> dict[str, int]:
 LINKS, PERF_EVENTS = "links", "perf_events"
 ATTACH_MODES = ("auto", LINKS, PERF_EVENTS)
 LINKS_SINCE = (6, 6)  # BPF_TRACE_UPROBE_MULTI
+LAUNCH_GAPS = 4096  # launch-probe off times remembered (a 10 s duty cycle: 11 hours)
 
 
 def kernel_version(release: str | None = None) -> tuple[int, int]:
@@ -245,6 +247,9 @@ class Loader:
         self._symboliser: threading.Thread | None = None
         self._fds: list[int] = []  # maps and programs
         self.launches_on = True  # launch entry probes attached (see set_launches)
+        # when they were off: [off, on or None] in CLOCK_MONOTONIC ns (bpf_ktime_get_ns's clock),
+        # the last LAUNCH_GAPS of them: a graph captured meanwhile may miss nodes (launches_seen)
+        self.launch_gaps: collections.deque = collections.deque(maxlen=LAUNCH_GAPS)
         check_environment(compiling=False)
         t0 = time.perf_counter()
         # bcc and kernel headers are needed only when nothing is cached: checked then, for their remedy
@@ -264,7 +269,7 @@ class Loader:
         fds = []
         for m in obj.maps:
             entries = m["max_entries"]
-            if m["type"] == bpfsys.MAP_RINGBUF and not self.events:
+            if m["name"] == "events" and not self.events:
                 entries = 4096  # one page: nothing writes to it
             try:
                 fd = bpfsys.map_create(m["type"], m["key_size"], m["value_size"], entries, m["flags"], m["name"])
@@ -282,6 +287,8 @@ class Loader:
                 self.maps[m["name"]] = bpfsys.Map(fd, m["name"], k, v)
             if m["name"] == "events":
                 self.events_map = (fd, entries)
+            elif m["name"] == "graph_events":
+                self.graph_ring = (fd, entries)
         expected = bpfsys.ATTACH_UPROBE_MULTI if self.method == LINKS else 0
         self.progs: dict[str, int] = {}
         for name in symbols.PROGRAMS:
@@ -320,7 +327,7 @@ class Loader:
             lib.attached.append(hook.name)
             entry = (off, symbols.entry_cookie(hook, self.launch_latency))
             # links: launch entries in a link of their own, which set_launches() can take away
-            (lib.launch_probes if self.method == LINKS and hook.name in LAUNCH_APIS else entries).append(entry)
+            (lib.launch_probes if self.method == LINKS and hook.name in SAMPLED_APIS else entries).append(entry)
             if hook.name not in self.untimed:
                 returns.append((off, symbols.return_cookie(hook, self.events)))
         try:
@@ -361,6 +368,12 @@ class Loader:
             lib.fds.append(bpfsys.perf_event_link(prog, pfd, cookie))
             lib.uprobes += 1
 
+    def launches_seen(self, begin_ns: int, end_ns: int) -> bool:
+        """Whether the launch probes were on all the time from begin_ns to end_ns (CLOCK_MONOTONIC)."""
+        if len(self.launch_gaps) == self.launch_gaps.maxlen and begin_ns < self.launch_gaps[0][0]:
+            return False  # older than what is remembered
+        return not any(off <= end_ns and (on is None or on >= begin_ns) for off, on in self.launch_gaps)
+
     @property
     def can_toggle_launches(self) -> bool:
         return self.method == LINKS
@@ -371,6 +384,10 @@ class Loader:
         if not self.can_toggle_launches or on == self.launches_on or self._closed:
             return
         self.launches_on = on
+        if on and self.launch_gaps:
+            self.launch_gaps[-1][1] = time.monotonic_ns()
+        elif not on:
+            self.launch_gaps.append([time.monotonic_ns(), None])
         for lib in self.libraries.values():
             if on and lib.launch_probes and lib.launch_fd is None:
                 try:
@@ -559,6 +576,11 @@ class Loader:
                     "shared_mem_bytes": v.shared_mem, "stream": v.stream}
         return out
 
+    def execs(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(pid, executable graph) -> (serial: when it was instantiated, 0 before the probe
+        attached; launches)."""
+        return {(k.pid, k.handle): (v.serial, v.launches) for k, v in self.maps["execs"].items()}
+
     def names(self, pid: int | None = None) -> dict[tuple[int, int, int], tuple[bytes, bool]]:
         """(pid, symbols.NAME_FUNCTION or NAME_KERNEL, handle) -> (name as the process gave it, up
         to NAME_LEN - 1 bytes; truncated)."""
@@ -582,7 +604,9 @@ class Loader:
             return
         for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("errors", lambda k: k.pid),
                              ("live", lambda k: k.pid), ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
-                             ("kernels", lambda k: k.pid), ("names", lambda k: k.pid)):
+                             ("kernels", lambda k: k.pid), ("names", lambda k: k.pid),
+                             ("capture_streams", lambda k: k.pid), ("capture_events", lambda k: k.pid),
+                             ("captures", lambda k: k.pid), ("execs", lambda k: k.pid)):
             table = self.maps[name]
             for k in table.keys():
                 if pid_of(k) in pids:
@@ -597,4 +621,5 @@ class Loader:
         pids.update(k.pid_tgid >> 32 for k in self.maps["inflight"].keys())
         pids.update(k.pid for k in self.maps["kernels"].keys())
         pids.update(k.pid for k in self.maps["names"].keys())
+        pids.update(k.pid for k in self.maps["execs"].keys())
         return pids

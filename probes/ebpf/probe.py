@@ -44,6 +44,12 @@ counted. "symbol" is the name as the driver has it; "name" is it demangled by c+
 process: a name a traced process chose never reaches a demangler inside the agent). Characters
 that are not printable are shown as "?"; a truncated name ends in "…".
 
+CUDA graphs (graphs.py): the kernels of each graph replay are counted from how each graph was built,
+per kernel as "graph_launches" beside "direct_launches" (launches = both), with snapshot()["graphs"]
+saying how many replays were of content known, partial or unknown (instantiated before the probe
+attached), and gpuwatch.cuda.graph.launches / .kernel.launches per process. A capture beginning
+turns the launch probes on for CAPTURE_HOLD seconds (its nodes are launch calls).
+
 Attaching: one multi-uprobe link per library for the return probes, one for the entries and one
 for the launch entries (Linux >= 6.6; loader.attach_method), so attaching to a libcuda and
 detaching from it take milliseconds. On older kernels (or attach="perf_events") each probe is a
@@ -86,8 +92,10 @@ from gpuwatch.agent.api import Event, Probe, ProbeBusy, ProbeNotRunning, ProbeUn
 from gpuwatch.agent.wire import printable
 from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
+from gpuwatch.probes.ebpf import graphs as graphs_
 from gpuwatch.probes.ebpf import loader as _loader
-from gpuwatch.probes.ebpf.symbols import HOOKS, LAUNCH_APIS, NAME_FUNCTION, NAME_KERNEL, curesult_name
+from gpuwatch.probes.ebpf import symbols
+from gpuwatch.probes.ebpf.symbols import HOOKS, NAME_FUNCTION, NAME_KERNEL, SAMPLED_APIS, curesult_name
 from gpuwatch.probes.process import identity
 from gpuwatch.probes.process.identity import sanitise_process_name
 
@@ -103,6 +111,8 @@ _ATTACH_WORDS = {_loader.LINKS: "multi-uprobe links",
 CUDA_ERROR_OUT_OF_MEMORY = 2
 MAX_EVENTS = 256  # undrained "cuda.oom" events kept
 STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
+CAPTURE_HOLD = 60.0  # seconds every launch is probed after a graph capture begins (its nodes are launches)
+GRAPH_CONTENT = ("known", "partial", "unknown")
 
 
 @dataclass
@@ -149,8 +159,8 @@ class _LaunchSampling:
 
 
 def _launch_calls(stats: dict) -> dict:
-    """(pid, api) -> calls, for the launch APIs of loader.stats()."""
-    return {k: v[0] for k, v in stats.items() if k[1] in LAUNCH_APIS}
+    """(pid, api) -> calls, for the sampled launch APIs of loader.stats()."""
+    return {k: v[0] for k, v in stats.items() if k[1] in SAMPLED_APIS}
 
 
 @dataclass(frozen=True)
@@ -202,7 +212,7 @@ class EbpfCudaProbe(Probe):
         self._recorder: events_.EventRecorder | None = None
         launch_latency = launch_latency or events_path is not None
         self.launch_latency = launch_latency
-        self.untimed = frozenset() if launch_latency else LAUNCH_APIS
+        self.untimed = frozenset(h.name for h in HOOKS if not symbols.timed(h, launch_latency))
         self.libraries = tuple(str(p) for p in libraries)
         self.pid = pid
         self.interval = interval
@@ -224,6 +234,8 @@ class EbpfCudaProbe(Probe):
         # Re-entrant: start() shuts down first, shutdown() stops the events, query() snapshots.
         self._lock = threading.RLock()
         self._not_running = STARTING  # why there is no loader: the last start or collection that failed
+        self._graphs: graphs_.GraphFollower | None = None
+        self._graph_retired = [0, {}]  # kernel launches and replays by content of processes that exited
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -244,6 +256,8 @@ class EbpfCudaProbe(Probe):
         self._loader = _loader.Loader(pid=self.pid, apis=self.apis, launch_latency=self.launch_latency,
                                       events=self.events_path is not None, attach=self.attach_mode)
         try:
+            ld = self._loader
+            self._graphs = graphs_.GraphFollower(ld.graph_ring, graphs_.GraphBook(ld.launches_seen), self._on_capture)
             if self.events_path is not None:
                 try:
                     self._recorder = events_.EventRecorder(self._loader.events_map, self.events_path, self.max_events)
@@ -283,8 +297,10 @@ class EbpfCudaProbe(Probe):
         stats = ld.stats()
         self._out_of_memory(ld, wall)  # before pruning: a process that died of it is still in the maps
         self._sample_launches(ld, stats, now)
+        self._graphs.account(ld.execs)  # type: ignore[union-attr]
+        graph_counts = self._graphs.read(lambda b: b.per_process())  # type: ignore[union-attr]
         live = ld.live_bytes()
-        dead = self._prune(stats, ld.pids() | set(live))
+        dead = self._prune(stats, ld.pids() | set(live) | set(graph_counts))
         for (pid, api), values in list(stats.items()):
             if pid in dead:
                 acc = self._retired[api]
@@ -294,6 +310,12 @@ class EbpfCudaProbe(Probe):
         for pid in dead:
             live.pop(pid, None)
         self._sampling.forget(dead)
+        for pid in dead & set(graph_counts):
+            kernels, by_content = graph_counts.pop(pid)
+            self._graph_retired[0] += kernels
+            for c, n in by_content.items():
+                self._graph_retired[1][c] = self._graph_retired[1].get(c, 0) + n
+        self._graphs.read(lambda b: b.forget(dead))  # type: ignore[union-attr]
         self._oom_seen = {k: v for k, v in self._oom_seen.items() if k[0] not in dead}
 
         per_pid_calls: dict[int, int] = defaultdict(int)
@@ -315,6 +337,7 @@ class EbpfCudaProbe(Probe):
                     acc[i] += v
         for api, values in sorted(other.items()):
             samples += self._api_samples("other", "other", api, values, wall)
+        samples += self._graph_samples(graph_counts, kept, wall)
         if self.untimed:  # entry-only APIs: errors and time are not measured, so not reported as 0
             samples = [s for s in samples if not (s.labels.get("api") in self.untimed and s.metric in
                                                   ("gpuwatch.cuda.errors", "gpuwatch.cuda.call.duration"))]
@@ -333,6 +356,40 @@ class EbpfCudaProbe(Probe):
         samples.append(Sample("gpuwatch.ebpf.attached", float(ld.uprobe_count), "", {"what": "uprobes"}, wall))
         samples.append(Sample("gpuwatch.ebpf.launch.sampled", self._sampling.ratio(now, ld.launches_on), "", {}, wall))
         return samples
+
+    def _graph_samples(self, counts: dict, kept: set[int], wall: float) -> list[Sample]:
+        """Graph replays by content and the kernels they ran, per kept process and "other"."""
+        out: list[Sample] = []
+        other_kernels, other = self._graph_retired[0], dict(self._graph_retired[1])
+        for pid, (kernels, by_content) in sorted(counts.items()):
+            if pid not in kept:
+                other_kernels += kernels
+                for c, n in by_content.items():
+                    other[c] = other.get(c, 0) + n
+                continue
+            out += self._graph_series(str(pid), self._name(pid), kernels, by_content, wall)
+        if other_kernels or other:
+            out += self._graph_series("other", "other", other_kernels, other, wall)
+        return out
+
+    @staticmethod
+    def _graph_series(pid: str, process: str, kernels: int, by_content: dict, wall: float) -> list[Sample]:
+        labels = {"pid": pid, "process": process}
+        return [Sample("gpuwatch.cuda.graph.kernel.launches", float(kernels), "", labels, wall)] + [
+            Sample("gpuwatch.cuda.graph.launches", float(by_content.get(c, 0)), "", {**labels, "content": c}, wall)
+            for c in GRAPH_CONTENT]
+
+    def _on_capture(self) -> None:
+        """A graph capture began: its nodes are launches, so every launch is probed for a while
+        (the duty cycle's off windows would leave the graph's content partial)."""
+        if not self._lock.acquire(timeout=1.0):
+            return  # a long start or shutdown: the next capture asks again
+        try:
+            ld = self._loader
+            if ld is not None and self.launch_sampling < 1 and ld.can_toggle_launches:
+                self._exact_launches(ld, CAPTURE_HOLD)
+        finally:
+            self._lock.release()
 
     def events(self) -> list[Event]:
         """"cuda.oom" events since the last call: a process got CUDA_ERROR_OUT_OF_MEMORY from the
@@ -388,6 +445,9 @@ class EbpfCudaProbe(Probe):
         (`wait_detached()` waits for it; a process exiting first releases the rest)."""
         with self._lock:
             self.stop_events()
+            if self._graphs is not None:
+                self._graphs.stop()
+                self._graphs = None
             ld, self._loader = self._loader, None
             if ld is not None:
                 ld.close(wait=wait)
@@ -475,8 +535,9 @@ class EbpfCudaProbe(Probe):
         {"pid", "apis": {api: {"calls", "errors", "errors_by_code": {"CUDA_ERROR_…": count},
         "bytes", "seconds", "mean_latency_s", "histogram": {slot: count}, "timed"}}, "memory": {"live_bytes", "live_allocations",
         "allocations", "frees"}, "kernels": [{"handle", "name", "launches", "grid", "block",
-        "shared_mem_bytes", "degenerate_launches", "stream"}], "stacks": [{"bytes", "allocations",
-        "frames"}], "dropped_events", "libraries"}.
+        "shared_mem_bytes", "degenerate_launches", "stream", "direct_launches", "graph_launches"}],
+        "graphs": graphs.GraphBook.summary(), "stacks": [{"bytes", "allocations", "frames"}],
+        "dropped_events", "libraries"}.
         Histogram slot s counts calls that took [2**(s-1), 2**s) ns (bcc's bpf_log2l; slot 0: 0 ns).
         "timed": False for entry-only APIs (launches without launch_latency): their errors,
         seconds and histogram are not measured (0, 0.0, {}).
@@ -517,6 +578,10 @@ class EbpfCudaProbe(Probe):
             a["timed"] = api not in self.untimed
         live = ld.live_bytes()
         live_bytes = live.get(pid, 0) if pid is not None else sum(live.values())
+        graph_kernels, graph_summary = {}, graphs_.GraphBook().summary()
+        if self._graphs is not None:
+            self._graphs.account(ld.execs)
+            graph_kernels, graph_summary = self._graphs.read(lambda b: (b.kernels(pid), b.summary(pid)))
         ok = lambda api: apis[api]["calls"] - apis[api]["errors"]  # noqa: E731
         return {
             "pid": pid,
@@ -524,7 +589,8 @@ class EbpfCudaProbe(Probe):
             "memory": {"live_bytes": live_bytes, "live_allocations": ld.live_allocations(pid),
                        "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
-            "kernels": self._kernels(ld, pid),
+            "kernels": self._kernels(ld, pid, graph_kernels),
+            "graphs": graph_summary,
             "stacks": self._stacks(ld, pid, wait=wait_symbols) if pid is not None else [],
             "dropped_events": ld.dropped(),
             "dropped_by_kind": ld.dropped_by_kind(),
@@ -533,10 +599,16 @@ class EbpfCudaProbe(Probe):
         }
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _kernels(self, ld: _loader.Loader, pid: int | None) -> list[dict]:
+    def _kernels(self, ld: _loader.Loader, pid: int | None, through_graphs: dict | None = None) -> list[dict]:
         out = []
         names = ld.names(pid)
-        for (p, handle), k in ld.kernels(pid).items():
+        direct = ld.kernels(pid)
+        through_graphs = through_graphs or {}
+        for key, g in through_graphs.items():
+            if key not in direct:  # launched only through graphs: its configuration is a node's
+                direct[key] = {**g, "launches": 0, "degenerate_launches": 0, "stream": 0}
+        for (p, handle), k in direct.items():
+            g = through_graphs.get((p, handle), {"launches": 0, "degenerate_launches": 0})
             raw, truncated = names.get((p, NAME_FUNCTION, handle)) or names.get((p, NAME_KERNEL, handle)) \
                 or (None, False)
             source = "hook" if raw is not None else None
@@ -546,9 +618,11 @@ class EbpfCudaProbe(Probe):
                     raw, truncated, source = full, False, "driver"
             symbol = _name_text(raw, truncated) if raw is not None else None
             entry = {"handle": hex(handle), "name": symbol, "symbol": symbol, "name_source": source,
-                     "launches": k["launches"], "grid": k["grid"],
+                     "launches": k["launches"] + g["launches"], "direct_launches": k["launches"],
+                     "graph_launches": g["launches"], "grid": k["grid"],
                      "block": k["block"], "shared_mem_bytes": k["shared_mem_bytes"],
-                     "degenerate_launches": k["degenerate_launches"], "stream": hex(k["stream"])}
+                     "degenerate_launches": k["degenerate_launches"] + g["degenerate_launches"],
+                     "stream": hex(k["stream"])}
             if pid is None:
                 entry["pid"] = p
             out.append(entry)

@@ -18,6 +18,17 @@ succeeded, the handle written through the pointer argument is stored with the na
 copies a known CUkernel's name to the CUfunction it returns. Python joins them to the per-kernel
 map by (process, handle). Handles fetched before the probe attached stay unnamed.
 
+CUDA graphs (group "graph", and the entry-only group "capture"): a graph replay (cuGraphLaunch)
+runs its kernel nodes with no launch call, so the graph calls are followed instead. A stream
+capture's begin puts the stream in capture_streams (capture id: when it began) and captures; a
+launch into a captured stream is sent as a node (GE_NODE) instead of counted as a launch;
+cuEventRecord in a captured stream and cuStreamWaitEvent on that event carry the capture to a
+second stream; the end sends the graph with the nodes counted (GE_END). Explicit nodes,
+instantiation, updates, clones and destroys are sent as they return (GE_*), and cuGraphLaunch
+counts launches per executable graph (execs, serial = when it was instantiated, 0 before the
+probe). graphs.py follows the events and multiplies. cuGraphLaunch is always probed (a replay runs
+many kernels): it is not among the duty cycle's SAMPLED_APIS.
+
 Arguments are read by the x86-64 System V calling convention: the first six integer arguments in
 rdi, rsi, rdx, rcx, r8, r9 (PT_REGS_PARMn, n = 1..6), the rest on the user stack; at a uprobe on
 the first instruction of a function, sp points at the return address, so argument 7 is at sp+8,
@@ -35,6 +46,7 @@ attach-time choices (the cookie), so one compiled object serves the daemon and e
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -48,6 +60,22 @@ OP_RELEASE = 5      # ARG(ptr) is a CUmemGenericAllocationHandle being released
 OP_NAME_FUNCTION = 6   # *ARG(ptr) is a new CUfunction, ARG(aux) its name: names[(pid, function, h)] = name
 OP_NAME_KERNEL = 7     # *ARG(ptr) is a new CUkernel, ARG(aux) its name: names[(pid, kernel, h)] = name
 OP_KERNEL_FUNCTION = 8  # *ARG(ptr) is the CUfunction of the CUkernel ARG(aux): its name, if known, copied
+# CUDA graphs (graph_events, see "CUDA graphs" below): what each call does to the graphs we follow
+OP_CAPTURE_BEGIN = 9    # ARG(ptr) is the stream now captured (into the graph ARG(aux), or a new one)
+OP_CAPTURE_END = 10     # ARG(ptr) is the stream; *ARG(aux) the captured graph
+OP_GRAPH_ADD_KERNEL = 11  # *ARG(ptr) is the new node of graph ARG(aux2); ARG(aux) its CUDA_KERNEL_NODE_PARAMS
+OP_GRAPH_ADD_NODE = 12  # the same with ARG(aux) a CUgraphNodeParams (a kernel node when its type is 0)
+OP_GRAPH_SET_KERNEL = 13  # ARG(ptr) is a node (of a graph, or of the executable graph ARG(aux2)), ARG(aux) its new params
+OP_GRAPH_INSTANTIATE = 14  # *ARG(ptr) is a new executable graph of the graph ARG(aux)
+OP_EXEC_UPDATE = 15     # the executable graph ARG(ptr) now runs the graph ARG(aux)
+OP_GRAPH_DESTROY = 16   # ARG(ptr) is a graph destroyed
+OP_EXEC_DESTROY = 17    # ARG(ptr) is an executable graph destroyed: its launch count goes out with it
+OP_GRAPH_CLONE = 18     # *ARG(ptr) is a copy of the graph ARG(aux)
+OP_GRAPH_CREATE = 19    # *ARG(ptr) is a new, empty graph (to which nodes are added)
+
+# graph_events kinds (gw_graph_event.kind), one per thing the Python side follows (graphs.py)
+GE_BEGIN, GE_NODE, GE_END, GE_ADD, GE_SET, GE_INSTANTIATE, GE_UPDATE, GE_DESTROY, GE_EXEC_DESTROY, \
+    GE_CLONE, GE_CREATE = range(1, 12)
 
 # Live-allocation key kinds: device pointers and physical allocation handles are different spaces.
 KIND_DPTR = 0
@@ -62,13 +90,20 @@ NAME_LEN = 128  # bytes kept of a kernel name, the terminating NUL included (lon
 DECODE_NONE = 0    # no kernel (cuGraphLaunch): counted, no per-kernel entry
 DECODE_REGS = 1    # (CUfunction f, gx, gy, gz, bx, by | stack: bz, sharedMem, hStream, ...)
 DECODE_CONFIG = 2  # (const CUlaunchConfig *config, CUfunction f, ...): the struct read from user memory
+DECODE_GRAPH = 3   # (CUgraphExec exec, CUstream): launches of that executable graph counted (execs map)
+
+# What the entry of a "capture" hook does (Hook.capture): follow a capture across streams
+CAPTURE_RECORD = 1  # (CUevent, CUstream): an event recorded in a captured stream carries the capture
+CAPTURE_JOIN = 2    # (CUstream, CUevent): a stream waiting on such an event joins the capture
 
 OPS = {"OP_COUNT": OP_COUNT, "OP_ALLOC": OP_ALLOC, "OP_ALLOC_PITCH": OP_ALLOC_PITCH, "OP_FREE": OP_FREE,
        "OP_CREATE": OP_CREATE, "OP_RELEASE": OP_RELEASE, "KIND_DPTR": KIND_DPTR, "KIND_HANDLE": KIND_HANDLE,
        "OP_NAME_FUNCTION": OP_NAME_FUNCTION, "OP_NAME_KERNEL": OP_NAME_KERNEL,
        "OP_KERNEL_FUNCTION": OP_KERNEL_FUNCTION, "NAME_FUNCTION": NAME_FUNCTION, "NAME_KERNEL": NAME_KERNEL,
        "NAME_LEN": NAME_LEN,
-       "DECODE_NONE": DECODE_NONE, "DECODE_REGS": DECODE_REGS, "DECODE_CONFIG": DECODE_CONFIG}
+       "DECODE_NONE": DECODE_NONE, "DECODE_REGS": DECODE_REGS, "DECODE_CONFIG": DECODE_CONFIG,
+       "DECODE_GRAPH": DECODE_GRAPH,
+       **{k: v for k, v in globals().items() if k.startswith(("OP_GRAPH", "OP_CAPTURE", "OP_EXEC", "GE_"))}}
 
 HIST_SLOTS = 64  # log2 buckets of nanoseconds
 
@@ -109,7 +144,9 @@ class Hook:
            written; OP_FREE/OP_RELEASE: the pointer or handle itself), 0 for none.
     aux:   argument number of a second argument used at return (OP_ALLOC_PITCH: pPitch;
            OP_NAME_*: the name string; OP_KERNEL_FUNCTION: the CUkernel handle).
+    aux2:  argument number of a third one (graph ops: the graph or executable graph it changes).
     decode: launches only: where the kernel handle and launch configuration are (DECODE_*).
+    capture: "capture" hooks only: what the entry does for stream capture (CAPTURE_*).
     """
 
     name: str
@@ -119,12 +156,13 @@ class Hook:
     ptr: int = 0
     aux: int = 0
     decode: int = DECODE_NONE
+    aux2: int = 0
+    capture: int = 0
 
 
 def _variants(base: Hook, *suffixes: str) -> list[Hook]:
-    """The hook and its per-thread-default-stream forms (`_ptsz`, `_ptds`), same signature."""
-    return [base] + [Hook(base.name + s, base.group, base.op, base.bytes, base.ptr, base.aux, base.decode)
-                     for s in suffixes]
+    """The hook and its other forms (`_ptsz`, `_ptds`, `_v2`), same signature."""
+    return [base] + [dataclasses.replace(base, name=base.name + s) for s in suffixes]
 
 
 HOOKS: tuple[Hook, ...] = tuple([
@@ -134,7 +172,7 @@ HOOKS: tuple[Hook, ...] = tuple([
     *_variants(Hook("cuLaunchKernel", "launch", decode=DECODE_REGS), "_ptsz"),
     *_variants(Hook("cuLaunchKernelEx", "launch", decode=DECODE_CONFIG), "_ptsz"),
     *_variants(Hook("cuLaunchCooperativeKernel", "launch", decode=DECODE_REGS), "_ptsz"),
-    *_variants(Hook("cuGraphLaunch", "launch"), "_ptsz"),
+    *_variants(Hook("cuGraphLaunch", "launch", decode=DECODE_GRAPH), "_ptsz"),
     # --- allocations: (CUdeviceptr *dptr, size_t bytesize, ...)
     Hook("cuMemAlloc_v2", "alloc", OP_ALLOC, "ARG(2)", ptr=1),
     Hook("cuMemAllocManaged", "alloc", OP_ALLOC, "ARG(2)", ptr=1),
@@ -193,15 +231,51 @@ HOOKS: tuple[Hook, ...] = tuple([
     # cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel): with lazy loading (the default since
     # CUDA 12) the runtime calls it when a kernel is first launched
     Hook("cuKernelGetFunction", "module", OP_KERNEL_FUNCTION, ptr=1, aux=2),
+    # --- CUDA graphs: how they are built, instantiated, changed and destroyed (see "CUDA graphs").
+    # Stream capture across streams: cuEventRecord[WithFlags](CUevent, CUstream[, flags]) and
+    # cuStreamWaitEvent(CUstream, CUevent, flags), entry only (counted at entry, like launches)
+    *_variants(Hook("cuEventRecord", "capture", capture=CAPTURE_RECORD), "_ptsz"),
+    *_variants(Hook("cuEventRecordWithFlags", "capture", capture=CAPTURE_RECORD), "_ptsz"),
+    *_variants(Hook("cuStreamWaitEvent", "capture", capture=CAPTURE_JOIN), "_ptsz"),
+    # cuStreamBeginCapture[_v2](CUstream, mode); cuStreamBeginCaptureToGraph(CUstream, CUgraph, ...)
+    *_variants(Hook("cuStreamBeginCapture", "graph", OP_CAPTURE_BEGIN, ptr=1), "_ptsz", "_v2", "_v2_ptsz"),
+    *_variants(Hook("cuStreamBeginCaptureToGraph", "graph", OP_CAPTURE_BEGIN, ptr=1, aux=2), "_ptsz"),
+    # cuStreamEndCapture(CUstream, CUgraph *phGraph)
+    *_variants(Hook("cuStreamEndCapture", "graph", OP_CAPTURE_END, ptr=1, aux=2), "_ptsz"),
+    Hook("cuGraphCreate", "graph", OP_GRAPH_CREATE, ptr=1),  # (CUgraph *phGraph, flags)
+    # cuGraphAddKernelNode[_v2](CUgraphNode *phNode, CUgraph, const CUgraphNode *deps, size_t n,
+    # const CUDA_KERNEL_NODE_PARAMS *); cuGraphAddNode(phNode, CUgraph, deps, n, CUgraphNodeParams *);
+    # cuGraphAddNode_v2(phNode, CUgraph, deps, const CUgraphEdgeData *, n, CUgraphNodeParams *)
+    *_variants(Hook("cuGraphAddKernelNode", "graph", OP_GRAPH_ADD_KERNEL, ptr=1, aux=5, aux2=2), "_v2"),
+    Hook("cuGraphAddNode", "graph", OP_GRAPH_ADD_NODE, ptr=1, aux=5, aux2=2),
+    Hook("cuGraphAddNode_v2", "graph", OP_GRAPH_ADD_NODE, ptr=1, aux=6, aux2=2),
+    # cuGraphKernelNodeSetParams[_v2](CUgraphNode, params); cuGraphExecKernelNodeSetParams[_v2](
+    # CUgraphExec, CUgraphNode, params)
+    *_variants(Hook("cuGraphKernelNodeSetParams", "graph", OP_GRAPH_SET_KERNEL, ptr=1, aux=2), "_v2"),
+    *_variants(Hook("cuGraphExecKernelNodeSetParams", "graph", OP_GRAPH_SET_KERNEL, ptr=2, aux=3, aux2=1), "_v2"),
+    # cuGraphInstantiate[_v2](CUgraphExec *, CUgraph, ...), ...WithFlags(CUgraphExec *, CUgraph, flags),
+    # ...WithParams(CUgraphExec *, CUgraph, CUDA_GRAPH_INSTANTIATE_PARAMS *)
+    *_variants(Hook("cuGraphInstantiate", "graph", OP_GRAPH_INSTANTIATE, ptr=1, aux=2), "_v2"),
+    Hook("cuGraphInstantiateWithFlags", "graph", OP_GRAPH_INSTANTIATE, ptr=1, aux=2),
+    *_variants(Hook("cuGraphInstantiateWithParams", "graph", OP_GRAPH_INSTANTIATE, ptr=1, aux=2), "_ptsz"),
+    # cuGraphExecUpdate[_v2](CUgraphExec, CUgraph, ...)
+    *_variants(Hook("cuGraphExecUpdate", "graph", OP_EXEC_UPDATE, ptr=1, aux=2), "_v2"),
+    Hook("cuGraphClone", "graph", OP_GRAPH_CLONE, ptr=1, aux=2),  # (CUgraph *phClone, CUgraph original)
+    Hook("cuGraphDestroy", "graph", OP_GRAPH_DESTROY, ptr=1),
+    Hook("cuGraphExecDestroy", "graph", OP_EXEC_DESTROY, ptr=1),
 ])
 
 LAUNCH_APIS = frozenset(h.name for h in HOOKS if h.group == "launch")
+# The kernel launches: the probes the daemon's launch duty cycle takes away and brings back.
+# cuGraphLaunch is not among them: each replay runs many kernels, so it is counted always.
+SAMPLED_APIS = frozenset(h.name for h in HOOKS if h.group == "launch" and h.decode != DECODE_GRAPH)
+UNTIMED_GROUPS = ("launch", "capture")
 
 
 def timed(hook: Hook, launch_latency: bool) -> bool:
-    """Whether the hook gets a return probe (latency, errors, results): every API but launches,
-    and launches too with launch_latency."""
-    return launch_latency or hook.group != "launch"
+    """Whether the hook gets a return probe (latency, errors, results): every API but launches and
+    the capture hooks (cuEventRecord, cuStreamWaitEvent), and those too with launch_latency."""
+    return launch_latency or hook.group not in UNTIMED_GROUPS
 
 
 API_IDS: dict[str, int] = {h.name: i for i, h in enumerate(HOOKS)}
@@ -223,7 +297,8 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "gw_call": (("u64", "ts"), ("u64", "bytes"), ("u64", "ptr"), ("u64", "aux"), ("struct gw_dims", "dims"),
                 # allocations: the user stack id (else -1) and the return address, which a
                 # frame-pointer walk from a function's first instruction skips
-                ("s32", "stack"), ("u32", "pad"), ("u64", "caller")),
+                ("s32", "stack"), ("u32", "pad"), ("u64", "caller"),
+                ("u64", "aux2")),  # graph ops: the graph or executable graph the call changes
     # one call, in the ring buffer (events on): entry time and duration in ns, bytes, the pointer
     # or handle the call produced or took (allocations: the device pointer; launches: the kernel)
     "gw_event": (("u64", "ts"), ("u64", "ns"), ("u64", "bytes"), ("u64", "ptr"),
@@ -245,16 +320,39 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "gw_name": (("u32", "len"), ("u32", "truncated"), ("char", f"name[{NAME_LEN}]")),
     # the head of CUlaunchConfig (cuda.h), read from user memory at cuLaunchKernelEx entry
     "gw_launch_config": (("struct gw_dims", "dims"), ("u32", "shared_mem"), ("u32", "pad"), ("u64", "stream")),
+    # --- CUDA graphs. A handle of a process (stream, event, capture, executable graph)
+    "gw_handle_key": (("u32", "pid"), ("u32", "pad"), ("u64", "handle")),
+    # a capture in progress: the stream it began on and the kernel nodes it has added so far
+    "gw_capture": (("u64", "stream"), ("u64", "nodes")),
+    # an executable graph: when it was instantiated (0: before the probe attached) and its launches
+    "gw_exec": (("u64", "serial"), ("u64", "launches")),
+    # the head of CUDA_KERNEL_NODE_PARAMS (v1, v2 and v3 alike): func, grid, block, shared memory;
+    # v2/v3 have a CUkernel at byte 56 used when func is NULL
+    "gw_kernel_params": (("u64", "func"), ("struct gw_dims", "dims"), ("u32", "shared_mem"), ("u32", "pad")),
+    # one change to a graph, in the ring buffer graph_events (GE_* kinds; graphs.py reads them)
+    # (capture: the capture's id, its begin time; graph: the graph made or changed; source: the
+    # graph a clone copies; exec/serial: an executable graph and when it was instantiated; node and
+    # function, dims, shared_mem: a kernel node; count: nodes captured (END), the executable graph's
+    # launches until then (EXEC_DESTROY, and UPDATE and SET of an executable graph: the launches
+    # before a change ran what it held before))
+    "gw_graph_event": (("u64", "ts"), ("u32", "pid"), ("u32", "kind"), ("u64", "capture"), ("u64", "graph"),
+                       ("u64", "source"), ("u64", "exec"), ("u64", "serial"), ("u64", "node"),
+                       ("u64", "function"), ("u64", "count"), ("struct gw_dims", "dims"), ("u32", "shared_mem"),
+                       ("s32", "rc")),
 }
 
 # Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
 # not memory taken up front.
 # What dropped[] counts, by index (cuda.bpf.c's gw_drop calls)
 DROPPED_KINDS = ("stats", "in_flight_calls", "live_allocations", "kernels", "kernel_names", "errors_by_code",
-                 "events", "allocation_stacks")
+                 "events", "allocation_stacks", "graph_events", "captures", "graph_launches")
 RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230k events of 72 bytes
+# graph construction (graph_events): 1 MiB, ~9,000 events of 112 bytes between two reads; captures
+# come in bursts at a server's start (a node per kernel of each graph), drained as they come
+GRAPH_RINGBUF_PAGES = 256
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
-             "HIST_MAX": 65536, "ERRORS_MAX": 16384, "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18}
+             "HIST_MAX": 65536, "ERRORS_MAX": 16384, "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18,
+             "CAPTURES_MAX": 4096, "CAPTURE_HANDLES_MAX": 16384, "EXECS_MAX": 65536}
 
 
 # The hash maps: name -> (key struct, value struct, size cap). Their C declarations are rendered
@@ -270,6 +368,12 @@ HASH_MAPS: dict[str, tuple[str, str, str]] = {
     "errors": ("gw_error_key", "u64", "ERRORS_MAX"),
     "kernels": ("gw_kernel_key", "gw_kernel", "KERNELS_MAX"),
     "names": ("gw_name_key", "gw_name", "NAMES_MAX"),
+    # CUDA graphs: streams being captured and events recorded in them -> capture id; captures in
+    # progress; executable graphs and their launches
+    "capture_streams": ("gw_handle_key", "u64", "CAPTURE_HANDLES_MAX"),
+    "capture_events": ("gw_handle_key", "u64", "CAPTURE_HANDLES_MAX"),
+    "captures": ("gw_handle_key", "gw_capture", "CAPTURES_MAX"),
+    "execs": ("gw_handle_key", "gw_exec", "EXECS_MAX"),
 }
 STACK_DEPTH = 127  # PERF_MAX_STACK_DEPTH: a stack map's value is this many u64 addresses
 MAP_TYPES: dict[str, tuple[str, str]] = {**{k: (v[0], v[1]) for k, v in HASH_MAPS.items()},
@@ -301,6 +405,7 @@ def render_c() -> str:
     lines += [f"#define GW_{k} {v}" for k, v in MAP_SIZES.items()]
     lines.append(f"#define GW_HIST_SLOTS {HIST_SLOTS}")
     lines.append(f"#define GW_RINGBUF_PAGES {RINGBUF_PAGES}")
+    lines.append(f"#define GW_GRAPH_RINGBUF_PAGES {GRAPH_RINGBUF_PAGES}")
     lines.append(f"#define GW_DROPPED_KINDS {len(DROPPED_KINDS)}")
     lines += [f"#define GW_COOKIE_API {COOKIE_API:#x}", f"#define GW_COOKIE_TIMED {COOKIE_TIMED:#x}",
               f"#define GW_COOKIE_EVENTS {COOKIE_EVENTS:#x}"]
@@ -317,11 +422,17 @@ def render_c() -> str:
 
 def _entry_body(h: Hook) -> str:
     """What the entry program does for one hook before gw_enter/gw_count, the API aside."""
-    if h.decode != DECODE_NONE:
+    if h.decode == DECODE_GRAPH:
+        body = "c.ptr = ARG(1); gw_graph_launch(ARG(1));"
+    elif h.decode != DECODE_NONE:
         body = f"gw_launch(ctx, GW_DECODE_{'REGS' if h.decode == DECODE_REGS else 'CONFIG'}, &c);"
+    elif h.capture == CAPTURE_RECORD:
+        body = "gw_capture_record(ARG(1), ARG(2));"
+    elif h.capture == CAPTURE_JOIN:
+        body = "gw_capture_join(ARG(1), ARG(2));"
     else:
         parts = [f"c.bytes = {h.bytes};" if h.bytes else "", f"c.ptr = ARG({h.ptr});" if h.ptr else "",
-                 f"c.aux = ARG({h.aux});" if h.aux else ""]
+                 f"c.aux = ARG({h.aux});" if h.aux else "", f"c.aux2 = ARG({h.aux2});" if h.aux2 else ""]
         body = " ".join(p for p in parts if p)
     # allocations remember who asked: the user stack (its id in the stack map) and the caller
     if h.op in (OP_ALLOC, OP_ALLOC_PITCH, OP_CREATE):

@@ -5,7 +5,9 @@
  * of kernel C is fetched (cuModuleGetFunction "coop_reduce") before "ready" instead of in the
  * workload: a probe attached after "ready" never sees its name. With "edge", the workload is
  * edge() instead: grids of one block in two dimensions but not the third, and device addresses the
- * allocator hands out again (EDGE_* in test_ebpf_cuda.py). The counts below are mirrored in
+ * allocator hands out again (EDGE_* in test_ebpf_cuda.py). With "graphs", the kernels are named
+ * and one graph is captured and instantiated before "ready", and the workload is graphs_work():
+ * CUDA graphs built every way the probe follows (GRAPH_* in test_ebpf_graphs.py). The counts below are mirrored in
  * test_ebpf_cuda.py (EXPECTED); keep the two in step. Counts are primes where it matters, so an
  * off-by-something cannot pass by accident.
  */
@@ -228,6 +230,127 @@ static void work(void) {
         cuEventSynchronize(0);
 }
 
+/* ---- CUDA graphs (mode "graphs", mirrored in test_ebpf_graphs.py) ---------------------------- */
+typedef void *CUgraph, *CUgraphNode;
+typedef struct {
+    CUfunction func;
+    unsigned gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void **kernelParams, **extra;
+    CUkernel kern;  /* v2: used when func is NULL */
+    void *ctx;
+} CUDA_KERNEL_NODE_PARAMS;
+typedef struct {
+    int type;  /* 0: kernel, 1: memcpy, ... */
+    int reserved0[3];
+    union { long long reserved1[29]; CUDA_KERNEL_NODE_PARAMS kernel; };
+    long long reserved2;
+} CUgraphNodeParams;
+void fakecuda_reuse_exec(CUgraphExec);
+CUresult cuGraphCreate(CUgraph *, unsigned);
+CUresult cuStreamBeginCapture_v2(CUstream, int);
+CUresult cuStreamEndCapture(CUstream, CUgraph *);
+CUresult cuGraphAddKernelNode_v2(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, const CUDA_KERNEL_NODE_PARAMS *);
+CUresult cuGraphAddNode(CUgraphNode *, CUgraph, const CUgraphNode *, size_t, CUgraphNodeParams *);
+CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS *);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
+CUresult cuGraphExecUpdate_v2(CUgraphExec, CUgraph, void *);
+CUresult cuGraphDestroy(CUgraph);
+CUresult cuGraphExecDestroy(CUgraphExec);
+CUresult cuEventRecord(CUevent, CUstream);
+CUresult cuStreamWaitEvent(CUstream, CUevent, unsigned);
+#define EVENT(n) ((CUevent)(0x6000 + (n)))
+
+static CUgraphExec X0;  /* instantiated before the probe attached: its content is unknown to it */
+
+static void launch_a(CUstream s, int n) {
+    for (int i = 0; i < n; i++)
+        cuLaunchKernel(KERNEL_A, 1056, 1, 1, 256, 1, 1, 0, s, 0, 0);
+}
+
+static void graphs_before(void) {
+    CUgraph g;
+    cuStreamBeginCapture_v2(STREAM(9), 0);
+    launch_a(STREAM(9), 3);
+    cuStreamEndCapture(STREAM(9), &g);
+    cuGraphInstantiateWithFlags(&X0, g, 0);
+}
+
+static void launch_graph(CUgraphExec x, int n) {
+    for (int i = 0; i < n; i++)
+        cuGraphLaunch(x, STREAM(1));
+}
+
+static void graphs_work(void) {
+    CUgraph g1, g2, g3, g4, g5;
+    CUgraphExec x1, x2, x3, x5;
+    names();                                                 /* again, for the probe to see */
+    /* 1. one stream captured: A x5 and B x2 are nodes; A x1 on another stream meanwhile runs */
+    cuStreamBeginCapture_v2(STREAM(1), 0);
+    launch_a(STREAM(1), 5);
+    launch_a(STREAM(2), 1);
+    CUlaunchConfig b = {7, 3, 2, 128, 2, 1, 4096, STREAM(1), 0, 0};
+    for (int i = 0; i < 2; i++)
+        cuLaunchKernelEx(&b, KERNEL_B, 0, 0);
+    cuStreamEndCapture(STREAM(1), &g1);
+    cuGraphInstantiateWithFlags(&x1, g1, 0);
+    launch_graph(x1, 7);                                     /* A 35, B 14 */
+    /* 2. a capture forked to a second stream through an event, joined back: C x1 (one block)
+     * on S3, D x3 on S4; after it, D x2 on S4 runs (S4 is no longer captured) */
+    cuStreamBeginCapture_v2(STREAM(3), 0);
+    cuLaunchCooperativeKernel(KERNEL_C, 1, 1, 1, 64, 1, 1, 48, STREAM(3), 0);
+    cuEventRecord(EVENT(1), STREAM(3));
+    cuStreamWaitEvent(STREAM(4), EVENT(1), 0);
+    for (int i = 0; i < 3; i++)
+        cuLaunchKernel_ptsz(KERNEL_D, 3, 5, 7, 32, 4, 2, 1024, STREAM(4), 0, 0);
+    cuEventRecord(EVENT(2), STREAM(4));
+    cuStreamWaitEvent(STREAM(3), EVENT(2), 0);
+    cuStreamEndCapture(STREAM(3), &g2);
+    for (int i = 0; i < 2; i++)
+        cuLaunchKernel_ptsz(KERNEL_D, 3, 5, 7, 32, 4, 2, 1024, STREAM(4), 0, 0);
+    cuGraphInstantiateWithFlags(&x2, g2, 0);
+    launch_graph(x2, 11);                                    /* C 11 (one block), D 33 */
+    /* 3. an explicit graph: A (grid 7), B by its CUkernel (func NULL), C through cuGraphAddNode,
+     * and a memcpy node (not a kernel) */
+    cuGraphCreate(&g3, 0);
+    CUgraphNode n1, n2, n3, n4;
+    CUDA_KERNEL_NODE_PARAMS pa = {.func = KERNEL_A, 7, 1, 1, 128, 1, 1, 0};
+    cuGraphAddKernelNode_v2(&n1, g3, 0, 0, &pa);
+    CUDA_KERNEL_NODE_PARAMS pb = {.func = 0, 9, 1, 1, 64, 1, 1, 0, .kern = (CUkernel)((char *)KERNEL_B + 0x100)};
+    cuGraphAddKernelNode_v2(&n2, g3, &n1, 1, &pb);
+    CUgraphNodeParams pc = {.type = 0, .kernel = {.func = KERNEL_C, 1, 1, 1, 64, 1, 1, 48}};
+    cuGraphAddNode(&n3, g3, &n2, 1, &pc);
+    CUgraphNodeParams copy = {.type = 1};
+    cuGraphAddNode(&n4, g3, &n3, 1, &copy);
+    cuGraphInstantiateWithFlags(&x3, g3, 0);
+    launch_graph(x3, 13);                                    /* A 13, B's CUkernel 13, C 13 */
+    CUDA_KERNEL_NODE_PARAMS pd = {.func = KERNEL_D, 3, 5, 7, 32, 4, 2, 1024};
+    cuGraphExecKernelNodeSetParams_v2(x3, n1, &pd);          /* A's node now runs D */
+    launch_graph(x3, 3);                                     /* D 3, B's CUkernel 3, C 3 */
+    /* 4. x1 updated to a graph of D x2 */
+    cuStreamBeginCapture_v2(STREAM(1), 0);
+    for (int i = 0; i < 2; i++)
+        cuLaunchKernel_ptsz(KERNEL_D, 3, 5, 7, 32, 4, 2, 1024, STREAM(1), 0, 0);
+    cuStreamEndCapture(STREAM(1), &g4);
+    cuGraphExecUpdate_v2(x1, g4, 0);
+    launch_graph(x1, 5);                                     /* D 10 */
+    /* 5. x2 launched twice more and destroyed; its address is handed out again for g1's
+     * instantiation x5 */
+    launch_graph(x2, 2);                                     /* C 2, D 6 */
+    cuGraphExecDestroy(x2);
+    cuGraphDestroy(g2);
+    fakecuda_reuse_exec(x2);
+    cuGraphInstantiateWithFlags(&x5, g1, 0);
+    launch_graph(x5, 4);                                     /* A 20, B 8 */
+    /* 6. the graph made before the probe attached */
+    launch_graph(X0, 17);
+    /* 7. a capture that fails: no graph, and its launch neither ran nor is a node */
+    cuStreamBeginCapture_v2(STREAM(5), 0);
+    launch_a(STREAM(5), 1);
+    fakecuda_set_result(CUDA_ERROR_INVALID_VALUE);
+    cuStreamEndCapture(STREAM(5), &g5);
+    fakecuda_set_result(0);
+}
+
 /* Edge cases the main workload does not have (mirrored in test_ebpf_cuda.py EDGE_*). */
 static void edge(void) {
     CUfunction e = 0, f = 0, g = 0;
@@ -261,13 +384,20 @@ int main(int argc, char **argv) {
     setvbuf(stdout, NULL, _IOLBF, 0);
     early = argc > 1 && strcmp(argv[1], "early") == 0;
     int edges = argc > 1 && strcmp(argv[1], "edge") == 0;
+    int graphs = argc > 1 && strcmp(argv[1], "graphs") == 0;
     if (early)
         cuModuleGetFunction(&KERNEL_C, 0, "coop_reduce");
+    if (graphs) {
+        names();
+        graphs_before();
+    }
     printf("ready %d\n", (int)getpid());
     if (!fgets(line, sizeof line, stdin))
         return 1;
     if (edges)
         edge();
+    else if (graphs)
+        graphs_work();
     else
         work();
     printf("done\n");

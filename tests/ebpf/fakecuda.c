@@ -5,7 +5,8 @@
  * pointer argument.
  *
  * Deliberately NOT exported (the probe must list them as skipped): cuGraphLaunch_ptsz,
- * cuMemcpy3DAsync_v2_ptsz, and most _ptds/_ptsz forms.
+ * cuMemcpy3DAsync_v2_ptsz, and most _ptds/_ptsz forms; of the graph calls, the v1 forms of
+ * cuGraphAddKernelNode, cuGraphInstantiate and cuGraphExecUpdate.
  *
  * Kernel handles (mirrored in driver.c and test_ebpf_cuda.py), offsets from OBJECTS (0x10000000):
  * cuModuleGetFunction gives "_Z10add_kernelPfi" +0xa000 and "coop_reduce" +0xc000; cuLibraryGetKernel
@@ -210,3 +211,53 @@ CUresult cuFuncGetName(const char **name, CUfunction f) {
     return 0;
 }
 CUresult cuKernelGetName(const char **name, CUkernel k) { return cuFuncGetName(name, (CUfunction)k); }
+
+/* CUDA graphs: handles from counters (graphs, nodes, executable graphs), nothing runs. The hooked
+ * entry points have cuda.h's signatures; cuGraphCreate is not hooked (an explicit graph starts
+ * empty). fakecuda_reuse_exec(x): the next instantiation hands out x again, as the driver may. */
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef struct CUkernelNodeParams_st CUDA_KERNEL_NODE_PARAMS;
+typedef struct CUgraphNodeParams_st CUgraphNodeParams;
+static uintptr_t next_graph = 0x30000000, next_node = 0x40000000, next_exec = 0x50000000;
+static uintptr_t reuse_exec = 0;
+void fakecuda_reuse_exec(CUgraphExec x) { reuse_exec = (uintptr_t)x; }
+static uintptr_t fresh(uintptr_t *counter) { return __atomic_fetch_add(counter, 0x10, __ATOMIC_RELAXED); }
+
+CUresult cuGraphCreate(CUgraph *g, unsigned flags) { *g = (CUgraph)fresh(&next_graph); return 0; }
+CUresult cuStreamBeginCapture(CUstream s) { RET; }
+CUresult cuStreamBeginCapture_v2(CUstream s, int mode) { RET; }
+CUresult cuStreamBeginCaptureToGraph(CUstream s, CUgraph g, const CUgraphNode *deps, const void *edges,
+                                     size_t n, int mode) { RET; }
+CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
+    if (fake_result == 0) *g = (CUgraph)fresh(&next_graph);
+    RET;
+}
+CUresult cuGraphAddKernelNode_v2(CUgraphNode *node, CUgraph g, const CUgraphNode *deps, size_t n,
+                                 const CUDA_KERNEL_NODE_PARAMS *params) {
+    if (fake_result == 0) *node = (CUgraphNode)fresh(&next_node);
+    RET;
+}
+CUresult cuGraphAddNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps, size_t n, CUgraphNodeParams *params) {
+    if (fake_result == 0) *node = (CUgraphNode)fresh(&next_node);
+    RET;
+}
+CUresult cuGraphKernelNodeSetParams_v2(CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS *params) { RET; }
+CUresult cuGraphExecKernelNodeSetParams_v2(CUgraphExec x, CUgraphNode node, const CUDA_KERNEL_NODE_PARAMS *params) { RET; }
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *x, CUgraph g, unsigned long long flags) {
+    if (fake_result == 0) {
+        uintptr_t again = __atomic_exchange_n(&reuse_exec, 0, __ATOMIC_RELAXED);
+        *x = (CUgraphExec)(again ? again : fresh(&next_exec));
+    }
+    RET;
+}
+CUresult cuGraphExecUpdate_v2(CUgraphExec x, CUgraph g, void *result_info) { RET; }
+CUresult cuGraphClone(CUgraph *clone, CUgraph g) {
+    if (fake_result == 0) *clone = (CUgraph)fresh(&next_graph);
+    RET;
+}
+CUresult cuGraphDestroy(CUgraph g) { RET; }
+CUresult cuGraphExecDestroy(CUgraphExec x) { RET; }
+CUresult cuEventRecord(CUevent e, CUstream s) { RET; }
+CUresult cuEventRecordWithFlags(CUevent e, CUstream s, unsigned flags) { RET; }
+CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned flags) { RET; }

@@ -15,6 +15,7 @@ import pytest
 from gpuwatch.agent.api import ProbeUnavailable
 from gpuwatch.agent.metrics import REGISTRY
 from gpuwatch.probes.ebpf import EbpfCudaProbe
+from gpuwatch.probes.ebpf.symbols import API_IDS, HOOKS, timed
 
 pytestmark = pytest.mark.root
 
@@ -81,16 +82,16 @@ NAME_D_DEMANGLED = ("void flash::fwd::flash_fwd_splitkv_kernel<cutlass::bfloat16
                     "true, true, false, false, true, false, false, true, true, false, true>(flash::fwd::Flash_fwd_params)")
 KERNELS = [
     {"handle": handle(0xa000), "name": "add_kernel(float*, int)", "symbol": "_Z10add_kernelPfi",
-     "name_source": "hook", "launches": 1009, "grid": [1056, 1, 1], "block": [256, 1, 1],
+     "name_source": "hook", "launches": 1009, "direct_launches": 1009, "graph_launches": 0, "grid": [1056, 1, 1], "block": [256, 1, 1],
      "shared_mem_bytes": 0, "degenerate_launches": 1, "stream": "0x5001"},
     {"handle": handle(0xd000), "name": NAME_D_DEMANGLED, "symbol": NAME_D, "name_source": "driver",
-     "launches": 4 * 101, "grid": [3, 5, 7], "block": [32, 4, 2],
+     "launches": 4 * 101, "direct_launches": 4 * 101, "graph_launches": 0, "grid": [3, 5, 7], "block": [32, 4, 2],
      "shared_mem_bytes": 1024, "degenerate_launches": 0, "stream": "0x5004"},
     {"handle": handle(0xb000), "name": "gemm_bf16", "symbol": "gemm_bf16", "name_source": "hook",
-     "launches": 53, "grid": [7, 3, 2], "block": [128, 2, 1],
+     "launches": 53, "direct_launches": 53, "graph_launches": 0, "grid": [7, 3, 2], "block": [128, 2, 1],
      "shared_mem_bytes": 4096, "degenerate_launches": 0, "stream": "0x5002"},
     {"handle": handle(0xc000), "name": "coop_reduce", "symbol": "coop_reduce", "name_source": "hook",
-     "launches": 11, "grid": [1, 1, 1], "block": [64, 1, 1],
+     "launches": 11, "direct_launches": 11, "graph_launches": 0, "grid": [1, 1, 1], "block": [64, 1, 1],
      "shared_mem_bytes": 48, "degenerate_launches": 11, "stream": "0x5003"},
 ]
 UNNAMED = {"name": None, "symbol": None, "name_source": None}
@@ -285,7 +286,10 @@ def test_missing_symbols_are_skipped_not_fatal(probe):
     assert {"cuLaunchKernel", "cuLaunchKernelEx", "cuMemAlloc_v2", "cuMemFree_v2"} <= set(lib["attached"])
     launches = [name for name in lib["attached"] if name.startswith(("cuLaunch", "cuGraphLaunch"))]
     assert sorted(launches) == sorted(LAUNCH_APIS + ("cuLaunchKernelEx_ptsz",))
-    assert lib["uprobes"] == 2 * len(lib["attached"]) - len(launches)  # launches: entry only
+    entry_only = [name for name in lib["attached"] if not timed(HOOKS[API_IDS[name]], False)]
+    assert set(launches) <= set(entry_only)
+    assert {n for n in entry_only if n not in launches} == {"cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEvent"}
+    assert lib["uprobes"] == 2 * len(lib["attached"]) - len(entry_only)  # launches and capture hooks: entry only
 
 
 def test_samples_use_registered_metrics_with_exact_labels(probe, drivers):
@@ -297,7 +301,8 @@ def test_samples_use_registered_metrics_with_exact_labels(probe, drivers):
         m = REGISTRY[s.metric]
         assert s.metric in {"gpuwatch.cuda.calls", "gpuwatch.cuda.errors", "gpuwatch.cuda.call.duration",
                             "gpuwatch.cuda.bytes", "gpuwatch.process.cuda.memory.live", "gpuwatch.ebpf.attached",
-                            "gpuwatch.ebpf.launch.sampled"}
+                            "gpuwatch.ebpf.launch.sampled", "gpuwatch.cuda.graph.launches",
+                            "gpuwatch.cuda.graph.kernel.launches"}
         assert s.resource == ""
         assert tuple(sorted(s.labels)) == tuple(sorted(m.labels)), s
     pid = str(d.pid)
@@ -488,6 +493,7 @@ def test_shutdown_without_waiting_detaches_in_the_background(fake_cuda_private, 
 _CHILD = """
 import os, signal, sys, time
 from gpuwatch.probes.ebpf import EbpfCudaProbe
+from gpuwatch.probes.ebpf.symbols import API_IDS, HOOKS, timed
 p = EbpfCudaProbe(libraries=[sys.argv[1]], apis=sys.argv[3].split(","), attach=sys.argv[4])
 p.start()
 print("attached", p.loader.uprobe_count, flush=True)

@@ -9,13 +9,13 @@ import shutil
 import pytest
 
 from gpuwatch.probes.ebpf import EbpfCudaProbe
-from gpuwatch.probes.ebpf.symbols import LAUNCH_APIS
+from gpuwatch.probes.ebpf.symbols import SAMPLED_APIS
 from tests.ebpf.test_ebpf_cuda import EXPECTED, _probe_fds, _uprobes_installed
 
 pytestmark = pytest.mark.root
 
-LAUNCHES = {api: v[0] for api, v in EXPECTED.items() if api in LAUNCH_APIS}
-EXACT = {api: v for api, v in EXPECTED.items() if api not in LAUNCH_APIS}
+LAUNCHES = {api: v[0] for api, v in EXPECTED.items() if api in SAMPLED_APIS}
+EXACT = {api: v for api, v in EXPECTED.items() if api not in SAMPLED_APIS}
 
 
 def _calls(snap: dict) -> dict:
@@ -70,7 +70,7 @@ def test_launch_duty_cycle_estimates_launches_and_keeps_the_rest_exact(fake_cuda
 
         def calls(samples, pid):
             return {s.labels["api"]: s.value for s in samples if s.metric == "gpuwatch.cuda.calls"
-                    and s.labels["pid"] == str(pid) and s.labels["api"] in LAUNCH_APIS}
+                    and s.labels["pid"] == str(pid) and s.labels["api"] in SAMPLED_APIS}
 
         assert calls(samples, a.pid) == LAUNCHES  # a closed window, not scaled yet: as seen
         clock.t += 9.0
@@ -82,7 +82,7 @@ def test_launch_duty_cycle_estimates_launches_and_keeps_the_rest_exact(fake_cuda
         # every other API exact for both, whatever the windows
         for d in (a, b):
             got = {s.labels["api"]: s.value for s in samples if s.metric == "gpuwatch.cuda.calls"
-                   and s.labels["pid"] == str(d.pid) and s.labels["api"] not in LAUNCH_APIS}
+                   and s.labels["pid"] == str(d.pid) and s.labels["api"] not in SAMPLED_APIS}
             assert got == {api: v[0] for api, v in EXACT.items()}
         # a trace through the daemon: launches on at once, however the cycle stands
         clock.t += 1.0

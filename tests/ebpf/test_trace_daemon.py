@@ -224,3 +224,32 @@ def test_no_agent_says_run_as_root_or_start_it(world, drivers):
             in t.stderr)
     t = _trace(none, "--pid", str(d.pid), "--library", world.lib)
     assert t.wait() == 1 and "--library needs root" in t.stderr and "Traceback" not in t.stderr
+
+
+def test_graphs_built_before_the_trace_are_known_through_the_agent(world, drivers):
+    """The agent follows graphs from a process's first call: a trace through it, begun after a
+    graph was captured and instantiated, counts that graph's kernels too."""
+    from .test_ebpf_graphs import BEFORE_READY_NODES, GRAPH_KERNELS, REPLAYS, UNKNOWN_REPLAYS, A
+    # every launch probed (no duty cycle): the capture before the trace is whole, deterministically
+    a = Agent(world.dir / "agent-graphs", "--no-nvml", "--ebpf-library", world.lib, "--socket-group", "65534",
+              "--ebpf-launch-sampling", "1")
+    try:
+        _wait_probe_up(a, "ebpf")
+        d = drivers(*NOBODY, world.driver, "graphs")
+        out = world.out / "graphs.json"
+        t = _trace(a.socket, "-p", str(d.pid), "--summary-json", str(out), "--interval", "0.2")
+        t.wait_for("tracing PID", t.err)
+        d.go()
+        t.wait_for(f"graphs {REPLAYS} replays", t.out)  # a refresh has seen the whole workload
+        assert d.finish() == 0
+        assert t.wait() == 0, t.output
+    finally:
+        a.stop()
+    summary = read_summary(str(out))
+    g = summary["graphs"]
+    assert (g["launches"], g["unknown_content_launches"], g["partial_content_launches"]) == (REPLAYS, 0, 0)
+    kernels = {k["handle"]: k["graph_launches"] for k in summary["kernels"]}
+    want = {h: v[1] for h, v in GRAPH_KERNELS.items()}
+    want[A] += UNKNOWN_REPLAYS * BEFORE_READY_NODES  # the graph made before the trace: known to the agent
+    assert kernels == want
+    assert g["kernel_launches"] == sum(want.values())

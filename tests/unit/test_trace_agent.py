@@ -271,6 +271,9 @@ def test_summarize_exact_document():
         },
         # most launches first, ties by handle (none sorts as ""), no launch count as 0
         "kernels": [snap["kernels"][i] for i in (5, 2, 1, 0, 3, 4)],
+        # a snapshot without "graphs" (an older agent): zeros, every field there
+        "graphs": {"launches": 0, "kernel_launches": 0, "unknown_content_launches": 0,
+                   "partial_content_launches": 0, "graphs": 0, "executable_graphs": 0},
         "memory": {"live_bytes": 10, "live_allocations": 2, "allocations": 3, "frees": 1},
         "stacks": snap["stacks"][:3],
         "dropped_events": 2,

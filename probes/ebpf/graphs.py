@@ -1,0 +1,346 @@
+"""What each process's CUDA graphs hold, and the kernels their replays run.
+
+A graph replay (cuGraphLaunch) runs every kernel node of the executable graph at once, with no
+launch call per kernel: the launch probes see none of them. The BPF side (cuda.bpf.c, "CUDA
+graphs") sends one event per change to a graph into the ring buffer graph_events and counts the
+launches of each executable graph (map execs); this module follows the events:
+
+  - stream capture: cuStreamBeginCapture starts a capture (its id is when it began); each launch
+    into a captured stream (or a stream that joined the capture through an event) is a kernel node
+    of it and does not run; cuStreamEndCapture gives the graph;
+  - explicit nodes: cuGraphAddKernelNode / cuGraphAddNode (kernel nodes only), changed by
+    cuGraphKernelNodeSetParams and, in an executable graph, cuGraphExecKernelNodeSetParams;
+  - cuGraphInstantiate* copies a graph into an executable graph (told from an earlier one at the
+    same address by its serial, the time it was made), cuGraphExecUpdate replaces its content,
+    cuGraphClone copies a graph, the destroy calls end them (an executable graph's last launches
+    come with its destroy event);
+
+and account() multiplies each executable graph's new launches by its kernel nodes.
+
+What is not known is said, never hidden: launches of an executable graph made before the probe
+attached (serial 0) are "unknown content"; a graph whose capture ran while the daemon's launch
+probes were off (its duty cycle, see probe.py), whose events were dropped, or whose nodes were
+changed in ways we cannot follow (a node we never saw, a clone's nodes) is "partial content": its
+known kernels are counted, its replays reported as partial. Child-graph, memcpy and memset nodes
+are not kernels and are not followed.
+
+Everything here is bounded (a process chooses what it sends): graphs per process, distinct node
+configurations per graph, processes; what goes beyond makes graphs partial or unknown, counted.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+from gpuwatch.probes.ebpf import bpfsys, symbols as S
+
+log = logging.getLogger("gpuwatch.ebpf")
+
+MAX_GRAPHS_PER_PROCESS = 4096  # graphs and executable graphs, each
+MAX_SPECS_PER_GRAPH = 4096     # distinct (kernel, grid, block, shared memory) in one graph
+MAX_PROCESSES = 4096
+MAX_HANDLES_PER_GRAPH = 65536  # explicit nodes remembered for their SetParams
+
+# A kernel node: (function handle, grid x, y, z, block x, y, z, shared memory bytes)
+Spec = tuple
+EVENT = S.ctype("gw_graph_event")
+
+
+@dataclass
+class _Graph:
+    counts: Counter = field(default_factory=Counter)  # Spec -> nodes
+    handles: dict = field(default_factory=dict)  # explicit node handle -> Spec
+    complete: bool = True
+
+    def copy(self) -> "_Graph":
+        return _Graph(Counter(self.counts), dict(self.handles), self.complete)
+
+    def add(self, spec: Spec, n: int = 1) -> None:
+        if spec in self.counts or len(self.counts) < MAX_SPECS_PER_GRAPH:
+            self.counts[spec] += n
+        else:
+            self.complete = False
+
+    def replace(self, node: int, spec: Spec) -> None:
+        old = self.handles.get(node)
+        if old is None:
+            self.complete = False  # a node we did not see made: what it held is unknown
+            return
+        self.counts[old] -= 1
+        if self.counts[old] <= 0:
+            del self.counts[old]
+        self.handles[node] = spec
+        self.add(spec)
+
+
+@dataclass
+class _Exec:
+    graph: _Graph | None  # None: content unknown (made before the probe attached, or of an unknown graph)
+    counted: int = 0  # launches accounted
+
+
+@dataclass
+class _Capture:
+    begin_ns: int
+    into: int  # cuStreamBeginCaptureToGraph's graph, else 0
+    graph: _Graph = field(default_factory=_Graph)
+    nodes: int = 0
+
+
+@dataclass
+class _Process:
+    captures: dict = field(default_factory=dict)  # capture id -> _Capture
+    graphs: dict = field(default_factory=dict)  # graph handle -> _Graph
+    execs: dict = field(default_factory=dict)  # (exec handle, serial) -> _Exec
+    owner: dict = field(default_factory=dict)  # explicit node handle -> graph handle
+    kernels: dict = field(default_factory=dict)  # function -> [launches, degenerate, Spec of a node]
+    launches: Counter = field(default_factory=Counter)  # "known" | "partial" | "unknown" -> replays
+
+
+def _spec(e) -> Spec:
+    d = e.dims
+    return (e.function, d.grid_x, d.grid_y, d.grid_z, d.block_x, d.block_y, d.block_z, e.shared_mem)
+
+
+class GraphBook:
+    """The graphs of every process, from graph_events (on_event) and the execs map (account)."""
+
+    def __init__(self, launches_seen: Callable[[int, int], bool] = lambda begin, end: True) -> None:
+        """launches_seen(begin_ns, end_ns): whether every kernel launch between the two
+        CLOCK_MONOTONIC times was probed (the daemon's launch duty cycle may have had them off)."""
+        self.launches_seen = launches_seen
+        self._procs: dict[int, _Process] = {}
+        self.captures_begun = 0  # captures seen to begin (the daemon turns launches on for them)
+        self.overflow = 0  # graphs, processes or nodes not followed: the bounds above
+
+    def _proc(self, pid: int) -> _Process | None:
+        p = self._procs.get(pid)
+        if p is None:
+            if len(self._procs) >= MAX_PROCESSES:
+                self.overflow += 1
+                return None
+            p = self._procs[pid] = _Process()
+        return p
+
+    def _put_graph(self, p: _Process, handle: int, g: _Graph) -> None:
+        if handle in p.graphs or len(p.graphs) < MAX_GRAPHS_PER_PROCESS:
+            p.graphs[handle] = g
+        else:
+            self.overflow += 1
+
+    # ---- events ------------------------------------------------------------------------------
+    def on_event(self, data) -> None:
+        if len(data) < ctypes.sizeof(EVENT):
+            return
+        e = EVENT.from_buffer_copy(data)
+        p = self._proc(e.pid)
+        if p is None:
+            return
+        kind = e.kind
+        if kind == S.GE_BEGIN:
+            self.captures_begun += 1
+            if e.capture in p.captures or len(p.captures) < MAX_GRAPHS_PER_PROCESS:
+                p.captures[e.capture] = _Capture(e.capture, e.graph)
+        elif kind == S.GE_NODE:
+            cap = p.captures.get(e.capture)
+            if cap is None:  # its begin was dropped (ring buffer full)
+                if len(p.captures) >= MAX_GRAPHS_PER_PROCESS:
+                    return
+                cap = p.captures[e.capture] = _Capture(e.capture, 0)
+                cap.graph.complete = False
+            cap.graph.add(_spec(e))
+            cap.nodes += 1
+        elif kind == S.GE_END:
+            cap = p.captures.pop(e.capture, None)
+            if cap is None:
+                cap = _Capture(e.capture, 0)
+                cap.graph.complete = e.count == 0
+            if not e.graph:
+                return  # the capture failed: no graph
+            g = cap.graph
+            # every node the kernel side counted arrived, and no launch went unprobed meanwhile
+            g.complete = g.complete and cap.nodes == e.count and self.launches_seen(cap.begin_ns, e.ts)
+            if cap.into and cap.into in p.graphs:  # captured into an existing graph: added to it
+                into = p.graphs[cap.into]
+                for spec, n in g.counts.items():
+                    into.add(spec, n)
+                into.complete = into.complete and g.complete
+            else:
+                self._put_graph(p, e.graph, g)
+        elif kind == S.GE_ADD:
+            g = p.graphs.get(e.graph)
+            if g is None:  # made before the probe attached: what else it holds is unknown
+                g = _Graph(complete=False)
+                self._put_graph(p, e.graph, g)
+            spec = _spec(e)
+            g.add(spec)
+            if len(g.handles) < MAX_HANDLES_PER_GRAPH and len(p.owner) < MAX_HANDLES_PER_GRAPH:
+                g.handles[e.node] = spec
+                p.owner[e.node] = e.graph
+        elif kind == S.GE_SET:
+            if e.exec:
+                x = self._count(p, e.exec, e.serial, e.count)  # what ran before the change
+                if x is not None and x.graph is not None:
+                    x.graph.replace(e.node, _spec(e))
+            else:
+                g = p.graphs.get(p.owner.get(e.node, -1))
+                if g is not None:
+                    g.replace(e.node, _spec(e))
+        elif kind == S.GE_INSTANTIATE:
+            g = p.graphs.get(e.graph)
+            if len(p.execs) < MAX_GRAPHS_PER_PROCESS:
+                p.execs[(e.exec, e.serial)] = _Exec(g.copy() if g is not None else None)
+            else:
+                self.overflow += 1
+        elif kind == S.GE_UPDATE:
+            x = self._count(p, e.exec, e.serial, e.count)  # what ran before the update
+            if x is not None:
+                g = p.graphs.get(e.graph)
+                x.graph = g.copy() if g is not None else None
+        elif kind == S.GE_CREATE:
+            self._put_graph(p, e.graph, _Graph())
+        elif kind == S.GE_CLONE:
+            g = p.graphs.get(e.source)
+            if g is not None:
+                clone = g.copy()
+                clone.handles = {}  # the clone's nodes have handles of their own, not seen
+                self._put_graph(p, e.graph, clone)
+        elif kind == S.GE_DESTROY:
+            g = p.graphs.pop(e.graph, None)
+            if g is not None:
+                for node in g.handles:
+                    p.owner.pop(node, None)
+        elif kind == S.GE_EXEC_DESTROY:
+            self._count(p, e.exec, e.serial, e.count)
+            p.execs.pop((e.exec, e.serial), None)
+
+    # ---- launches ----------------------------------------------------------------------------
+    def account(self, execs: dict[tuple[int, int], tuple[int, int]]) -> None:
+        """execs: (pid, executable graph) -> (serial, launches), the execs map now (read after
+        the events that came before it were taken, so that every serial in it is known)."""
+        for (pid, exec_), (serial, launches) in execs.items():
+            p = self._proc(pid)
+            if p is not None:
+                self._count(p, exec_, serial, launches)
+
+    def _count(self, p: _Process, exec_: int, serial: int, launches: int) -> _Exec | None:
+        """Account the executable graph's launches up to `launches`; it, or None if unknown."""
+        x = p.execs.get((exec_, serial))
+        if x is None:
+            if serial:
+                return None  # instantiated after the events we took: counted at the next account()
+            if len(p.execs) >= MAX_GRAPHS_PER_PROCESS:
+                self.overflow += 1
+                return None
+            x = p.execs[(exec_, 0)] = _Exec(None)  # made before the probe attached
+        delta = launches - x.counted
+        if delta <= 0:
+            return x
+        x.counted = launches
+        g = x.graph
+        p.launches["unknown" if g is None else "known" if g.complete else "partial"] += delta
+        if g is None:
+            return x
+        for spec, n in g.counts.items():
+            k = p.kernels.get(spec[0])
+            if k is None:
+                k = p.kernels[spec[0]] = [0, 0, spec]
+            k[0] += n * delta
+            if spec[1:4] == (1, 1, 1):
+                k[1] += n * delta
+        return x
+
+    # ---- answers -----------------------------------------------------------------------------
+    def kernels(self, pid: int | None = None) -> dict[tuple[int, int], dict]:
+        """(pid, kernel handle) -> {"launches", "degenerate_launches", "grid", "block",
+        "shared_mem_bytes"}: the kernels graph replays ran (grid and block of one of its nodes)."""
+        out = {}
+        for p_id, p in self._procs.items():
+            if pid is not None and p_id != pid:
+                continue
+            for f, (n, degenerate, spec) in p.kernels.items():
+                out[(p_id, f)] = {"launches": n, "degenerate_launches": degenerate, "grid": list(spec[1:4]),
+                                  "block": list(spec[4:7]), "shared_mem_bytes": spec[7]}
+        return out
+
+    def summary(self, pid: int | None = None) -> dict:
+        """Graph replays by what is known of their content, the kernels they ran, and the graphs
+        and executable graphs known now."""
+        launches: Counter = Counter()
+        kernels = graphs = execs = capturing = 0
+        for p_id, p in self._procs.items():
+            if pid is not None and p_id != pid:
+                continue
+            launches.update(p.launches)
+            kernels += sum(k[0] for k in p.kernels.values())
+            graphs += len(p.graphs)
+            execs += sum(1 for x in p.execs.values() if x.graph is not None)
+            capturing += len(p.captures)
+        return {"launches": sum(launches.values()), "kernel_launches": kernels,
+                "unknown_content_launches": launches["unknown"], "partial_content_launches": launches["partial"],
+                "graphs": graphs, "executable_graphs": execs, "captures_in_progress": capturing}
+
+    def per_process(self) -> dict[int, tuple[int, dict]]:
+        """pid -> (kernel launches through graphs, replays by content) for the metrics."""
+        return {pid: (sum(k[0] for k in p.kernels.values()), dict(p.launches)) for pid, p in self._procs.items()}
+
+    def forget(self, pids: set[int]) -> None:
+        for pid in pids:
+            self._procs.pop(pid, None)
+
+
+class GraphFollower:
+    """Drains graph_events into a GraphBook as they come (a thread), so that a capture beginning
+    is known at once: on_capture() is called then (the daemon turns the launch probes on)."""
+
+    POLL_MS = 100
+
+    def __init__(self, ring: tuple[int, int], book: GraphBook, on_capture: Callable[[], None] | None = None) -> None:
+        self.book = book
+        self.on_capture = on_capture
+        self._lock = threading.Lock()  # one consumer of the ring at a time; the book's one owner
+        self._ring = bpfsys.RingBuffer(ring[0], ring[1], book.on_event)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpuwatch-ebpf-graphs", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> bool:
+        """Take what the ring holds; True when a capture began meanwhile."""
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            before = self.book.captures_begun
+            self._ring.consume()
+            return self.book.captures_begun != before
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self._ring.wait(self.POLL_MS) and self._drain() and self.on_capture is not None:
+                    self.on_capture()  # outside our lock: it takes the probe's
+            except Exception as e:  # a bug must not stop graph following silently
+                log.warning("following CUDA graphs: %s: %s", type(e).__name__, e)
+                self._stop.wait(1.0)
+
+    def account(self, read_execs: Callable[[], dict]) -> None:
+        """Take the events, then read the launches (read_execs: the execs map): every serial in
+        them is known then, and no event comes between the two."""
+        with self._lock:
+            if self._stop.is_set():
+                return
+            self._ring.consume()
+            self.book.account(read_execs())
+
+    def read(self, fn: Callable[[GraphBook], object]):
+        with self._lock:
+            return fn(self.book)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * self.POLL_MS / 1000 + 1)
+        with self._lock:
+            self._ring.close()

@@ -1,0 +1,136 @@
+"""GraphBook (probes/ebpf/graphs.py) on events as the BPF side writes them: what a process sends is
+followed exactly where it can be, said to be partial or unknown where it cannot, and bounded."""
+from __future__ import annotations
+
+import ctypes
+
+from gpuwatch.probes.ebpf import graphs, symbols as S
+
+PID = 4242
+F, G = 0x1000, 0x2000  # kernel handles
+
+
+def ev(kind: int, **fields) -> bytes:
+    e = graphs.EVENT()
+    e.pid, e.kind = fields.pop("pid", PID), kind
+    dims = fields.pop("dims", (1, 1, 1, 32, 1, 1))
+    for name, v in zip(("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z"), dims):
+        setattr(e.dims, name, v)
+    for k, v in fields.items():
+        setattr(e, k, v)
+    return bytes(e)
+
+
+def capture(book: graphs.GraphBook, cid: int, graph: int, functions: list[int], count: int | None = None,
+            end_ts: int | None = None) -> None:
+    book.on_event(ev(S.GE_BEGIN, capture=cid, ts=cid))
+    for f in functions:
+        book.on_event(ev(S.GE_NODE, capture=cid, function=f, dims=(4, 1, 1, 32, 1, 1)))
+    book.on_event(ev(S.GE_END, capture=cid, graph=graph, count=len(functions) if count is None else count,
+                     ts=end_ts or cid + 10))
+
+
+def instantiate(book, graph: int, exec_: int, serial: int) -> None:
+    book.on_event(ev(S.GE_INSTANTIATE, graph=graph, exec=exec_, serial=serial))
+
+
+def test_replays_times_nodes():
+    book = graphs.GraphBook()
+    capture(book, 100, 0xa, [F, F, G])
+    instantiate(book, 0xa, 0xe, 5)
+    book.account({(PID, 0xe): (5, 7)})
+    book.account({(PID, 0xe): (5, 9)})  # cumulative: only the 2 new replays are added
+    k = book.kernels(PID)
+    assert k[(PID, F)]["launches"] == 18 and k[(PID, G)]["launches"] == 9
+    assert k[(PID, F)]["grid"] == [4, 1, 1]
+    assert book.summary(PID)["launches"] == 9 and book.summary(PID)["kernel_launches"] == 27
+
+
+def test_a_capture_with_launches_unprobed_or_nodes_lost_is_partial():
+    book = graphs.GraphBook(launches_seen=lambda begin, end: begin != 200)
+    capture(book, 200, 0xa, [F])  # the launch probes were off meanwhile
+    capture(book, 300, 0xb, [F], count=2)  # the kernel side counted 2 nodes, 1 arrived
+    capture(book, 400, 0xc, [F])
+    for i, g in enumerate((0xa, 0xb, 0xc)):
+        instantiate(book, g, 0xe0 + i, 1)
+    book.account({(PID, 0xe0): (1, 1), (PID, 0xe1): (1, 1), (PID, 0xe2): (1, 1)})
+    s = book.summary(PID)
+    assert (s["launches"], s["partial_content_launches"], s["kernel_launches"]) == (3, 2, 3)
+
+
+def test_an_executable_graph_made_before_the_probe_is_unknown_and_its_kernels_not_guessed():
+    book = graphs.GraphBook()
+    book.account({(PID, 0xe): (0, 17)})
+    s = book.summary(PID)
+    assert (s["launches"], s["unknown_content_launches"], s["kernel_launches"]) == (17, 17, 0)
+    assert book.kernels(PID) == {}
+
+
+def test_a_serial_not_seen_yet_waits_for_its_event():
+    book = graphs.GraphBook()
+    book.account({(PID, 0xe): (9, 3)})  # instantiated after the events taken: nothing counted yet
+    assert book.summary(PID)["launches"] == 0
+    capture(book, 100, 0xa, [F])
+    instantiate(book, 0xa, 0xe, 9)
+    book.account({(PID, 0xe): (9, 3)})
+    assert book.summary(PID)["kernel_launches"] == 3
+
+
+def test_destroy_brings_the_last_launches_and_a_reused_address_is_another_graph():
+    book = graphs.GraphBook()
+    capture(book, 100, 0xa, [F])
+    capture(book, 200, 0xb, [G, G])
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 2)})
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xe, serial=1, count=5))  # 3 more since the last read
+    instantiate(book, 0xb, 0xe, 2)  # the same address again
+    book.account({(PID, 0xe): (2, 1)})
+    k = book.kernels(PID)
+    assert k[(PID, F)]["launches"] == 5 and k[(PID, G)]["launches"] == 2
+
+
+def test_changes_apply_from_when_they_were_made():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x77, function=F))
+    instantiate(book, 0xa, 0xe, 1)
+    book.on_event(ev(S.GE_SET, exec=0xe, node=0x77, function=G, serial=1, count=4))  # 4 replays ran F
+    book.account({(PID, 0xe): (1, 6)})
+    k = book.kernels(PID)
+    assert k[(PID, F)]["launches"] == 4 and k[(PID, G)]["launches"] == 2
+    assert book.summary(PID)["partial_content_launches"] == 0
+    # a node never seen made: the exec's content is no longer known whole
+    book.on_event(ev(S.GE_SET, exec=0xe, node=0x99, function=F, serial=1, count=6))
+    book.account({(PID, 0xe): (1, 7)})
+    assert book.summary(PID)["partial_content_launches"] == 1
+
+
+def test_bounds_hold_against_a_process_that_floods():
+    book = graphs.GraphBook()
+    for i in range(graphs.MAX_GRAPHS_PER_PROCESS + 10):
+        book.on_event(ev(S.GE_CREATE, graph=0x10 + i))
+    assert book.summary(PID)["graphs"] == graphs.MAX_GRAPHS_PER_PROCESS and book.overflow == 10
+    book.on_event(ev(S.GE_BEGIN, capture=1))
+    for i in range(graphs.MAX_SPECS_PER_GRAPH + 5):  # distinct configurations: the graph is partial
+        book.on_event(ev(S.GE_NODE, capture=1, function=F + i))
+    book.on_event(ev(S.GE_END, capture=1, graph=0x10, count=graphs.MAX_SPECS_PER_GRAPH + 5))
+    instantiate(book, 0x10, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    s = book.summary(PID)
+    assert s["partial_content_launches"] == 1 and s["kernel_launches"] == graphs.MAX_SPECS_PER_GRAPH
+    for pid in range(1, graphs.MAX_PROCESSES + 3):
+        book.on_event(ev(S.GE_CREATE, graph=1, pid=pid))
+    assert len(book.per_process()) == graphs.MAX_PROCESSES
+
+
+def test_short_or_unknown_events_are_ignored_and_exited_processes_forgotten():
+    book = graphs.GraphBook()
+    book.on_event(b"\x01" * (ctypes.sizeof(graphs.EVENT) - 1))
+    book.on_event(ev(99, graph=1))
+    book.on_event(ev(S.GE_NODE, capture=5, function=F))  # its begin lost: partial, not dropped
+    book.on_event(ev(S.GE_END, capture=5, graph=0xa, count=1))
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    assert book.summary(PID)["partial_content_launches"] == 1
+    book.forget({PID})
+    assert book.summary(PID) == graphs.GraphBook().summary()
