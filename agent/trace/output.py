@@ -139,6 +139,20 @@ def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, 
               "refused, was down or could not keep up)" if lost else ""), highlight=False)
 
 
+def _kernel_stacks(final: dict) -> dict[int, list[str]]:
+    """handle -> the kernel's most sampled launch stack (Python frames, then native ones)."""
+    out = {}
+    for k in final.get("kernels") or []:
+        stacks = k.get("stacks") if isinstance(k, dict) else None
+        if stacks and isinstance(stacks[0], dict):
+            frames = [str(f) for f in (stacks[0].get("python") or [])] + [str(f) for f in stacks[0].get("frames") or []]
+            try:
+                out[int(str(k.get("handle")), 16)] = frames
+            except ValueError:
+                continue
+    return out
+
+
 def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: dict, err) -> None:
     """The recorded calls as a Chrome/Perfetto trace, kernels named as the final snapshot names them."""
     from gpuwatch.probes.ebpf.events import write_chrome_trace
@@ -147,7 +161,7 @@ def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: di
     err.print(f"writing {events['recorded']} calls to {output}…", highlight=False)
     try:
         n = write_chrome_trace(outputs.events_reader(), outputs.trace, kernel_names=names,
-                               processes={target.pid: target.process})
+                               processes={target.pid: target.process}, kernel_stacks=_kernel_stacks(final))
         outputs.remove_events()
     except OSError as e:
         err.print(f"[red]could not write {output}: {e.strerror or e}[/red] (the raw records stay in {raw})")

@@ -105,7 +105,6 @@ def _api_table(snapshot: dict, r: dict[str, float] | None, limit: int | None):
     for name, a in shown:
         hist = a.get("histogram") or {}
         lat = has_latency(a)
-        errors = a.get("errors", 0)
         row = [name] + ([f"{r.get(name, 0.0):.0f}"] if r is not None else [])
         row += [str(a.get("calls", 0)), errors_cell(a),
                 fmt_bytes(a.get("bytes", 0)) if a.get("bytes") else "—",
@@ -190,6 +189,23 @@ def _stacks_text(stacks: list[dict]) -> str:
     return "\n".join(["live bytes by allocating call stack:"] + lines) if lines else ""
 
 
+def launch_stacks_text(kernels: list[dict], top: int = 3) -> str:
+    """Where the busiest kernels are launched from: per kernel its most sampled launch stack, the
+    Python frames (innermost first) then the native ones past the driver."""
+    from rich.markup import escape
+    lines = []
+    for k in kernels[:top]:
+        stacks = k.get("stacks") or []
+        if not stacks:
+            continue
+        s = stacks[0]
+        native = [f for f in s.get("frames", []) if "[libcuda" not in f]
+        frames = (s.get("python") or [])[:3] + native[:2]
+        if frames:
+            lines.append(f"  {escape(kernel_label(k))} ← " + " ← ".join(escape(f) for f in frames))
+    return "\n".join(["kernels launched from (sampled launch stacks):"] + lines) if lines else ""
+
+
 def graphs_text(g: dict | None) -> str:
     """CUDA graph replays, the kernels they ran, and what is not known of them; "" for none."""
     if not g or not g.get("launches"):
@@ -227,6 +243,8 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
         parts += [Text(""), _kernel_table(ks, kernel_rates(snapshot, previous, dt), TOP_KERNELS)]
     if graphs_text(snapshot.get("graphs")):
         parts.append(Text.from_markup(graphs_text(snapshot.get("graphs"))))
+    if launch_stacks_text(ks):
+        parts.append(Text.from_markup(launch_stacks_text(ks)))
     parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0)))]
     if _stacks_text(snapshot.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(snapshot["stacks"])))
@@ -271,6 +289,8 @@ def render_summary(summary: dict):
         parts += [Text(""), _kernel_table(summary["kernels"], None, TOP_KERNELS)]
     if graphs_text(summary.get("graphs")):
         parts.append(Text.from_markup(graphs_text(summary.get("graphs"))))
+    if launch_stacks_text(summary["kernels"]):
+        parts.append(Text.from_markup(launch_stacks_text(summary["kernels"])))
     parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
     if _stacks_text(summary.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(summary["stacks"])))

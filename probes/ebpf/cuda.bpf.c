@@ -22,7 +22,7 @@ BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
 // allocations, 3 kernels, 4 kernel names, 5 errors by return code, 6 per-call events (the ring
 // buffer was full: the reader fell behind), 7 allocation stacks, 8 graph events, 9 captures
-// (streams and events of captures too), 10 executable graphs' launches. (A full histogram map loses
+// (streams and events of captures too), 10 executable graphs' launches, 11 launch stacks. (A full histogram map loses
 // buckets silently.) Python sizes its reads from the map: keep GW_DROPPED_KINDS in step.
 BPF_ARRAY(dropped, u64, GW_DROPPED_KINDS);
 
@@ -310,6 +310,89 @@ static __always_inline void gw_graph_op(u32 pid, u32 op, int rc, struct gw_call 
     }
 }
 
+static __always_inline s32 gw_stack(struct pt_regs *ctx) {
+    int id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    if (id < 0)
+        gw_drop(7);
+    return id;
+}
+
+// The return address: at a function's first instruction, at sp.
+static __always_inline u64 gw_caller(struct pt_regs *ctx) {
+    u64 ret = 0;
+    bpf_probe_read_user(&ret, sizeof(ret), (void *)PT_REGS_SP(ctx));
+    return ret;
+}
+
+// ---- launch call stacks (sampled). Scratch for one key (216 bytes: too big for the BPF stack).
+BPF_PERCPU_ARRAY(lstack_buf, struct gw_launch_stack_key, 1);
+
+// The Python frames of the launching thread, when its process is a CPython the agent can read
+// (py_procs, see pyframes.py): the interpreter's thread states are walked for the one of this
+// thread (the GIL may be released around the call), then its frames, innermost first.
+static __always_inline void gw_py_frames(struct gw_py *py, struct gw_launch_stack_key *k) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 interp = 0, ts = 0, frame = 0;
+    if (bpf_probe_read_user(&interp, sizeof(interp), (void *)py->interp_ptr) != 0 || !interp)
+        return;
+    if (bpf_probe_read_user(&ts, sizeof(ts), (void *)(interp + py->threads_head)) != 0)
+        return;
+    int found = 0;
+    for (int i = 0; i < GW_PY_THREADS; i++) {
+        if (!ts)
+            return;
+        u64 id = 0;
+        bpf_probe_read_user(&id, sizeof(id), (void *)(ts + py->native_thread_id));
+        if ((u32)id == tid) {
+            found = 1;
+            break;
+        }
+        if (bpf_probe_read_user(&ts, sizeof(ts), (void *)(ts + py->next)) != 0)
+            return;
+    }
+    if (!found)
+        return;
+    if (py->cframe != GW_PY_NONE) {  // 3.11, 3.12: the current frame is in the _PyCFrame
+        if (bpf_probe_read_user(&ts, sizeof(ts), (void *)(ts + py->cframe)) != 0 || !ts)
+            return;
+    }
+    if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(ts + py->current_frame)) != 0)
+        return;
+    for (int j = 0; j < GW_PY_DEPTH; j++) {
+        if (!frame)
+            break;
+        u64 code = 0, instr = 0;
+        bpf_probe_read_user(&code, sizeof(code), (void *)(frame + py->code));
+        bpf_probe_read_user(&instr, sizeof(instr), (void *)(frame + py->instr));
+        k->code[j] = code;
+        k->instr[j] = instr > code && instr - code < 0xFFFFFFFF ? (u32)(instr - code) : 0;
+        if (bpf_probe_read_user(&frame, sizeof(frame), (void *)(frame + py->previous)) != 0)
+            break;
+    }
+}
+
+// One sampled launch (or capture) of kernel f: counted under its native and Python stacks.
+static __always_inline void gw_launch_sample(struct pt_regs *ctx, u32 pid, u64 f) {
+    u32 zero = 0;
+    struct gw_launch_stack_key *k = lstack_buf.lookup(&zero);
+    if (!k)
+        return;
+    __builtin_memset(k, 0, sizeof(*k));
+    k->pid = pid;
+    k->handle = f;
+    k->stack = gw_stack(ctx);
+    k->caller = gw_caller(ctx);
+    struct gw_py *py = py_procs.lookup(&pid);
+    if (py)
+        gw_py_frames(py, k);
+    u64 none = 0;
+    u64 *n = launch_stacks.lookup_or_try_init(k, &none);
+    if (n)
+        __sync_fetch_and_add(n, 1);
+    else
+        gw_drop(11);
+}
+
 // Per-kernel aggregation at launch entry. DECODE_REGS: cuLaunchKernel / cuLaunchCooperativeKernel
 // (f, gx, gy, gz, bx, by in registers; bz, sharedMem, hStream in the stack slots at sp+8, +16, +24:
 // sp points at the return address at the first instruction). DECODE_CONFIG: cuLaunchKernelEx
@@ -345,6 +428,7 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode, struct gw
     u64 cid = gw_capture_of(pid, lc.stream);
     if (cid) {
         gw_capture_node(pid, cid, f, &lc);
+        gw_launch_sample(ctx, pid, f);  // where the graph's kernel was captured
         return;
     }
     struct gw_kernel_key kk = {};
@@ -357,6 +441,9 @@ static __always_inline void gw_launch(struct pt_regs *ctx, int decode, struct gw
         return;
     }
     __sync_fetch_and_add(&kv->launches, 1);
+    u64 n = kv->launches;  // (another thread's launch may come between: a sample more or less)
+    if ((n & (n - 1)) == 0 && n <= GW_LAUNCH_SAMPLE_EVERY || (n & (GW_LAUNCH_SAMPLE_EVERY - 1)) == 0)
+        gw_launch_sample(ctx, pid, f);
     if (lc.dims.grid_x == 1 && lc.dims.grid_y == 1 && lc.dims.grid_z == 1)
         __sync_fetch_and_add(&kv->degenerate, 1);
     // The last launch's configuration: plain stores (two threads launching the same kernel at the
@@ -376,19 +463,7 @@ static __always_inline u64 gw_extent_bytes(u64 desc, u32 off, u32 dims) {
     return err ? 0 : e[0] * e[1] * e[2];
 }
 
-static __always_inline s32 gw_stack(struct pt_regs *ctx) {
-    int id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
-    if (id < 0)
-        gw_drop(7);
-    return id;
-}
 
-// The return address: at a function's first instruction, at sp.
-static __always_inline u64 gw_caller(struct pt_regs *ctx) {
-    u64 ret = 0;
-    bpf_probe_read_user(&ret, sizeof(ret), (void *)PT_REGS_SP(ctx));
-    return ret;
-}
 
 static __always_inline struct gw_api_stats *gw_stats(u32 pid, u32 api) {
     struct gw_api_key sk = {};

@@ -100,11 +100,13 @@ def read_records(path: "str | int"):
 
 
 def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
-                       kernel_names: Mapping[int, str] | None = None, processes: Mapping[int, str] | None = None) -> int:
+                       kernel_names: Mapping[int, str] | None = None, processes: Mapping[int, str] | None = None,
+                       kernel_stacks: Mapping[int, list[str]] | None = None) -> int:
     """Write the Chrome trace event format (JSON; Perfetto and chrome://tracing open it): one
     complete event ("ph": "X") per call, name = the API, ts/dur in microseconds of the monotonic
     clock, args = bytes, the CUresult when it was an error, and for launches the kernel (its name,
-    or its handle), grid and block; allocations the device pointer. Returns the events written.
+    or its handle), grid and block, and its most sampled launch stack (kernel_stacks: handle ->
+    frames, innermost first); allocations the device pointer. Returns the events written.
 
     out_path: the output's path, or a safefile.AtomicFile opened for it (gpuwatch trace opens
     its outputs before tracing); either way the file appears complete or not at all."""
@@ -134,7 +136,9 @@ def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
                 if ptr:
                     q = quoted.get(ptr)
                     if q is None:
-                        q = quoted[ptr] = json.dumps(kernel_names.get(ptr) or hex(ptr))
+                        q = json.dumps(kernel_names.get(ptr) or hex(ptr))
+                        stack = (kernel_stacks or {}).get(ptr)
+                        q = quoted[ptr] = q + (f', "stack": {json.dumps(stack)}' if stack else "")
                     args.append(f'"kernel": {q}, "grid": [{gx}, {gy}, {gz}], "block": [{bx}, {by}, {bz}]')
             elif ptr:
                 args.append(f'"ptr": "{ptr:#x}"')

@@ -576,6 +576,23 @@ class Loader:
                     "shared_mem_bytes": v.shared_mem, "stream": v.stream}
         return out
 
+    def launch_stacks(self, pid: int) -> dict[int, list[tuple[int, int, int, tuple]]]:
+        """Kernel handle -> [(sampled launches, stack id, return address, ((code object, byte
+        offset of its instruction), ...) Python frames innermost first)], busiest first."""
+        out: dict[int, list] = {}
+        for k, v in self.maps["launch_stacks"].items():
+            if k.pid == pid:
+                py = tuple((k.code[i], k.instr[i]) for i in range(symbols.PY_DEPTH) if k.code[i])
+                out.setdefault(k.handle, []).append((v.value, k.stack, k.caller, py))
+        for stacks in out.values():
+            stacks.sort(key=lambda s: (-s[0], s[1], s[2]))
+        return out
+
+    def set_python(self, pid: int, interp_ptr: int, offsets: dict) -> None:
+        """Read the Python frames of this process's launches (pyframes: where its interpreter is)."""
+        v = symbols.ctype("gw_py")(interp_ptr=interp_ptr, **offsets)
+        self.maps["py_procs"].update(symbols.ctype("u32")(pid), v)
+
     def execs(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(pid, executable graph) -> (serial: when it was instantiated, 0 before the probe
         attached; launches)."""
@@ -606,7 +623,8 @@ class Loader:
                              ("live", lambda k: k.pid), ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
                              ("kernels", lambda k: k.pid), ("names", lambda k: k.pid),
                              ("capture_streams", lambda k: k.pid), ("capture_events", lambda k: k.pid),
-                             ("captures", lambda k: k.pid), ("execs", lambda k: k.pid)):
+                             ("captures", lambda k: k.pid), ("execs", lambda k: k.pid),
+                             ("launch_stacks", lambda k: k.pid), ("py_procs", lambda k: k.value)):
             table = self.maps[name]
             for k in table.keys():
                 if pid_of(k) in pids:

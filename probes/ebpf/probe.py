@@ -94,6 +94,7 @@ from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
 from gpuwatch.probes.ebpf import graphs as graphs_
 from gpuwatch.probes.ebpf import loader as _loader
+from gpuwatch.probes.ebpf import pyframes
 from gpuwatch.probes.ebpf import symbols
 from gpuwatch.probes.ebpf.symbols import HOOKS, NAME_FUNCTION, NAME_KERNEL, SAMPLED_APIS, curesult_name
 from gpuwatch.probes.process import identity
@@ -111,6 +112,8 @@ _ATTACH_WORDS = {_loader.LINKS: "multi-uprobe links",
 CUDA_ERROR_OUT_OF_MEMORY = 2
 MAX_EVENTS = 256  # undrained "cuda.oom" events kept
 STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
+STACK_KERNELS = 20  # the busiest kernels of a process get their launch stacks in a snapshot
+STACKS_PER_KERNEL = 3
 CAPTURE_HOLD = 60.0  # seconds every launch is probed after a graph capture begins (its nodes are launches)
 GRAPH_CONTENT = ("known", "partial", "unknown")
 
@@ -235,6 +238,8 @@ class EbpfCudaProbe(Probe):
         self._lock = threading.RLock()
         self._not_running = STARTING  # why there is no loader: the last start or collection that failed
         self._graphs: graphs_.GraphFollower | None = None
+        self._python: dict[int, str | None] = {}  # pid -> why its Python frames are not read (None: they are)
+        self._resolvers: dict[int, pyframes.Resolver] = {}
         self._graph_retired = [0, {}]  # kernel launches and replays by content of processes that exited
 
     # ---- Probe API ---------------------------------------------------------------------------
@@ -246,6 +251,7 @@ class EbpfCudaProbe(Probe):
         self.shutdown()
         self._sampling = _LaunchSampling()  # new maps: counts start again
         self._oom_seen = {}
+        self._python, self._resolvers = {}, {}
         if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
             raise ProbeUnavailable(f"process {self.pid} does not exist")
         for path in self.libraries:
@@ -274,6 +280,8 @@ class EbpfCudaProbe(Probe):
             self.shutdown()
             raise
         ld = self._loader
+        if self.pid is not None:
+            self._read_python(ld, self.pid)
         if self.driver_names and self.pid is not None:
             # a trace names kernels at its first refresh: calibrate meanwhile, not then
             for lib in ld.libraries.values():
@@ -323,6 +331,9 @@ class EbpfCudaProbe(Probe):
             per_pid_calls[pid] += values[0]
         for pid in live:
             per_pid_calls.setdefault(pid, 0)
+        for pid in per_pid_calls:
+            if pid not in self._python:
+                self._read_python(ld, pid)
         ranked = sorted(per_pid_calls, key=lambda p: (-per_pid_calls[p], p))
         kept = set(ranked[:self.max_processes])
 
@@ -378,6 +389,42 @@ class EbpfCudaProbe(Probe):
         return [Sample("gpuwatch.cuda.graph.kernel.launches", float(kernels), "", labels, wall)] + [
             Sample("gpuwatch.cuda.graph.launches", float(by_content.get(c, 0)), "", {**labels, "content": c}, wall)
             for c in GRAPH_CONTENT]
+
+    def _read_python(self, ld: _loader.Loader, pid: int) -> None:
+        """Have the launch program read this process's Python frames, when it is a CPython of the
+        agent's own version (pyframes); once per process, the reason kept when not."""
+        if len(self._python) >= 4 * self.max_processes + 1024:
+            return
+        offsets = pyframes.calibrate()
+        if isinstance(offsets, str):
+            self._python[pid] = offsets
+            return
+        where = pyframes.runtime_of(pid, offsets)
+        if isinstance(where, str):
+            self._python[pid] = where
+            return
+        try:
+            ld.set_python(pid, where, offsets.bpf_values())
+        except OSError as e:
+            self._python[pid] = f"the map of Python processes is full: {e}"
+            return
+        self._python[pid] = None
+        self._resolvers[pid] = pyframes.Resolver(pid, offsets)
+
+    def _launch_stacks(self, ld: _loader.Loader, pid: int, handles: list[int], wait: bool) -> dict[int, list[dict]]:
+        """Per kernel handle, its sampled launch stacks: [{"sampled_launches", "frames" (native,
+        innermost first), "python" (file:line in function, innermost first)}]."""
+        by_handle = ld.launch_stacks(pid)
+        resolver = self._resolvers.get(pid)
+        out = {}
+        for h in handles:
+            stacks = []
+            for n, sid, caller, py in by_handle.get(h, [])[:STACKS_PER_KERNEL]:
+                frames = [f for f in ((resolver.frame(c, i) if resolver else None) for c, i in py) if f]
+                stacks.append({"sampled_launches": n, "frames": ld.stack_frames(sid, caller, pid, wait=wait),
+                               "python": frames})
+            out[h] = stacks
+        return out
 
     def _on_capture(self) -> None:
         """A graph capture began: its nodes are launches, so every launch is probed for a while
@@ -589,7 +636,8 @@ class EbpfCudaProbe(Probe):
             "memory": {"live_bytes": live_bytes, "live_allocations": ld.live_allocations(pid),
                        "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
-            "kernels": self._kernels(ld, pid, graph_kernels),
+            "kernels": self._kernels(ld, pid, graph_kernels, wait_symbols),
+            **({"python_frames": self._python.get(pid) or "read"} if pid is not None else {}),
             "graphs": graph_summary,
             "stacks": self._stacks(ld, pid, wait=wait_symbols) if pid is not None else [],
             "dropped_events": ld.dropped(),
@@ -599,7 +647,8 @@ class EbpfCudaProbe(Probe):
         }
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _kernels(self, ld: _loader.Loader, pid: int | None, through_graphs: dict | None = None) -> list[dict]:
+    def _kernels(self, ld: _loader.Loader, pid: int | None, through_graphs: dict | None = None,
+                 wait_symbols: bool = True) -> list[dict]:
         out = []
         names = ld.names(pid)
         direct = ld.kernels(pid)
@@ -631,6 +680,13 @@ class EbpfCudaProbe(Probe):
         for e in out:
             e["name"] = demangled.get(e["symbol"], e["symbol"])
         out.sort(key=lambda e: (-e["launches"], e.get("pid", 0), int(e["handle"], 16)))
+        if pid is not None:
+            if pid not in self._python:
+                self._read_python(ld, pid)
+            top = out[:STACK_KERNELS]
+            stacks = self._launch_stacks(ld, pid, [int(e["handle"], 16) for e in top], wait_symbols)
+            for e in top:
+                e["stacks"] = stacks.get(int(e["handle"], 16), [])
         return out
 
     def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None) -> list[dict]:
@@ -726,6 +782,9 @@ class EbpfCudaProbe(Probe):
         for pid in set(self._starts) - (pids - dead):
             self._starts.pop(pid, None)
             self._names.pop(pid, None)
+        for pid in dead:
+            self._python.pop(pid, None)
+            self._resolvers.pop(pid, None)
         if dead and self._driver_named:
             self._driver_named = {k: v for k, v in self._driver_named.items() if k[0] not in dead}
         if dead:

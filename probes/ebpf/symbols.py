@@ -282,6 +282,13 @@ API_IDS: dict[str, int] = {h.name: i for i, h in enumerate(HOOKS)}
 API_NAMES: tuple[str, ...] = tuple(h.name for h in HOOKS)
 assert len(API_IDS) == len(HOOKS), "duplicate hook names"
 
+PY_DEPTH = 16  # Python frames kept per sampled launch (pyframes.PY_DEPTH)
+PY_THREADS = 64  # thread states looked through for the launching thread's
+PY_NONE = 0xFFFFFFFF
+# A kernel's launch stack is sampled at its launches 1, 2, 4, ... 512, then one in LAUNCH_SAMPLE_EVERY
+# (a power of two), and at every capture of it into a graph.
+LAUNCH_SAMPLE_EVERY = 1024
+
 # Struct layouts shared with cuda.bpf.c: (C type, field) in declaration order.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     # a launch's grid and block (the head of CUlaunchConfig), carried whole from the launch
@@ -320,6 +327,14 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "gw_name": (("u32", "len"), ("u32", "truncated"), ("char", f"name[{NAME_LEN}]")),
     # the head of CUlaunchConfig (cuda.h), read from user memory at cuLaunchKernelEx entry
     "gw_launch_config": (("struct gw_dims", "dims"), ("u32", "shared_mem"), ("u32", "pad"), ("u64", "stream")),
+    # --- launch call stacks (sampled: gw_launch_sample). Where a process's CPython keeps what the
+    # walk needs (pyframes.Offsets; cframe = PY_NONE: current_frame is in the thread state)
+    "gw_py": (("u64", "interp_ptr"), ("u32", "threads_head"), ("u32", "next"), ("u32", "native_thread_id"),
+              ("u32", "cframe"), ("u32", "current_frame"), ("u32", "code"), ("u32", "previous"), ("u32", "instr")),
+    # one launch stack: the kernel, the native user stack (id in stacks, and the return address),
+    # and the Python frames (code object, byte offset of the instruction in it), innermost first
+    "gw_launch_stack_key": (("u32", "pid"), ("s32", "stack"), ("u64", "handle"), ("u64", "caller"),
+                            ("u64", f"code[{PY_DEPTH}]"), ("u32", f"instr[{PY_DEPTH}]")),
     # --- CUDA graphs. A handle of a process (stream, event, capture, executable graph)
     "gw_handle_key": (("u32", "pid"), ("u32", "pad"), ("u64", "handle")),
     # a capture in progress: the stream it began on and the kernel nodes it has added so far
@@ -345,14 +360,15 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 # not memory taken up front.
 # What dropped[] counts, by index (cuda.bpf.c's gw_drop calls)
 DROPPED_KINDS = ("stats", "in_flight_calls", "live_allocations", "kernels", "kernel_names", "errors_by_code",
-                 "events", "allocation_stacks", "graph_events", "captures", "graph_launches")
+                 "events", "allocation_stacks", "graph_events", "captures", "graph_launches", "launch_stacks")
 RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230k events of 72 bytes
 # graph construction (graph_events): 1 MiB, ~9,000 events of 112 bytes between two reads; captures
 # come in bursts at a server's start (a node per kernel of each graph), drained as they come
 GRAPH_RINGBUF_PAGES = 256
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
              "HIST_MAX": 65536, "ERRORS_MAX": 16384, "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18,
-             "CAPTURES_MAX": 4096, "CAPTURE_HANDLES_MAX": 16384, "EXECS_MAX": 65536}
+             "CAPTURES_MAX": 4096, "CAPTURE_HANDLES_MAX": 16384, "EXECS_MAX": 65536,
+             "LAUNCH_STACKS_MAX": 16384, "PY_PROCS_MAX": 4096}
 
 
 # The hash maps: name -> (key struct, value struct, size cap). Their C declarations are rendered
@@ -374,10 +390,14 @@ HASH_MAPS: dict[str, tuple[str, str, str]] = {
     "capture_events": ("gw_handle_key", "u64", "CAPTURE_HANDLES_MAX"),
     "captures": ("gw_handle_key", "gw_capture", "CAPTURES_MAX"),
     "execs": ("gw_handle_key", "gw_exec", "EXECS_MAX"),
+    # launch stacks: sampled launches by stack; the CPython processes whose frames are read
+    "launch_stacks": ("gw_launch_stack_key", "u64", "LAUNCH_STACKS_MAX"),
+    "py_procs": ("u32", "gw_py", "PY_PROCS_MAX"),
 }
 STACK_DEPTH = 127  # PERF_MAX_STACK_DEPTH: a stack map's value is this many u64 addresses
 MAP_TYPES: dict[str, tuple[str, str]] = {**{k: (v[0], v[1]) for k, v in HASH_MAPS.items()},
-                                         "dropped": ("u32", "u64"), "stacks": ("u32", f"u64[{STACK_DEPTH}]")}
+                                         "dropped": ("u32", "u64"), "stacks": ("u32", f"u64[{STACK_DEPTH}]"),
+                                         "lstack_buf": ("u32", "gw_launch_stack_key")}
 
 # The attach cookie of every probe (bpf_get_attach_cookie): the API's index in HOOKS, and flags.
 COOKIE_API = 0xFFFF
@@ -406,6 +426,8 @@ def render_c() -> str:
     lines.append(f"#define GW_HIST_SLOTS {HIST_SLOTS}")
     lines.append(f"#define GW_RINGBUF_PAGES {RINGBUF_PAGES}")
     lines.append(f"#define GW_GRAPH_RINGBUF_PAGES {GRAPH_RINGBUF_PAGES}")
+    lines += [f"#define GW_PY_DEPTH {PY_DEPTH}", f"#define GW_PY_THREADS {PY_THREADS}",
+              f"#define GW_PY_NONE {PY_NONE:#x}", f"#define GW_LAUNCH_SAMPLE_EVERY {LAUNCH_SAMPLE_EVERY}"]
     lines.append(f"#define GW_DROPPED_KINDS {len(DROPPED_KINDS)}")
     lines += [f"#define GW_COOKIE_API {COOKIE_API:#x}", f"#define GW_COOKIE_TIMED {COOKIE_TIMED:#x}",
               f"#define GW_COOKIE_EVENTS {COOKIE_EVENTS:#x}"]

@@ -123,6 +123,29 @@ def main() -> int:
              f"said unknown, {tr['graph_kernel_launches']} kernels claimed",
              tr["launches"] == n and tr["unknown_content_launches"] == n and tr["graph_kernel_launches"] == 0, ""),
         ]
+        # who launched them: the Python frames of each kernel's most sampled launch (or capture)
+        k0 = {k["handle"]: k for k in before["exact"]["kernels"]}
+        launched, with_py, launchers = 0, 0, []
+        for k in after["exact"]["kernels"]:
+            n_k = k["launches"] - k0.get(k["handle"], {}).get("launches", 0)
+            if n_k <= 0:
+                continue
+            launched += n_k
+            py = (k.get("stacks") or [{}])[0].get("python") or []
+            with_py += n_k if py else 0
+            if len(launchers) < 5:
+                launchers.append({"kernel": (k["name"] or k["handle"])[:80], "launches": n_k, "python": py[:4],
+                                  "native": ((k.get("stacks") or [{}])[0].get("frames") or [])[:4]})
+        r["launchers"] = launchers
+        r["python_frames"] = after["exact"].get("python_frames")
+        frac = with_py / launched if launched else 0.0
+        checks.append((f"{case}: kernels with their Python launcher named: {frac:.3f} of launches "
+                       f"({after['exact'].get('python_frames')})", frac >= 0.9, ""))
+        if case == "decode":
+            step = [k for k in after["exact"]["kernels"]
+                    if any("graphs_workload.py" in f and "replay" in f for f in ((k.get("stacks") or [{}])[0].get("python") or []))]
+            checks.append((f"decode: the token step's direct kernels named as launched from replay() "
+                           f"({len(step)} kernels)", len(step) >= 2, ""))
         if cap.get("kernel_nodes") is not None:
             per = e["graph_kernel_launches"] / n if n else 0
             checks.append((f"{case}: graph kernel launches per replay {per:g} = kernel nodes {cap['kernel_nodes']} "

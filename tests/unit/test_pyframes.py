@@ -1,0 +1,100 @@
+"""pyframes: CPython's frames located in the agent's own interpreter, and read back the way the
+BPF launch program reads them (the same walk, here through /proc/self/mem)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from gpuwatch.probes.ebpf import driver_names, pyframes
+
+SUPPORTED = 0x030b <= sys.hexversion >> 16 <= 0x030c
+
+
+def walk(pid: int, tid: int, off: pyframes.Offsets) -> list[str | None]:
+    """cuda.bpf.c's gw_py_frames, in Python."""
+    where = pyframes.runtime_of(pid, off)
+    assert isinstance(where, int), where
+    with driver_names.Memory(pid) as mem:
+        u = lambda a: pyframes._u64(mem, a)  # noqa: E731
+        ts = u(u(where) + off.threads_head)
+        for _ in range(64):
+            if u(ts + off.native_thread_id) & 0xFFFFFFFF == tid:
+                break
+            ts = u(ts + off.next)
+        if off.cframe != pyframes.NONE:
+            ts = u(ts + off.cframe)
+        frame, frames = u(ts + off.current_frame), []
+        for _ in range(pyframes.PY_DEPTH):
+            if not frame:
+                break
+            code, instr = u(frame + off.code), u(frame + off.instr)
+            frames.append((code, instr - code))
+            frame = u(frame + off.previous)
+    r = pyframes.Resolver(pid, off)
+    return [r.frame(c, i) for c, i in frames]
+
+
+@pytest.mark.skipif(not SUPPORTED, reason="Python frames are read for CPython 3.11 and 3.12")
+def test_the_frames_of_a_thread_are_read_with_their_lines():
+    off = pyframes.calibrate()
+    assert isinstance(off, pyframes.Offsets), off
+    got: dict = {}
+
+    def inner():
+        got["frames"] = walk(os.getpid(), threading.get_native_id(), off)  # this line is read
+
+    def outer():
+        inner()
+
+    t = threading.Thread(target=outer)  # another thread than the one that calibrated
+    t.start()
+    t.join()
+    here = __file__
+    line = inner.__code__.co_firstlineno + 1
+    frames = [f for f in got["frames"] if f and f.startswith(here) and f.endswith(("inner", "outer"))]
+    assert frames == [f"{here}:{line} in test_the_frames_of_a_thread_are_read_with_their_lines.<locals>.inner",
+                      f"{here}:{line + 3} in test_the_frames_of_a_thread_are_read_with_their_lines.<locals>.outer"]
+
+
+def test_line_table_matches_the_interpreter():
+    def f(x):
+        y = x + 1
+        if y:
+            return [y,
+                    x]
+        return None
+    code = f.__code__
+    for start, end, line in code.co_lines():
+        for unit in range(start // 2, end // 2):
+            assert pyframes.line_of(code.co_linetable, code.co_firstlineno, unit) == line
+    assert pyframes.line_of(b"\x01\x02", 10, 0) is None  # not a location table: no line, no crash
+    assert pyframes.line_of(b"", 10, 0) is None
+
+
+def test_a_process_that_is_not_python_or_another_version_is_said_so(tmp_path):
+    off = pyframes.calibrate()
+    if isinstance(off, str):
+        pytest.skip(off)
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        assert "not a CPython process" in pyframes.runtime_of(p.pid, off)
+    finally:
+        p.kill()
+        p.wait()
+    other = pyframes.Offsets(**{**off.__dict__, "version": off.version + 1})
+    assert "its Python frames are read only for the agent's version" in pyframes.runtime_of(os.getpid(), other)
+
+
+def test_a_forged_code_object_reads_as_nothing():
+    off = pyframes.calibrate()
+    if isinstance(off, str):
+        pytest.skip(off)
+    r = pyframes.Resolver(os.getpid(), off)
+    assert r.frame(0, 0) is None and r.frame(8, 0) is None
+    b = bytearray(b"\x00" * 4096)  # a "code object" whose pointers are zero
+    import ctypes
+    assert r.frame(ctypes.addressof((ctypes.c_char * 4096).from_buffer(b)), 200) is None
