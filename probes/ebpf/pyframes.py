@@ -408,7 +408,7 @@ class Resolver:
                 first = mem.read(code + o.firstlineno, 4)
                 table_obj = _u64(mem, code + o.linetable)
                 size = _u64(mem, table_obj + 16) if table_obj else None
-                table = mem.read(table_obj + o.bytes_data, size) if table_obj and size and size < 1 << 20 else b""
+                table = mem.read(table_obj + o.bytes_data, size) if table_obj and size and size <= 1 << 16 else b""
                 if filename and name and first:
                     firstlineno = int.from_bytes(first, "little", signed=True)
                     index = (instr_byte - o.code_adaptive) // 2
