@@ -198,7 +198,7 @@ def launch_stacks_text(kernels: list[dict], top: int = 3) -> str:
         stacks = k.get("stacks") or []
         if not stacks:
             continue
-        s = stacks[0]
+        s = next((s for s in stacks if s.get("python")), stacks[0])  # a Python launcher, when one is known
         native = [f for f in s.get("frames", []) if "[libcuda" not in f]
         frames = (s.get("python") or [])[:3] + native[:2]
         if frames:

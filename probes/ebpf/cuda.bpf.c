@@ -383,8 +383,18 @@ static __always_inline void gw_launch_sample(struct pt_regs *ctx, u32 pid, u64 f
     k->stack = gw_stack(ctx);
     k->caller = gw_caller(ctx);
     struct gw_py *py = py_procs.lookup(&pid);
-    if (py)
+    if (py) {
         gw_py_frames(py, k);
+    } else {
+        // a process not looked at yet: said once, so that Python registers it now, not at the
+        // next collection (launches sampled before that have native frames only)
+        u32 one = 1;
+        if (py_seen.insert(&pid, &one) == 0) {
+            struct gw_graph_event *e = gw_graph_event(pid, GW_GE_PROCESS);
+            if (e)
+                graph_events.ringbuf_submit(e, 0);
+        }
+    }
     u64 none = 0;
     u64 *n = launch_stacks.lookup_or_try_init(k, &none);
     if (n)

@@ -115,6 +115,7 @@ class GraphBook:
         self.launches_seen = launches_seen
         self._procs: dict[int, _Process] = {}
         self.captures_begun = 0  # captures seen to begin (the daemon turns launches on for them)
+        self.new_processes: set[int] = set()  # first sampled launch of these (GE_PROCESS), not yet taken
         self.overflow = 0  # graphs, processes or nodes not followed: the bounds above
 
     def _proc(self, pid: int) -> _Process | None:
@@ -137,6 +138,10 @@ class GraphBook:
         if len(data) < ctypes.sizeof(EVENT):
             return
         e = EVENT.from_buffer_copy(data)
+        if e.kind == S.GE_PROCESS:
+            if len(self.new_processes) < MAX_PROCESSES:
+                self.new_processes.add(e.pid)
+            return
         p = self._proc(e.pid)
         if p is None:
             return
@@ -295,33 +300,44 @@ class GraphBook:
 
 class GraphFollower:
     """Drains graph_events into a GraphBook as they come (a thread), so that a capture beginning
-    is known at once: on_capture() is called then (the daemon turns the launch probes on)."""
+    is known at once: on_capture() is called then (the daemon turns the launch probes on); and
+    on_processes(pids) for processes whose launches were sampled for the first time (GE_PROCESS:
+    the probe looks at once whether it can read their Python frames)."""
 
     POLL_MS = 100
 
-    def __init__(self, ring: tuple[int, int], book: GraphBook, on_capture: Callable[[], None] | None = None) -> None:
+    def __init__(self, ring: tuple[int, int], book: GraphBook, on_capture: Callable[[], None] | None = None,
+                 on_processes: Callable[[set[int]], None] | None = None) -> None:
         self.book = book
         self.on_capture = on_capture
+        self.on_processes = on_processes
         self._lock = threading.Lock()  # one consumer of the ring at a time; the book's one owner
         self._ring = bpfsys.RingBuffer(ring[0], ring[1], book.on_event)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-ebpf-graphs", daemon=True)
         self._thread.start()
 
-    def _drain(self) -> bool:
-        """Take what the ring holds; True when a capture began meanwhile."""
+    def _drain(self) -> tuple[bool, set[int]]:
+        """Take what the ring holds: whether a capture began meanwhile, and the new processes."""
         with self._lock:
             if self._stop.is_set():
-                return False
+                return False, set()
             before = self.book.captures_begun
             self._ring.consume()
-            return self.book.captures_begun != before
+            new, self.book.new_processes = self.book.new_processes, set()
+            return self.book.captures_begun != before, new
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if self._ring.wait(self.POLL_MS) and self._drain() and self.on_capture is not None:
-                    self.on_capture()  # outside our lock: it takes the probe's
+                if not self._ring.wait(self.POLL_MS):
+                    continue
+                began, new = self._drain()
+                # outside our lock: these take the probe's
+                if new and self.on_processes is not None:
+                    self.on_processes(new)
+                if began and self.on_capture is not None:
+                    self.on_capture()
             except Exception as e:  # a bug must not stop graph following silently
                 log.warning("following CUDA graphs: %s: %s", type(e).__name__, e)
                 self._stop.wait(1.0)

@@ -624,7 +624,8 @@ class Loader:
                              ("kernels", lambda k: k.pid), ("names", lambda k: k.pid),
                              ("capture_streams", lambda k: k.pid), ("capture_events", lambda k: k.pid),
                              ("captures", lambda k: k.pid), ("execs", lambda k: k.pid),
-                             ("launch_stacks", lambda k: k.pid), ("py_procs", lambda k: k.value)):
+                             ("launch_stacks", lambda k: k.pid), ("py_procs", lambda k: k.value),
+                             ("py_seen", lambda k: k.value)):
             table = self.maps[name]
             for k in table.keys():
                 if pid_of(k) in pids:

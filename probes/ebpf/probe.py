@@ -113,7 +113,7 @@ CUDA_ERROR_OUT_OF_MEMORY = 2
 MAX_EVENTS = 256  # undrained "cuda.oom" events kept
 STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
 STACK_KERNELS = 20  # the busiest kernels of a process get their launch stacks in a snapshot
-STACKS_PER_KERNEL = 3
+STACKS_PER_KERNEL = 5
 CAPTURE_HOLD = 60.0  # seconds every launch is probed after a graph capture begins (its nodes are launches)
 GRAPH_CONTENT = ("known", "partial", "unknown")
 
@@ -263,7 +263,8 @@ class EbpfCudaProbe(Probe):
                                       events=self.events_path is not None, attach=self.attach_mode)
         try:
             ld = self._loader
-            self._graphs = graphs_.GraphFollower(ld.graph_ring, graphs_.GraphBook(ld.launches_seen), self._on_capture)
+            self._graphs = graphs_.GraphFollower(ld.graph_ring, graphs_.GraphBook(ld.launches_seen), self._on_capture,
+                                                 self._on_processes)
             if self.events_path is not None:
                 try:
                     self._recorder = events_.EventRecorder(self._loader.events_map, self.events_path, self.max_events)
@@ -425,6 +426,19 @@ class EbpfCudaProbe(Probe):
                                "python": frames})
             out[h] = stacks
         return out
+
+    def _on_processes(self, pids: set[int]) -> None:
+        """Processes whose launches were just sampled for the first time: their Python frames
+        are read from now on if they can be (not at the next collection)."""
+        if not self._lock.acquire(timeout=1.0):
+            return  # the next collection looks at them
+        try:
+            ld = self._loader
+            for pid in pids:
+                if ld is not None and pid not in self._python:
+                    self._read_python(ld, pid)
+        finally:
+            self._lock.release()
 
     def _on_capture(self) -> None:
         """A graph capture began: its nodes are launches, so every launch is probed for a while

@@ -75,7 +75,7 @@ OP_GRAPH_CREATE = 19    # *ARG(ptr) is a new, empty graph (to which nodes are ad
 
 # graph_events kinds (gw_graph_event.kind), one per thing the Python side follows (graphs.py)
 GE_BEGIN, GE_NODE, GE_END, GE_ADD, GE_SET, GE_INSTANTIATE, GE_UPDATE, GE_DESTROY, GE_EXEC_DESTROY, \
-    GE_CLONE, GE_CREATE = range(1, 12)
+    GE_CLONE, GE_CREATE, GE_PROCESS = range(1, 13)  # GE_PROCESS: a process's first sampled launch
 
 # Live-allocation key kinds: device pointers and physical allocation handles are different spaces.
 KIND_DPTR = 0
@@ -393,6 +393,7 @@ HASH_MAPS: dict[str, tuple[str, str, str]] = {
     # launch stacks: sampled launches by stack; the CPython processes whose frames are read
     "launch_stacks": ("gw_launch_stack_key", "u64", "LAUNCH_STACKS_MAX"),
     "py_procs": ("u32", "gw_py", "PY_PROCS_MAX"),
+    "py_seen": ("u32", "u32", "PY_PROCS_MAX"),  # processes said once (GE_PROCESS) to be read for Python
 }
 STACK_DEPTH = 127  # PERF_MAX_STACK_DEPTH: a stack map's value is this many u64 addresses
 MAP_TYPES: dict[str, tuple[str, str]] = {**{k: (v[0], v[1]) for k, v in HASH_MAPS.items()},

@@ -157,3 +157,29 @@ def test_the_live_view_and_summary_show_where_kernels_are_launched_from(fake_cud
     events = json.loads(trace_out.read_text())["traceEvents"]
     launch = next(e for e in events if e.get("name") == "cuLaunchKernel")
     assert launch["args"]["stack"][0] == f"{prog}:11 in launch_from_python"
+
+
+def test_the_agent_reads_a_new_processs_python_frames_from_its_first_launches(fake_cuda, tmp_path):
+    """Every process (the agent's probe): a CPython process is looked at when its first launch is
+    sampled, not at the next collection, so its later samples have their Python frames."""
+    prog = tmp_path / "launcher.py"
+    prog.write_text(PROGRAM.replace("launch_from_python(300)", "launch_from_python(20000)"))
+    probe = EbpfCudaProbe(libraries=[fake_cuda["lib"]], driver_names=False)
+    probe.start()
+    try:
+        p = subprocess.Popen([sys.executable, str(prog), fake_cuda["lib"]], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+        try:
+            assert p.stdout.readline().strip() == "ready"
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            assert p.stdout.readline().strip() == "done"
+            stacks = probe.loader.launch_stacks(p.pid)  # no collection, no snapshot since the start
+        finally:
+            p.stdin.close()
+            p.wait(10)
+    finally:
+        probe.shutdown()
+    (busiest,) = [v for v in stacks.values() if sum(n for n, *_ in v) == samples(20000)]
+    with_python = sum(n for n, _sid, _caller, py in busiest if py)
+    assert with_python >= samples(20000) - 11  # all but the first ones, taken before the process was looked at

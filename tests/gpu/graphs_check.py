@@ -131,7 +131,7 @@ def main() -> int:
             if n_k <= 0:
                 continue
             launched += n_k
-            py = (k.get("stacks") or [{}])[0].get("python") or []
+            py = next((st["python"] for st in k.get("stacks") or [] if st.get("python")), [])
             with_py += n_k if py else 0
             if len(launchers) < 5:
                 launchers.append({"kernel": (k["name"] or k["handle"])[:80], "launches": n_k, "python": py[:4],
@@ -143,7 +143,8 @@ def main() -> int:
                        f"({after['exact'].get('python_frames')})", frac >= 0.9, ""))
         if case == "decode":
             step = [k for k in after["exact"]["kernels"]
-                    if any("graphs_workload.py" in f and "replay" in f for f in ((k.get("stacks") or [{}])[0].get("python") or []))]
+                    if any("graphs_workload.py" in f and "replay" in f for st in k.get("stacks") or []
+                           for f in st.get("python") or [])]
             checks.append((f"decode: the token step's direct kernels named as launched from replay() "
                            f"({len(step)} kernels)", len(step) >= 2, ""))
         if cap.get("kernel_nodes") is not None:
