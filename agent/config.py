@@ -90,6 +90,13 @@ def _process_names(v: str) -> str:
     return ",".join(names)
 
 
+def _pool_libraries(v: str) -> str:
+    from gpuwatch.probes.ebpf.pools import parse_pool_libraries
+
+    parse_pool_libraries(v)
+    return ",".join(e.strip() for e in v.split(",") if e.strip())
+
+
 def _one_of(choices: tuple[str, ...]) -> Callable[[str], str]:
     def check(v: str) -> str:
         if v.lower() not in choices:
@@ -283,6 +290,15 @@ SETTINGS: tuple[Setting, ...] = (
             "launch, exact, at the full cost. Needs links; allocations, copies, syncs and errors are always exact, "
             "and `gpuwatch trace` always counts every launch.",
             "--ebpf-launch-sampling", "a fraction > 0 and <= 1", _fraction),
+    Setting("ebpf", "pool_libraries", str, "",
+            "Libraries of pool allocators beside the known ones (PyTorch's libc10_cuda, CuPy's memory pool, "
+            "XLA/jaxlib, RMM, TensorFlow): live driver allocations whose call stack runs through one are its "
+            "pool (grey; gpuwatch_process_cuda_memory_pooled_bytes{allocator=NAME}), the rest are outside any "
+            "allocator (black). GLOB=NAME pairs separated by commas; a glob matches a library's file name, or "
+            "the end of its path when it holds a /: e.g. `libmypool.so*=mypool`. A known NAME (pytorch, cupy, "
+            "xla, rmm, tensorflow) gains the glob. Read at start.",
+            "--ebpf-pool-libraries", "GLOB=NAME pairs separated by commas, or empty",
+            _pool_libraries),
     Setting("ebpf", "max_processes", int, 32,
             "Processes that get CUDA API series of their own; the rest are folded into pid=\"other\".",
             "--ebpf-max-processes", "an integer >= 1", _at_least(1)),

@@ -156,13 +156,15 @@ def web_config(path: str):
     return web
 
 
-def attach_stacks(findings: list[dict], stacks_of: Callable[[int], list[dict]]) -> list[dict]:
+def attach_stacks(findings: list[dict], stacks_of: Callable[[int, str], list[dict]]) -> list[dict]:
     """Leak findings get the call stacks holding the process's live driver allocations (eBPF), where
-    they say something: for memory taken outside the allocator, or the allocator's pool seen through
-    eBPF. White leaks are tensors: the allocator's stacks would only show its own growth."""
+    they say something: for black, those outside any allocator; for grey, those of the pool that
+    grows (of any pool when the in-process agent reported grey). White leaks are tensors: the
+    allocator's stacks would only show its own growth. stacks_of(pid, allocator) as live_stacks."""
     for f in findings:
         if f.get("kind") == "memory_leak" and f.get("color") in ("black", "grey") and str(f.get("pid", "")).isdigit():
-            f["stacks"] = stacks_of(int(f["pid"]))
+            which = "none" if f["color"] == "black" else (f.get("allocator") or "*")
+            f["stacks"] = stacks_of(int(f["pid"]), which)
     return findings
 
 
@@ -241,7 +243,10 @@ class Daemon:
             "baseline.show": self._baseline_show,
         }, group=cfg.control.group or None)
         probes.append(ControlStatsProbe(self.control))  # gpuwatch_control_requests_total
-        self.runner = Runner(probes, detectors=[LeakDetector(), ThermalDetector(), LaunchDetector(), HealthDetector()],
+        from gpuwatch.probes.ebpf.pools import names, pool_table
+
+        leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
+        self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector()],
                              exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 
@@ -422,12 +427,13 @@ class Daemon:
                        if kind is None or e.attrs.get("kind") == kind][-50:],
         }
 
-    def _live_stacks(self, pid: int) -> list[dict]:
-        """The eBPF probe's allocation stacks for pid; [] when it does not run or is busy."""
+    def _live_stacks(self, pid: int, allocator: str | None = None) -> list[dict]:
+        """The eBPF probe's allocation stacks for pid (of `allocator`: see live_stacks); [] when it
+        does not run or is busy."""
         if self.ebpf is None:
             return []
         try:
-            return self.ebpf.live_stacks(pid, timeout=TRACE_LOCK_WAIT)
+            return self.ebpf.live_stacks(pid, timeout=TRACE_LOCK_WAIT, allocator=allocator)
         except (ProbeBusy, ProbeNotRunning):
             return []
 

@@ -201,8 +201,15 @@ METRICS: tuple[Metric, ...] = (
            ("pid", "process")),
     Metric("gpuwatch.process.cuda.memory.live", "By", Kind.GAUGE,
            "Device memory the process holds through driver allocations seen since the probe attached "
-           "(cuMemAlloc*, cuMemCreate; minus frees): the grey color when no in-process agent reports.",
+           "(cuMemAlloc*, cuMemCreate; minus frees), pooled or not: gpuwatch_process_cuda_memory_pooled_bytes "
+           "says how much of it a pool allocator holds.",
            ("pid", "process")),
+    Metric("gpuwatch.process.cuda.memory.pooled", "By", Kind.GAUGE,
+           "Of the process's live driver allocations, the bytes a pool allocator made, told by the libraries "
+           "on each allocating call stack (allocator: pytorch, cupy, xla, rmm, tensorflow, or a name from "
+           "ebpf.pool_libraries): the grey color when no in-process agent reports. Live minus pooled is "
+           "memory taken outside any allocator (plain cuMemAlloc/cudaMalloc calls).",
+           ("pid", "process", "allocator")),
     Metric("gpuwatch.ebpf.attached", "", Kind.GAUGE,
            "CUDA driver libraries the eBPF probe has attached to, and the uprobes on them.", ("what",)),
     Metric("gpuwatch.ebpf.launch.sampled", "1", Kind.GAUGE,

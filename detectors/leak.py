@@ -4,9 +4,13 @@ Per GPU and process, three series (ARCHITECTURE.md, "Three-color memory"):
 
   white  bytes in live tensors          gpuwatch.process.gpu.memory.allocated (in-process agent, verified)
   grey   bytes the allocator holds      gpuwatch.process.gpu.memory.reserved  (in-process agent, verified),
-                                        else gpuwatch.process.cuda.memory.live (eBPF: driver
-                                        allocations seen since it attached)
+                                        else gpuwatch.process.cuda.memory.pooled (eBPF: live driver
+                                        allocations whose call stack runs through a pool allocator)
   black  bytes the driver charges       gpuwatch.process.gpu.memory.usage     (NVML)
+
+eBPF's live driver allocations are all cuMemAlloc*/cuMemCreate calls, pooled or not: only the pooled
+ones are grey; live minus pooled is memory outside any allocator, and when it grows with black the
+finding says so (plain cuMemAlloc/cudaMalloc calls), whoever reports grey.
 
 A color *grows* when, over a window, the floor of its series rises steadily: the window is cut
 into buckets, each bucket keeps its minimum (the floor: PyTorch's allocations rise and fall with
@@ -28,7 +32,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
@@ -37,6 +41,9 @@ from gpuwatch.agent.trace.render import fmt_bytes
 WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"
 MIB = 1 << 20
+LIVE = "gpuwatch.process.cuda.memory.live"  # eBPF, pooled or not
+POOLED = "gpuwatch.process.cuda.memory.pooled"  # eBPF, by allocator
+OUTSIDE = "none"  # probes/ebpf/pools.py's allocator for bytes outside any allocator
 
 # Per-GPU, per-process series of each color (grey's eBPF fallback is handled on its own). White and
 # grey only as verified (NVML lists the process on that GPU): what an in-process agent reports for a
@@ -52,6 +59,9 @@ WHAT_LEAKS = {
     GREY: "the allocator's pool (grey: reserved bytes grow while allocated bytes do not)",
     BLACK: "memory outside the allocator (black: the driver's charge grows while the allocator's does not)",
 }
+# What leaks, where eBPF tells who made the growing driver allocations.
+POOL_LEAKS = "the allocator's pool (grey: driver allocations made by the {name} grow)"
+OUTSIDE_LEAKS = "memory outside any allocator (black: plain cuMemAlloc/cudaMalloc calls outside any allocator grow)"
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,17 @@ def gave_back(points: Sequence[tuple[float, float]], amount: float, s: LeakSetti
     return peak - latest >= 0.5 * amount
 
 
+def rise(points: Sequence[tuple[float, float]], tr: Trend, now: float, s: LeakSettings) -> float:
+    """How much the series' floor rose over the trend's window, as the trend measures its growth: the
+    last bucket's floor less the first's (a series younger than the window: from its start)."""
+    pts = points[bisect.bisect_left([t for t, _ in points], now - tr.window):]
+    if not pts:
+        return 0.0
+    width = tr.window / s.buckets
+    t0, t1 = pts[0][0], pts[-1][0]
+    return min(v for t, v in pts if t >= t1 - width) - min(v for t, v in pts if t <= t0 + width)
+
+
 def best_trend(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
     """The longest window that shows a steady rise (longer windows estimate the rate better),
     unless the series is a sawtooth."""
@@ -205,6 +226,8 @@ class _Process:
     process: str
     colors: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     grey_from_ebpf: bool = False
+    pooled: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # eBPF, by allocator
+    outside: list[tuple[float, float]] = field(default_factory=list)  # eBPF: live minus pooled
 
 
 def _latest(points: list[tuple[float, float]]) -> float | None:
@@ -225,8 +248,15 @@ class LeakDetector(Detector):
     name = "leak"
     interval = 10.0  # seconds between judgements: trends over minutes need no faster look
 
-    def __init__(self, settings: LeakSettings | None = None) -> None:
+    def __init__(self, settings: LeakSettings | None = None, allocators: Mapping[str, str] | None = None) -> None:
+        """allocators: the pool allocators' names for people by label (probes/ebpf/pools.py, with
+        ebpf.pool_libraries); by default the known ones."""
         self.settings = settings or LeakSettings()
+        if allocators is None:
+            from gpuwatch.probes.ebpf.pools import names
+
+            allocators = names()
+        self.allocators = dict(allocators)
 
     def _processes(self, history: History) -> list[_Process]:
         procs: dict[tuple[str, str], _Process] = {}
@@ -238,17 +268,45 @@ class LeakDetector(Detector):
                     continue
                 p = procs.setdefault((gpu, pid), _Process(gpu, pid, lab.get("process", "")))
                 p.colors[color] = points
-        # Grey from eBPF's live driver allocations when no in-process agent reports it; eBPF counts a
-        # process on all its GPUs together, so only for a process on one GPU.
+        # eBPF: grey from its pooled driver allocations when no in-process agent reports it, and what
+        # lies outside any allocator. eBPF counts a process on all its GPUs together, so only for a
+        # process on one GPU. Pooled points come with the live point of their collection (same ts).
         gpus_of: dict[str, list[_Process]] = {}
         for p in procs.values():
             gpus_of.setdefault(p.pid, []).append(p)
-        for (_, _, labels), points in history.series("gpuwatch.process.cuda.memory.live"):
-            on = gpus_of.get(dict(labels).get("pid", ""), [])
-            if len(on) == 1 and GREY not in on[0].colors:
-                on[0].colors[GREY] = points
-                on[0].grey_from_ebpf = True
+        pooled_of: dict[str, dict[str, list[tuple[float, float]]]] = {}
+        for (_, _, labels), points in history.series(POOLED):
+            lab = dict(labels)
+            pooled_of.setdefault(lab.get("pid", ""), {})[lab.get("allocator", "")] = points
+        for (_, _, labels), points in history.series(LIVE):
+            pid = dict(labels).get("pid", "")
+            on = gpus_of.get(pid, [])
+            if len(on) != 1:
+                continue
+            p = on[0]
+            p.pooled = pooled_of.get(pid, {})
+            at: dict[float, float] = {}
+            for pts in p.pooled.values():
+                for t, v in pts:
+                    at[t] = at.get(t, 0.0) + v
+            p.outside = [(t, v - at.get(t, 0.0)) for t, v in points]
+            if GREY not in p.colors:
+                p.colors[GREY] = [(t, at.get(t, 0.0)) for t, _ in points]
+                p.grey_from_ebpf = True
         return list(procs.values())
+
+    @staticmethod
+    def _growing_allocator(p: _Process, tr: Trend) -> str | None:
+        """The allocator whose pooled bytes rose the most over the trend's window."""
+        best, rise = None, 0.0
+        for name, pts in p.pooled.items():
+            if not pts:
+                continue
+            since = pts[-1][0] - tr.window
+            first = next((v for t, v in pts if t >= since), pts[-1][1])
+            if pts[-1][1] - first > rise:
+                best, rise = name, pts[-1][1] - first
+        return best
 
     def observe(self, history: History) -> Iterable[Finding]:
         s = self.settings
@@ -275,6 +333,11 @@ class LeakDetector(Detector):
                 # The allocator just emptied its pool (out of memory, empty_cache): the driver's charge
                 # lags behind by a sample, and a grey leak must not end as a black one.
                 continue
+            if (color == BLACK and GREY in p.colors and still_rising(p.colors[GREY], s)
+                    and rise(p.colors[GREY], tr, now, s) >= 0.5 * tr.growth):
+                # Black is what lies beyond grey: a pool growing as fast, too young for a trend of its
+                # own, is judged once its window fills, as grey.
+                continue
             free = frees.get(p.gpu)
             if free is None and limits.get(p.gpu) is not None and used.get(p.gpu) is not None:
                 free = max(0.0, limits[p.gpu] - used[p.gpu])
@@ -285,8 +348,14 @@ class LeakDetector(Detector):
             confidence = round(min(1.0, tr.r2) * tr.rising * min(1.0, tr.window / 300.0) ** 0.5, 2)
             grey_source = "ebpf" if p.grey_from_ebpf else ("agent" if GREY in p.colors else "none")
             severity = "critical" if tto is not None and tto < s.critical_seconds else "warning"
+            what, allocator = WHAT_LEAKS[color], None
+            if color == GREY and p.grey_from_ebpf:
+                allocator = self._growing_allocator(p, tr)
+                what = POOL_LEAKS.format(name=self.allocators.get(allocator or "", allocator or "a pool allocator"))
+            elif color == BLACK and p.outside and rise(p.outside, tr, now, s) >= 0.5 * tr.growth:
+                what, allocator = OUTSIDE_LEAKS, OUTSIDE  # eBPF saw most of the growth outside any pool
             summary = (f"process {p.pid} ({p.process}) on GPU {p.gpu} is leaking "
-                       f"{fmt_bytes(tr.rate * 60)}/min: {WHAT_LEAKS[color]}")
+                       f"{fmt_bytes(tr.rate * 60)}/min: {what}")
             if tto is not None:
                 summary += f"; out of memory in {fmt_duration(tto)} at this rate ({fmt_bytes(headroom)} left)"
             if color == BLACK and GREY not in p.colors:
@@ -295,6 +364,7 @@ class LeakDetector(Detector):
                 "pid": p.pid, "process": p.process, "color": color, "rate_bytes_per_second": tr.rate,
                 "growth_bytes": tr.growth, "window_seconds": tr.window, "time_to_oom_seconds": tto,
                 "headroom_bytes": headroom, "confidence": confidence, "grey_source": grey_source,
+                "allocator": allocator,
                 "colors": {c: (None if t is None else round(t.rate, 1)) for c, t in trends.items()},
             }, ts=now))
         return findings

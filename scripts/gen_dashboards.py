@@ -31,6 +31,8 @@ TAG = "gpuwatch"
 # series only from the queries whose needs it can meet on the replayed H200.
 NEEDS = {
     "ebpf": "the eBPF probe (the agent as root, with Debian's python3-bpfcc) and CUDA processes on the node",
+    "ebpf_pool": "the eBPF probe and a process whose driver allocations a pool allocator makes (PyTorch, CuPy, JAX, "
+                 "RMM, TensorFlow, or a library named in ebpf.pool_libraries)",
     "inprocess": "a program started with `gpuwatch run -- CMD` (the in-process CUPTI agent; white and grey "
                  "need PyTorch)",
     "pm_sampling": "CUPTI PM sampling in the daemon (cupti-python installed, GPU counters readable, no other "
@@ -50,6 +52,15 @@ NEEDS = {
 }
 
 LAUNCH_APIS = "cuLaunch.*|cuGraphLaunch.*"  # probes/ebpf/symbols.py: the launch group
+
+
+def outside_allocators(**matchers) -> str:
+    """Live driver bytes outside any pool allocator: live minus pooled (0 pooled where a process has
+    no pooled series, so that it is not dropped)."""
+    by = "sum by (instance, pid, process)"
+    live = sel("gpuwatch.process.cuda.memory.live", **matchers)
+    return (f"{live} - on(instance, pid, process) ({by} ({sel('gpuwatch.process.cuda.memory.pooled', **matchers)}) "
+            f"or {by} (0 * {live}))")
 
 
 # --- PromQL from the registry ---------------------------------------------------------------
@@ -438,14 +449,15 @@ def gpu_memory() -> Dashboard:
                  needs="inprocess"),
                Q(with_index(sel("gpuwatch.process.gpu.memory.reserved", **proc)), "grey (allocator pool) " + who,
                  needs="inprocess"),
-               Q(sel("gpuwatch.process.cuda.memory.live", **proc), "grey (driver allocations, eBPF) {{process}} "
-                 "{{pid}} {{instance}}", needs="ebpf"),
+               Q(f'sum by (instance, pid, process) ({sel("gpuwatch.process.cuda.memory.pooled", **proc)})',
+                 "grey (pooled driver allocations, eBPF) {{process}} {{pid}} {{instance}}", needs="ebpf_pool"),
                Q(with_index(sel("gpuwatch.process.gpu.memory.usage", **proc)), "black (driver) " + who),
                unit="bytes", min=0, colors=COLOR_OF, repeat="process",
                description="White rising steadily: tensors kept alive. Grey rising while white is flat: the "
                            "allocator's pool grows. Black rising while grey is flat: memory taken outside the "
                            "allocator (raw cudaMalloc, library workspaces). Grey from eBPF stands in when no "
-                           "in-process agent reports."),
+                           "in-process agent reports: the driver allocations a pool allocator made, told by their "
+                           "call stacks."),
             ts("White: bytes in live tensors",
                Q(with_index(sel("gpuwatch.process.gpu.memory.allocated", **proc)), who, needs="inprocess"),
                unit="bytes", min=0, width=8, description="torch.cuda.memory_allocated(), from the in-process agent."),
@@ -555,8 +567,16 @@ def cuda_api() -> Dashboard:
                unit="Bps", description="Bytes asked for by allocations, copies and sets."),
             ts("Live device memory by process", Q(sel("gpuwatch.process.cuda.memory.live", **proc), who, needs="ebpf"),
                unit="bytes", min=0,
-               description="Driver allocations (cuMemAlloc*, cuMemCreate) minus frees since the probe attached: "
-                           "the grey color where no in-process agent reports."),
+               description="Driver allocations (cuMemAlloc*, cuMemCreate) minus frees since the probe attached, "
+                           "pooled or not."),
+            ts("Live device memory by allocator",
+               Q(sel("gpuwatch.process.cuda.memory.pooled", **proc), "{{process}} {{pid}} {{allocator}} {{instance}}",
+                 needs="ebpf_pool"),
+               Q(outside_allocators(**proc), "{{process}} {{pid}} outside any allocator {{instance}}", needs="ebpf"),
+               unit="bytes", min=0,
+               description="Who made the live driver allocations, told by the libraries on their call stacks: a "
+                           "pool allocator (the grey color where no in-process agent reports) or plain "
+                           "cuMemAlloc/cudaMalloc calls outside any allocator (black beyond grey)."),
             Row("Launches per kernel (CUPTI)"),
             ts("Launches by kernel",
                Q(f'sum by (process, kernel) ({rate("gpuwatch.process.kernel.launches", **proc)})',

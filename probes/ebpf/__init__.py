@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpuwatch.probes.ebpf.pools import pool_table
 from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, Hook
 
@@ -25,6 +26,7 @@ def from_config(cfg: Config) -> EbpfCudaProbe | None:
     if not cfg.ebpf.enabled:
         return None
     p = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (), max_processes=cfg.ebpf.max_processes,
-                      attach=cfg.ebpf.attach, launch_sampling=cfg.ebpf.launch_sampling)
+                      attach=cfg.ebpf.attach, launch_sampling=cfg.ebpf.launch_sampling,
+                      pools=pool_table(cfg.ebpf.pool_libraries))
     p.deadline = 30.0  # the first start on a machine compiles the BPF program (1-6 s; then it is cached)
     return p

@@ -15,6 +15,7 @@ import logging
 import os
 import platform
 import re
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -105,6 +106,18 @@ def check_environment(compiling: bool = True) -> None:
 
 
 # ---- processes in /proc ----------------------------------------------------------------------
+def _fields(ctype, *fields: tuple[str, str]) -> struct.Struct:
+    """A struct reading these fields (name, struct code; in the order they lie) of one ctype record."""
+    fmt, pos = "<", 0
+    for name, code in fields:
+        f = getattr(ctype, name)
+        if f.offset < pos or struct.calcsize("<" + code) != f.size:
+            raise ValueError(f"{ctype.__name__}.{name}: not where {fields} expects it")
+        fmt += f"{f.offset - pos}x{code}"
+        pos = f.offset + f.size
+    return struct.Struct(fmt + f"{ctypes.sizeof(ctype) - pos}x")
+
+
 # ---- finding libcuda ---------------------------------------------------------------------------
 def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
     """The files a process maps, once each, in its own mount namespace's paths (not deleted ones)."""
@@ -518,13 +531,30 @@ class Loader:
                 out[(v.stack, v.caller)] = (b + v.size, n + 1)
         return out
 
-    def stack_frames(self, stack_id: int, caller: int, pid: int, limit: int = 16, wait: bool = True) -> list[str]:
-        """The frames of an allocation's stack, innermost first (the API, its caller, ...),
-        symbolised and demangled by bcc (in a child, once per address) in the process's binaries:
-        "function+0x1c [library]", or the address when nothing names it. With frame pointers
-        missing (most optimised builds) the walk stops early: the API and its caller are there.
-        wait=False: addresses not symbolised yet are given as hex now and symbolised in the
-        background (a live view must not wait for the child)."""
+    def live_by_pid_stack(self) -> dict[tuple[int, int, int], int]:
+        """Live bytes of every process by allocating stack, in one pass over the live allocations:
+        (pid, stack id, return address) -> bytes. Each collection may ask, so the records are read
+        in batches and decoded with struct (0.5 us an allocation, not 2 through ctypes)."""
+        m, out = self.maps["live"], {}
+        key_of, value_of = _fields(m.key_type, ("pid", "I")), _fields(m.value_type, ("size", "Q"), ("stack", "i"),
+                                                                      ("caller", "Q"))
+        try:
+            for keys, values, _n in m.raw_batches():
+                for (pid,), (size, stack, caller) in zip(key_of.iter_unpack(keys), value_of.iter_unpack(values)):
+                    k = (pid, stack, caller)
+                    out[k] = out.get(k, 0) + size
+            return out
+        except OSError as e:
+            if e.errno not in (22, 95, 524):  # no batch ops here (as Map.items)
+                raise
+        out = {}
+        for k, v in m.items():
+            key = (k.pid, v.stack, v.caller)
+            out[key] = out.get(key, 0) + v.size
+        return out
+
+    def stack_addresses(self, stack_id: int, caller: int, limit: int = symbols.STACK_DEPTH + 1) -> list[int]:
+        """An allocation's stack as addresses, innermost first: the API, its caller, then the walk."""
         addrs: list[int] = []
         if stack_id >= 0:
             v = self.maps["stacks"].lookup(symbols.ctype("u32")(stack_id))
@@ -532,7 +562,16 @@ class Loader:
                 addrs = [a for a in v.ip if a][:limit]
         if caller:  # the walk from the API's first instruction skips its caller
             addrs = addrs[:1] + [caller] + addrs[1:]
-        addrs = addrs[:limit]
+        return addrs[:limit]
+
+    def stack_frames(self, stack_id: int, caller: int, pid: int, limit: int = 16, wait: bool = True) -> list[str]:
+        """The frames of an allocation's stack, innermost first (the API, its caller, ...),
+        symbolised and demangled by bcc (in a child, once per address) in the process's binaries:
+        "function+0x1c [library]", or the address when nothing names it. With frame pointers
+        missing (most optimised builds) the walk stops early: the API and its caller are there.
+        wait=False: addresses not symbolised yet are given as hex now and symbolised in the
+        background (a live view must not wait for the child)."""
+        addrs = self.stack_addresses(stack_id, caller, limit)
         unknown = [a for a in dict.fromkeys(addrs) if (pid, a) not in self._symbols]
         if unknown:
             if wait:

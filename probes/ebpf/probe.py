@@ -50,6 +50,12 @@ saying how many replays were of content known, partial or unknown (instantiated 
 attached), and gpuwatch.cuda.graph.launches / .kernel.launches per process. A capture beginning
 turns the launch probes on for CAPTURE_HOLD seconds (its nodes are launch calls).
 
+Pooled or not: gpuwatch.process.cuda.memory.pooled splits each process's live bytes by the pool
+allocator whose library lies on the allocating call stack (PyTorch's caching allocator, CuPy, XLA,
+RMM, TensorFlow, or ebpf.pool_libraries: pools.py); live minus pooled is memory outside any
+allocator. Classification is cached per stack and per mapped file; the live allocations are read
+only for processes that map a pool library.
+
 Attaching: one multi-uprobe link per library for the return probes, one for the entries and one
 for the launch entries (Linux >= 6.6; loader.attach_method), so attaching to a libcuda and
 detaching from it take milliseconds. On older kernels (or attach="perf_events") each probe is a
@@ -97,6 +103,7 @@ from gpuwatch.probes.ebpf import loader as _loader
 from gpuwatch.probes.ebpf import pyframes
 from gpuwatch.probes.ebpf import symbols
 from gpuwatch.probes.ebpf.symbols import HOOKS, NAME_FUNCTION, NAME_KERNEL, SAMPLED_APIS, curesult_name
+from gpuwatch.probes.ebpf import pools as pools_
 from gpuwatch.probes.process import identity
 from gpuwatch.probes.process.identity import sanitise_process_name
 
@@ -111,6 +118,8 @@ _ATTACH_WORDS = {_loader.LINKS: "multi-uprobe links",
                                       "so attaching and detaching take ~0.1 s per probe"}
 CUDA_ERROR_OUT_OF_MEMORY = 2
 MAX_EVENTS = 256  # undrained "cuda.oom" events kept
+POOL_PASS_SHARE = 0.05  # of the time at most for reading every live allocation (_pooled) ...
+POOL_PASS_CHEAP = 0.05  # ... once a pass takes longer than this (s); quicker ones run at every collection
 STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
 STACK_KERNELS = 20  # the busiest kernels of a process get their launch stacks in a snapshot
 STACKS_PER_KERNEL = 5
@@ -190,7 +199,7 @@ class EbpfCudaProbe(Probe):
                  clock: Callable[[], float] = time.monotonic, launch_latency: bool = False,
                  driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
                  max_events: int = 5_000_000, attach: str = "auto", launch_sampling: float = 1.0,
-                 sampling_period: float = 10.0) -> None:
+                 sampling_period: float = 10.0, pools: Iterable[pools_.Pool] = pools_.POOLS) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
         entry and return probes on the launch APIs too (latency and errors; see the module doc);
@@ -200,7 +209,8 @@ class EbpfCudaProbe(Probe):
         launch_latency, so that launches are calls with a duration too), at most max_events;
         attach: auto | links | perf_events (loader.attach_method); launch_sampling: the fraction of
         each sampling_period (seconds) during which the launch APIs' probes are attached (1: always;
-        links only), their counts estimated from those windows (see _sample_launches)."""
+        links only), their counts estimated from those windows (see _sample_launches); pools: the
+        pool allocators live bytes are attributed to by allocating stack (pools.py)."""
         self.attach_mode = attach
         if not 0 < launch_sampling <= 1:
             raise ValueError(f"launch_sampling {launch_sampling}: a fraction in (0, 1]")
@@ -241,6 +251,11 @@ class EbpfCudaProbe(Probe):
         self._python: dict[int, str | None] = {}  # pid -> why its Python frames are not read (None: they are)
         self._resolvers: dict[int, pyframes.Resolver] = {}
         self._graph_retired = [0, {}]  # kernel launches and replays by content of processes that exited
+        self._pools = pools_.Classifier(pools, clock=clock)
+        self._allocators: dict[int, set[str]] = {}  # pid -> allocators that held its live bytes
+        self._pool_split: dict[int, dict[str, int]] = {}  # the last _pooled pass
+        self._pool_pass_next = 0.0
+        self._pool_timer = time.perf_counter
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -363,6 +378,7 @@ class EbpfCudaProbe(Probe):
         if other_live is not None:
             samples.append(Sample("gpuwatch.process.cuda.memory.live", float(other_live), "",
                                   {"pid": "other", "process": "other"}, wall))
+        samples += self._pooled_samples(ld, live, kept, wall)
         samples.append(Sample("gpuwatch.ebpf.attached", float(sum(1 for lib in ld.libraries.values() if lib.attached)),
                               "", {"what": "libraries"}, wall))
         samples.append(Sample("gpuwatch.ebpf.attached", float(ld.uprobe_count), "", {"what": "uprobes"}, wall))
@@ -703,18 +719,73 @@ class EbpfCudaProbe(Probe):
                 e["stacks"] = stacks.get(int(e["handle"], 16), [])
         return out
 
-    def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None) -> list[dict]:
+    def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None,
+                    allocator: str | None = None) -> list[dict]:
         """The allocating call stacks holding the most live device bytes of `pid` now: what a leak
-        finding points at. Waits at most `timeout` seconds (ProbeBusy); ProbeNotRunning when down."""
+        finding points at. allocator: only the stacks of this pool ("*": of any pool; pools.OUTSIDE:
+        outside any allocator). Waits at most `timeout` seconds (ProbeBusy); ProbeNotRunning when down."""
         with self._running(timeout) as ld:
-            return self._stacks(ld, pid, top)
+            return self._stacks(ld, pid, top, allocator=allocator)
 
-    @staticmethod
-    def _stacks(ld: _loader.Loader, pid: int, top: int = TOP_STACKS, wait: bool = True) -> list[dict]:
-        """The user stacks holding the most live bytes: [{"bytes", "allocations", "frames"}]."""
-        by_stack = sorted(ld.live_by_stack(pid).items(), key=lambda kv: (-kv[1][0], kv[0]))
-        return [{"bytes": b, "allocations": n, "frames": ld.stack_frames(sid, caller, pid, wait=wait)}
-                for (sid, caller), (b, n) in by_stack[:top]]
+    def _stacks(self, ld: _loader.Loader, pid: int, top: int = TOP_STACKS, wait: bool = True,
+                allocator: str | None = None) -> list[dict]:
+        """The user stacks holding the most live bytes: [{"bytes", "allocations", "allocator", "frames"}],
+        "allocator" the pool that made them or pools.OUTSIDE."""
+        by_stack = []
+        for (sid, caller), (b, n) in ld.live_by_stack(pid).items():
+            pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller))  # noqa: B023
+            label = pool.allocator if pool is not None else pools_.OUTSIDE
+            if allocator is None or label == allocator or (allocator == "*" and pool is not None):
+                by_stack.append(((sid, caller), (b, n), label))
+        by_stack.sort(key=lambda e: (-e[1][0], e[0]))
+        return [{"bytes": b, "allocations": n, "allocator": label,
+                 "frames": ld.stack_frames(sid, caller, pid, wait=wait)}
+                for (sid, caller), (b, n), label in by_stack[:top]]
+
+    def _pooled(self, ld: _loader.Loader, live: dict[int, int]) -> dict[int, dict[str, int]]:
+        """pid -> allocator -> the live bytes that pool made (pools.py). The live allocations are
+        read only when a process with live bytes maps a pool library, and only such processes' stacks
+        are classified (the others' bytes are all outside any allocator). A pass that took longer than
+        POOL_PASS_CHEAP (hundreds of thousands of live allocations) is redone only after 1/POOL_PASS_SHARE
+        times as long; meanwhile its split is kept (capped at each process's live bytes)."""
+        now = self._clock()
+        if now < self._pool_pass_next:
+            return {pid: {a: min(b, live[pid]) for a, b in by.items()} for pid, by in self._pool_split.items()
+                    if pid in live}
+        t0 = self._pool_timer()
+        pooled: dict[int, dict[str, int]] = {pid: dict.fromkeys(sorted(self._allocators[pid]), 0)
+                                             for pid in live if pid in self._allocators}
+        mapping = {pid for pid in live if self._pools.maps_pool(pid)}
+        if mapping:
+            for (pid, sid, caller), nbytes in ld.live_by_pid_stack().items():
+                if pid not in mapping:
+                    continue
+                pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller))  # noqa: B023
+                if pool is not None:
+                    acc = pooled.setdefault(pid, {})
+                    acc[pool.allocator] = acc.get(pool.allocator, 0) + nbytes
+                    self._allocators.setdefault(pid, set()).add(pool.allocator)
+        took = self._pool_timer() - t0
+        self._pool_pass_next = now + took / POOL_PASS_SHARE if took > POOL_PASS_CHEAP else now
+        self._pool_split = pooled
+        return pooled
+
+    def _pooled_samples(self, ld: _loader.Loader, live: dict[int, int], kept: set[int], wall: float) -> list[Sample]:
+        """gpuwatch.process.cuda.memory.pooled (_pooled), folded into pid="other" beside live. An
+        allocator once seen in a process keeps its series (0 when its pool is empty) until it exits."""
+        pooled = self._pooled(ld, live)
+        samples, other = [], {}
+        for pid, by_allocator in sorted(pooled.items()):
+            for name, value in sorted(by_allocator.items()):
+                if pid in kept:
+                    samples.append(Sample("gpuwatch.process.cuda.memory.pooled", float(value), "",
+                                          {"pid": str(pid), "process": self._name(pid), "allocator": name}, wall))
+                else:
+                    other[name] = other.get(name, 0) + value
+        samples += [Sample("gpuwatch.process.cuda.memory.pooled", float(v), "",
+                           {"pid": "other", "process": "other", "allocator": name}, wall)
+                    for name, v in sorted(other.items())]
+        return samples
 
     def _calibration(self, fid: tuple[int, int], path: str) -> concurrent.futures.Future:
         """The driver-name calibration of one libcuda file: begun once (in a thread; from the cache
@@ -803,6 +874,9 @@ class EbpfCudaProbe(Probe):
             self._driver_named = {k: v for k, v in self._driver_named.items() if k[0] not in dead}
         if dead:
             self._loader.forget(dead)  # type: ignore[union-attr]
+            self._pools.forget(dead)
+            for pid in dead:
+                self._allocators.pop(pid, None)
         return dead
 
     def _name(self, pid: int) -> str:

@@ -41,7 +41,16 @@ def _build(d: Path) -> dict:
     calls = d / "hooked_calls"  # bench/hooked_calls.c: N calls as fast as it can
     subprocess.run([cc, "-O1", "-pthread", "-o", str(calls), str(HERE.parent.parent / "bench" / "hooked_calls.c"),
                     f"-L{d}", "-l:libcuda.so.1", f"-Wl,-rpath,{d}"], check=True)
-    return {"lib": str(lib), "driver": str(drv), "hooked_calls": str(calls)}
+    # a pool allocator (libfakepool.so) and plain calls, both over a cudart stand-in (libfakert.so)
+    fp, link = "-fno-omit-frame-pointer", [f"-L{d}", f"-Wl,-rpath,{d}"]
+    subprocess.run([cc, "-O1", fp, "-shared", "-fPIC", "-o", str(d / "libfakert.so"), str(HERE / "fakert.c"),
+                    *link, "-l:libcuda.so.1"], check=True)
+    subprocess.run([cc, "-O1", fp, "-shared", "-fPIC", "-o", str(d / "libfakepool.so"), str(HERE / "fakepool.c"),
+                    *link, "-lfakert"], check=True)
+    subprocess.run([cc, "-O1", fp, "-pthread", "-o", str(d / "allocs"), str(HERE / "allocs.c"), *link,
+                    "-lfakepool", "-lfakert", "-l:libcuda.so.1"], check=True)
+    return {"lib": str(lib), "driver": str(drv), "hooked_calls": str(calls), "allocs": str(d / "allocs"),
+            "pool_lib": str(d / "libfakepool.so"), "runtime_lib": str(d / "libfakert.so")}
 
 
 @pytest.fixture(scope="session")
@@ -83,6 +92,39 @@ class Driver:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class Allocs:
+    """tests/ebpf/allocs.c as a subprocess: send() one command, answered "ok"; finish() exits it."""
+
+    def __init__(self, path: str, *wrap: str) -> None:
+        self.proc = subprocess.Popen([*wrap, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().split()
+        assert line[:1] == ["ready"], line
+        self.pid = int(line[1])
+
+    def send(self, *commands: str) -> None:
+        for c in commands:
+            self.proc.stdin.write(c + "\n")
+            self.proc.stdin.flush()
+            assert self.proc.stdout.readline().strip() == "ok", c
+
+    finish = Driver.finish
+
+
+@pytest.fixture
+def allocs(fake_cuda):
+    """Start tests/ebpf/allocs.c processes (stopped at the end of the test)."""
+    started: list[Allocs] = []
+
+    def start(*wrap: str, path: str | None = None) -> Allocs:
+        a = Allocs(path or fake_cuda["allocs"], *wrap)
+        started.append(a)
+        return a
+
+    yield start
+    for a in started:
+        a.finish()
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The dashboards' eBPF panels (CUDA API calls, latency, errors, launches per kernel, live driver
-bytes) through a real Prometheus scraping a real agent whose eBPF probe is attached to the fake
-libcuda.so.1 while tests/ebpf/driver.c makes its known calls: each such query must return series
+bytes, pooled or not) through a real Prometheus scraping a real agent whose eBPF probe is attached to
+the fake libcuda.so.1 while tests/ebpf/driver.c makes its known calls and tests/ebpf/allocs.c takes
+memory from a pool the agent is told of: each such query must return series
 (tests/e2e/test_dashboards_prometheus.py runs the rest, where they can only parse)."""
 import pytest
 
@@ -13,22 +14,27 @@ pytestmark = [pytest.mark.root, pytest.mark.prometheus]
 gen = load_script("gen_dashboards")
 
 
-def test_every_ebpf_panel_returns_series(agent_factory, prometheus, fake_cuda, drivers):  # noqa: F811
+def test_every_ebpf_panel_returns_series(agent_factory, prometheus, fake_cuda, drivers, allocs):  # noqa: F811
     # every launch probed: the driver's launches come in one burst, which a 1-in-10-s window may miss
-    agent = agent_factory("--nvml-replay", str(FIXTURE), "--ebpf-library", fake_cuda["lib"], "--ebpf-launch-sampling", "1")
+    agent = agent_factory("--nvml-replay", str(FIXTURE), "--ebpf-library", fake_cuda["lib"], "--ebpf-launch-sampling", "1",
+                          "--ebpf-pool-libraries", "libfakepool.so=fakepool")
     agent.metrics()
     d = drivers()
+    pool = allocs()
     base = prometheus(f"127.0.0.1:{agent.port}")
     wait_query(base, "gpuwatch_probe_up{probe=\"ebpf\"} == 1", timeout=60)
     d.go()  # the driver's calls, then it waits (alive: its series stay)
+    pool.send("pool 1048576", "plain 4096")
     wait_query(base, f'sum(gpuwatch_cuda_calls_total{{pid="{d.pid}"}}) > 0', timeout=60)
     wait_query(base, f'count_over_time(gpuwatch_cuda_calls_total{{pid="{d.pid}"}}[1m]) >= 3', timeout=60)
+    wait_query(base, f'count_over_time(gpuwatch_process_cuda_memory_pooled_bytes{{pid="{pool.pid}"}}[1m]) >= 3',
+               timeout=60)
     values = {"instance": ".*", "gpu": ".*", "process": ".*", "__rate_interval": "1m", "__range": "1h"}
     empty, checked = [], 0
     for dash in gen.dashboards():
         for panel in dash.panels:
             for q in panel.queries:
-                if q.needs != "ebpf":
+                if q.needs not in ("ebpf", "ebpf_pool"):
                     continue
                 expr = substitute(q.expr, values)
                 answer = run_query(base, expr)

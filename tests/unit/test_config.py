@@ -236,6 +236,31 @@ def test_bad_override_names_the_flag_and_variable():
     assert "expected an integer >= 1" in err(None, {"history.points": "2.5"})
 
 
+def test_pool_libraries_are_glob_name_pairs(tmp_path):
+    p = write(tmp_path, '[ebpf]\npool_libraries = " libfakepool.so*=fakepool ,, */myco/libarena.so=arena,"\n')
+    assert load(p, {}).ebpf.pool_libraries == "libfakepool.so*=fakepool,*/myco/libarena.so=arena"
+    assert load(None, {"ebpf.pool_libraries": "libx.so=pytorch"}).ebpf.pool_libraries == "libx.so=pytorch"
+    assert load(None, {}).ebpf.pool_libraries == ""
+    for value, reason in [
+            ("libfakepool.so", "'libfakepool.so' has no allocator name: expected GLOB=NAME pairs separated by "
+                               "commas, e.g. \"libmypool.so*=mypool\""),
+            ("=fakepool", "'=fakepool' has no library glob before \"=\""),
+            ("libx.so=my pool", "'libx.so=my pool': the allocator name 'my pool' may hold only letters, digits "
+                                "and . _ + - (1 to 64 of them)"),
+            ("libx.so=", "'libx.so=': the allocator name '' may hold only letters, digits and . _ + - (1 to 64 of "
+                         "them)"),
+            ("**=all", "'**=all': the glob '**' names no library (it would match every file)"),
+            ("*.so*=all", "'*.so*=all': the glob '*.so*' matches libcudart.so.13, which every allocation's call "
+                          "stack runs through; name the allocator's own library"),
+            ("libx.so=ok, libc.so*=c", "'libc.so*=c': the glob 'libc.so*' matches libc.so.6, which every "
+                                       "allocation's call stack runs through; name the allocator's own library"),
+            ("libx.so=none", "'libx.so=none': 'none' means outside any allocator; choose another name")]:
+        assert err(None, {"ebpf.pool_libraries": value}) == (
+            f"--ebpf-pool-libraries / $GPUWATCH_EBPF_POOL_LIBRARIES: ebpf.pool_libraries: {reason}"), value
+    p = write(tmp_path, '[ebpf]\npool_libraries = ["libx.so=x"]\n')
+    assert err(p) == f"{p}: ebpf.pool_libraries: expected GLOB=NAME pairs separated by commas, or empty, got a list"
+
+
 def test_unknown_override_is_refused():
     assert "nvml.intervl: unknown setting (did you mean nvml.interval?)" in err(None, {"nvml.intervl": 1})
 

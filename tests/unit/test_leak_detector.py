@@ -109,6 +109,8 @@ def test_black_with_ebpf_grey_flat_is_driver_level():
     h = build(300, black=black, live=lambda i: 4 * GIB)
     f = one(LeakDetector().observe(h))
     assert f.attrs["color"] == BLACK and f.attrs["grey_source"] == "ebpf"
+    # eBPF's own allocations do not grow: the growth is outside what it saw (contexts, ...)
+    assert f.attrs["allocator"] is None and "the driver's charge grows while the allocator's does not" in f.summary
 
 
 def test_black_alone_says_the_part_that_grows_is_unknown():
@@ -494,15 +496,104 @@ LIVE = "gpuwatch.process.cuda.memory.live"
 GPU2 = "GPU-5b1e0f3c-7d2a-4c1b-9e8f-0a1b2c3d4e5f"
 
 
-def test_ebpf_live_bytes_that_grow_are_a_grey_leak():
+POOLED = "gpuwatch.process.cuda.memory.pooled"
+
+
+def pooled(h: History, seconds: int, allocator: str, fn) -> History:
+    """eBPF's pooled bytes of PROC by `allocator`, beside its live bytes (same timestamps)."""
+    return add(h, seconds, POOLED, fn, dict(PROC, allocator=allocator), "")
+
+
+def test_ebpf_pooled_bytes_that_grow_are_a_grey_leak_that_names_the_allocator():
     live = lambda i: 4 * GIB + 2 * MIB * i  # noqa: E731
     h = build(91, black=lambda i: live(i) + 600 * MIB, live=live)
+    pooled(h, 91, "pytorch", lambda i: live(i) - 100 * MIB)  # all but a workspace is PyTorch's pool
     add(h, 91, LIVE, lambda i: 0.0, {"pid": "77", "process": "gone"}, "")  # a process on no GPU: ignored
     (f,) = findings(h)
     assert (f.attrs["color"], f.attrs["grey_source"], f.attrs["rate_bytes_per_second"]) == (GREY, "ebpf", 2 * MIB)
+    assert f.attrs["allocator"] == "pytorch"
     assert f.summary == summary(
-        "the allocator's pool (grey: reserved bytes grow while allocated bytes do not)", "120.0 MiB",
-        "; out of memory in 19.4 h at this rate (136.2 GiB left)")  # 141 GiB less 4.8 GiB, at 2 MiB/s
+        "the allocator's pool (grey: driver allocations made by the PyTorch caching allocator (libc10_cuda) grow)",
+        "120.0 MiB", "; out of memory in 19.4 h at this rate (136.2 GiB left)")  # 141 GiB less 4.8 GiB, at 2 MiB/s
+
+
+def test_ebpf_live_bytes_outside_any_allocator_that_grow_are_black_not_grey():
+    # What an H200 showed: a process leaking plain cudaMalloc memory, no in-process agent. eBPF's live
+    # bytes grow, but none of them are pooled: black, said to be plain calls outside any allocator.
+    live = lambda i: 4 * GIB + 2 * MIB * i  # noqa: E731
+    h = build(91, black=lambda i: live(i) + 600 * MIB, live=live)
+    (f,) = findings(h)
+    assert (f.attrs["color"], f.attrs["grey_source"], f.attrs["allocator"]) == (BLACK, "ebpf", "none")
+    assert f.attrs["colors"] == {GREY: None, BLACK: 2 * MIB}  # grey (pooled) is known, and flat at 0
+    assert f.summary == summary(
+        "memory outside any allocator (black: plain cuMemAlloc/cudaMalloc calls outside any allocator grow)",
+        "120.0 MiB", "; out of memory in 19.4 h at this rate (136.2 GiB left)")
+    # The same beside a pool that holds steady: its bytes are grey, the growth is still outside.
+    h = build(91, black=lambda i: live(i) + 600 * MIB, live=lambda i: live(i) + 3 * GIB)
+    pooled(h, 91, "cupy", lambda i: 3 * GIB)
+    (f,) = findings(h)
+    assert (f.attrs["color"], f.attrs["allocator"]) == (BLACK, "none")
+
+
+def test_black_growing_with_a_pool_too_young_to_judge_waits_for_grey():
+    # NVML charges the process from its start; eBPF's pool series begins 20 s later. When black's
+    # minute is full, grey's is not: black is what lies beyond grey, so nothing yet, then grey.
+    black = lambda i: 2 * GIB + 4 * MIB * i  # noqa: E731
+    pool = lambda i: max(0, i - 20) * 4 * MIB  # noqa: E731
+
+    def judged(seconds: int, pool_rate: float = 1.0) -> list:
+        h = build(seconds, black=black)
+        add(h, seconds, LIVE, lambda i: pool_rate * pool(i) + 100 * MIB)
+        pooled(h, seconds, "pytorch", lambda i: pool_rate * pool(i))
+        return [(f.attrs["color"], f.attrs["allocator"]) for f in findings(h)]
+
+    assert judged(61) == []  # black's 60 s window holds 60 s of rise, grey's 40 s
+    assert judged(91) == [(GREY, "pytorch")]
+    # A pool rising far slower than black does not hold black back.
+    assert judged(61, pool_rate=0.1) == [(BLACK, None)]
+
+
+def test_plain_calls_are_named_once_they_make_most_of_blacks_growth():
+    # eBPF's outside bytes rise for only the last 45 s of black's minute (its process allocated late,
+    # or the probe attached late): most of the growth all the same.
+    black = lambda i: 2 * GIB + 4 * MIB * i  # noqa: E731
+    for start, allocator in ((15, "none"), (40, None)):
+        h = build(61, black=black, live=lambda i, start=start: 100 * MIB + max(0, i - start) * 4 * MIB)
+        (f,) = findings(h)
+        assert (f.attrs["color"], f.attrs["allocator"]) == (BLACK, allocator), start
+        assert ("plain cuMemAlloc/cudaMalloc calls" in f.summary) == (allocator == "none")
+
+
+def test_the_pool_that_grows_is_named_among_several_and_configured_names_are_used():
+    h = build(91, black=lambda i: 20 * GIB + 2 * MIB * i, live=lambda i: 10 * GIB + 2 * MIB * i)
+    pooled(h, 91, "pytorch", lambda i: 8 * GIB)  # steady
+    pooled(h, 91, "fakepool", lambda i: GIB + 2 * MIB * i)  # grows
+    fs = list(LeakDetector(allocators={"fakepool": "fakepool (libfakepool.so*)"}).observe(h))
+    assert [(f.attrs["color"], f.attrs["allocator"]) for f in fs] == [(GREY, "fakepool")]
+    assert fs[0].summary.startswith(
+        f"process 4242 (python3) on GPU {GPU} is leaking 120.0 MiB/min: the allocator's pool (grey: driver "
+        "allocations made by the fakepool (libfakepool.so*) grow)")
+    # An allocator with no name for people is named by its label.
+    (f,) = LeakDetector(allocators={}).observe(h)
+    assert "driver allocations made by the fakepool grow" in f.summary
+
+
+def test_a_frameworks_preallocation_is_a_plateau_never_a_leak():
+    # JAX takes 75 % of the GPU at its start (XLA's BFC allocator, one driver allocation), then its
+    # tensors come and go inside it: a one-time step, not a leak, judged every 10 s for 11 minutes.
+    pre = 0.75 * LIMIT
+    black = lambda i: 600 * MIB + (pre if i >= 30 else 0.0)  # noqa: E731
+    live = lambda i: pre if i >= 30 else 0.0  # noqa: E731
+    for seconds in range(40, 701, 10):
+        h = build(seconds, black=black, live=live)
+        pooled(h, seconds, "xla", live)
+        assert list(LeakDetector().observe(h)) == [], seconds
+    # A preallocation taken over a few seconds, in chunks, is a plateau too.
+    ramp = lambda i: min(max(i - 30, 0), 5) * pre / 5  # noqa: E731
+    for seconds in range(40, 701, 10):
+        h = build(seconds, black=lambda i: 600 * MIB + ramp(i), live=ramp)
+        pooled(h, seconds, "xla", ramp)
+        assert list(LeakDetector().observe(h)) == [], seconds
 
 
 def test_ebpf_live_bytes_of_a_process_on_two_gpus_are_not_its_grey():
@@ -521,10 +612,17 @@ def test_the_in_process_agents_grey_wins_over_ebpf():
     grow = lambda i: 8 * GIB + 2 * MIB * i  # noqa: E731
     h = build(91, steps(GIB, 100 * MIB), lambda i: 2 * GIB, grow, live=grow)
     (f,) = findings(h)
-    assert (f.attrs["color"], f.attrs["grey_source"]) == (BLACK, "agent")
+    assert (f.attrs["color"], f.attrs["grey_source"], f.attrs["allocator"]) == (BLACK, "agent", "none")
+    # eBPF still tells what the growth is: none of its growing bytes were made by a pool
+    assert f.summary == summary(
+        "memory outside any allocator (black: plain cuMemAlloc/cudaMalloc calls outside any allocator grow)",
+        "120.0 MiB", "; out of memory in 18.9 h at this rate (132.8 GiB left)")  # 141 GiB less 8.2 GiB, at 2 MiB/s
+    # Without eBPF's view the growth is only known to be outside the allocator.
+    (f,) = findings(build(91, steps(GIB, 100 * MIB), lambda i: 2 * GIB, grow))
+    assert (f.attrs["color"], f.attrs["allocator"]) == (BLACK, None)
     assert f.summary == summary(
         "memory outside the allocator (black: the driver's charge grows while the allocator's does not)",
-        "120.0 MiB", "; out of memory in 18.9 h at this rate (132.8 GiB left)")  # 141 GiB less 8.2 GiB, at 2 MiB/s
+        "120.0 MiB", "; out of memory in 18.9 h at this rate (132.8 GiB left)")
 
 
 def test_series_without_a_gpu_or_a_pid_and_folded_others_are_not_processes():

@@ -202,16 +202,22 @@ def test_leak_findings_get_the_stacks_that_hold_their_bytes_where_they_tell_some
 
     asked = []
 
-    def stacks_of(pid):
-        asked.append(pid)
-        return [{"bytes": 2**30, "allocations": 3, "frames": ["cuMemAlloc_v2+0x0", "leaky+0x10"]}]
+    def stacks_of(pid, allocator):
+        asked.append((pid, allocator))
+        return [{"bytes": 2**30, "allocations": 3, "allocator": allocator, "frames": ["cuMemAlloc_v2+0x0", "leaky+0x10"]}]
 
-    found = attach_stacks([{"kind": "memory_leak", "color": "black", "pid": "4242"},
+    found = attach_stacks([{"kind": "memory_leak", "color": "black", "pid": "4242", "allocator": None},
                            {"kind": "memory_leak", "color": "white", "pid": "7"},
                            {"kind": "xid", "pid": "9"},
                            {"kind": "memory_leak", "color": "grey", "pid": "other"}], stacks_of)
-    assert asked == [4242]
+    assert asked == [(4242, "none")]  # black: the stacks outside any allocator
     assert found[0]["stacks"][0]["frames"][1] == "leaky+0x10" and all("stacks" not in f for f in found[1:])
+    # grey: the stacks of the pool that grows (eBPF named it), else of any pool (the in-process agent's grey)
+    asked.clear()
+    attach_stacks([{"kind": "memory_leak", "color": "grey", "pid": "5", "allocator": "pytorch"},
+                   {"kind": "memory_leak", "color": "grey", "pid": "6", "allocator": None},
+                   {"kind": "memory_leak", "color": "black", "pid": "8", "allocator": "none"}], stacks_of)
+    assert asked == [(5, "pytorch"), (6, "*"), (8, "none")]
 
 
 # -- exact rules on fake clocks ----------------------------------------------------------------------

@@ -1,0 +1,193 @@
+"""Which pool allocator made a live driver allocation, told by the libraries its allocating stack runs through.
+
+A framework's allocator (PyTorch's caching allocator, CuPy's memory pool, XLA's BFC allocator, RMM,
+TensorFlow's BFC allocator) takes chunks from the driver and hands out pieces of them itself: its
+chunks are the leak detector's grey color. Whatever else a process takes through cuMemAlloc* or
+cuMemCreate (plain cudaMalloc calls, library workspaces) is outside any allocator: black beyond grey.
+
+The eBPF probe keeps, per live allocation, the id of its user stack and its caller's return address.
+Each address is looked up in the process's executable mappings (/proc/PID/maps: no symbols, no bcc
+child; an address is enough where frame pointers are missing), and the allocation belongs to the
+pool of the innermost frame whose file is a pool library (POOLS, and ebpf.pool_libraries); with none,
+it is outside any allocator. A stack that stops short of the allocator's library (a library built
+without frame pointers between it and libcuda) counts as outside: CUDA 13's libcudart keeps them.
+
+Cheap by construction: a process's mappings are read once (again only when an address lies in none
+of them, a library loaded since, at most once a second), a file is matched against the globs once
+per path, and a stack's allocator is found once per (pid, stack id, caller). A collection then only
+sums bytes by stack, and reads the live allocations at all only for processes that map a pool
+library (checked again every `recheck` seconds).
+"""
+from __future__ import annotations
+
+import bisect
+import fnmatch
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+OUTSIDE = "none"  # not a pool: plain cuMemAlloc/cudaMalloc calls outside any allocator
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
+_LIBCUDA = re.compile(r"/libcuda\.so(\.[0-9.]+)?$")  # the hooked API's own frame: never a pool
+# Libraries on (nearly) every allocating stack: a configured glob must not match them.
+_EVERYONES = ("/usr/local/cuda/lib64/libcudart.so.13", "/usr/lib/x86_64-linux-gnu/libc.so.6",
+              "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/bin/python3.12", "/usr/lib/libpython3.12.so.1.0")
+
+
+@dataclass(frozen=True)
+class Pool:
+    allocator: str  # the `allocator` label of gpuwatch.process.cuda.memory.pooled
+    name: str  # for people, in findings
+    patterns: tuple[str, ...]  # globs on a file's basename; with a "/", on the end of its path
+
+    def matches(self, path: str) -> bool:
+        base = path.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(path, "*/" + p) if "/" in p else fnmatch.fnmatchcase(base, p)
+                   for p in self.patterns)
+
+
+# The allocators we know, by where their code lives (wheels and conda packages of 2024-2026).
+POOLS: tuple[Pool, ...] = (
+    Pool("pytorch", "PyTorch caching allocator (libc10_cuda)", ("libc10_cuda.so*",)),
+    Pool("cupy", "CuPy memory pool (cupy.cuda.memory)", ("cupy/cuda/memory.*so", "cupy/cuda/memory.so")),
+    # jaxlib < 0.6: xla_extension.so; >= 0.6: jaxlib/_jax.*.so; the CUDA plugin carries the GPU allocator.
+    Pool("xla", "XLA BFC allocator (jaxlib)", ("xla_extension*.so*", "jaxlib/_jax*.so", "xla_cuda_plugin*.so*",
+                                               "libjax_common*.so*")),
+    Pool("rmm", "RAPIDS Memory Manager (librmm)", ("librmm.so*", "rmm/*memory_resource*.so")),
+    Pool("tensorflow", "TensorFlow BFC allocator (libtensorflow_framework)",
+         ("libtensorflow_framework.so*", "_pywrap_tensorflow_internal.so", "libtensorflow_cc.so*")),
+)
+
+
+def parse_pool_libraries(text: str) -> dict[str, tuple[str, ...]]:
+    """An ebpf.pool_libraries value, "GLOB=NAME" pairs separated by commas, as {NAME: globs}. NAME
+    becomes the allocator label; a known one (pytorch, cupy, xla, rmm, tensorflow) gains the globs.
+    ValueError with the reason when an entry is not that."""
+    extra: dict[str, list[str]] = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        glob, eq, name = (s.strip() for s in entry.partition("="))
+        if not eq:
+            raise ValueError(f"{entry!r} has no allocator name: expected GLOB=NAME pairs separated by commas, "
+                             f"e.g. \"libmypool.so*=mypool\"")
+        if not glob:
+            raise ValueError(f"{entry!r} has no library glob before \"=\"")
+        if not _NAME.match(name):
+            raise ValueError(f"{entry!r}: the allocator name {name!r} may hold only letters, digits and . _ + - "
+                             f"(1 to 64 of them)")
+        if name == OUTSIDE:
+            raise ValueError(f"{entry!r}: {OUTSIDE!r} means outside any allocator; choose another name")
+        if not glob.strip("*?/"):
+            raise ValueError(f"{entry!r}: the glob {glob!r} names no library (it would match every file)")
+        hit = next((path for path in _EVERYONES if Pool("", "", (glob,)).matches(path)), None)
+        if hit is not None:  # every allocation's stack runs through these: all would be pooled
+            raise ValueError(f"{entry!r}: the glob {glob!r} matches {hit.rsplit('/', 1)[-1]}, which every "
+                             f"allocation's call stack runs through; name the allocator's own library")
+        extra.setdefault(name, []).append(glob)
+    return {name: tuple(globs) for name, globs in extra.items()}
+
+
+def pool_table(text: str = "") -> tuple[Pool, ...]:
+    """POOLS with the ebpf.pool_libraries entries added (ValueError for a bad value)."""
+    extra = parse_pool_libraries(text)
+    out = [Pool(p.allocator, p.name, p.patterns + tuple(extra.pop(p.allocator, ()))) for p in POOLS]
+    out += [Pool(name, f"{name} ({', '.join(globs)})", tuple(globs)) for name, globs in extra.items()]
+    return tuple(out)
+
+
+def names(pools: Iterable[Pool] = POOLS) -> dict[str, str]:
+    """allocator label -> name for people."""
+    return {p.allocator: p.name for p in pools}
+
+
+class _Maps:
+    """A process's executable file mappings, sorted by start address."""
+
+    def __init__(self, pid: int, proc: str, now: float) -> None:
+        self.read_at = now
+        rows: list[tuple[int, int, str]] = []
+        try:
+            with open(f"{proc}/{pid}/maps", "rb") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) < 6 or b"x" not in parts[1] or not parts[5].startswith(b"/"):
+                        continue
+                    lo, _, hi = parts[0].partition(b"-")
+                    rows.append((int(lo, 16), int(hi, 16), os.fsdecode(parts[5].rstrip(b"\n"))))
+        except (OSError, ValueError):
+            pass
+        rows.sort()
+        self.starts = [r[0] for r in rows]
+        self.rows = rows
+        self.paths = {r[2] for r in rows}
+
+    def path(self, addr: int) -> str | None:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        if i >= 0 and addr < self.rows[i][1]:
+            return self.rows[i][2]
+        return None
+
+
+class Classifier:
+    """The pool (or None: outside any allocator) of each allocating stack, cached (see the module doc)."""
+
+    def __init__(self, pools: Iterable[Pool] = POOLS, proc: str = "/proc", recheck: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pools = tuple(pools)
+        self.names = names(self.pools)
+        self._proc = proc
+        self._recheck = recheck
+        self._clock = clock
+        self._file: dict[str, Pool | None] = {}  # path -> its pool
+        self._maps: dict[int, _Maps] = {}
+        self._stack: dict[tuple[int, int, int], Pool | None] = {}  # (pid, stack id, caller) -> pool
+
+    def file_pool(self, path: str) -> Pool | None:
+        if path not in self._file:
+            self._file[path] = None if _LIBCUDA.search(path) else next(
+                (p for p in self.pools if p.matches(path)), None)
+        return self._file[path]
+
+    def _process_maps(self, pid: int, fresh: bool = False) -> _Maps:
+        m = self._maps.get(pid)
+        now = self._clock()
+        if m is None or (fresh and now - m.read_at >= 1.0):
+            m = self._maps[pid] = _Maps(pid, self._proc, now)
+        return m
+
+    def maps_pool(self, pid: int) -> bool:
+        """Does the process map a pool library? (Its mappings re-read every `recheck` seconds: a
+        framework may be imported after the first allocation.)"""
+        m = self._maps.get(pid)
+        if m is None or self._clock() - m.read_at >= self._recheck:
+            m = self._maps[pid] = _Maps(pid, self._proc, self._clock())
+        return any(self.file_pool(path) is not None for path in m.paths)
+
+    def pool_of(self, pid: int, stack_id: int, caller: int, addresses: Callable[[], list[int]]) -> Pool | None:
+        """The pool whose library holds the innermost frame of this stack; `addresses()` gives the
+        stack's frames, innermost first (asked once per key)."""
+        key = (pid, stack_id, caller)
+        if key in self._stack:
+            return self._stack[key]
+        pool = None
+        m = self._process_maps(pid)
+        for addr in addresses():
+            path = m.path(addr)
+            if path is None:  # a library loaded since the mappings were read?
+                m = self._process_maps(pid, fresh=True)
+                path = m.path(addr)
+            if path is not None and (pool := self.file_pool(path)) is not None:
+                break
+        self._stack[key] = pool
+        return pool
+
+    def forget(self, pids: Iterable[int]) -> None:
+        gone = set(pids)
+        if not gone:
+            return
+        for pid in gone:
+            self._maps.pop(pid, None)
+        self._stack = {k: v for k, v in self._stack.items() if k[0] not in gone}

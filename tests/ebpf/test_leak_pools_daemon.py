@@ -1,0 +1,85 @@
+"""The leak detector's colors from who allocates, through a real agent: its eBPF probe on the fake
+libcuda.so.1, told that libfakepool.so is a pool (ebpf.pool_libraries), and NVML replayed from the
+H200 with the two leaking processes charged more every second (an edit of the recording).
+
+Two tests/ebpf/allocs.c processes leak, neither with an in-process agent: one through the pool
+(its chunks are grey: the finding names the pool), one with plain calls (black: outside any
+allocator, with the stacks that hold it). Before the allocating stacks were told apart, both were
+grey ("the allocator's pool"). A finding needs a minute of growth: this takes about 70 s.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from gpuwatch.agent.control import ControlError, call
+from tests.conftest import FIXTURE, Agent, series
+
+pytestmark = pytest.mark.root
+
+MIB = 1 << 20
+TICKS = 600  # replayed seconds: longer than the test
+
+
+def charging(tmp, pids, rate: float = 64 * MIB):
+    """The H200 recording with `pids` listed on its GPU, each charged 1 GiB + `rate` more every tick."""
+    rec = json.loads(FIXTURE.read_text())
+    n = rec["ticks"]
+    for calls in (rec["system"], *rec["gpus"]):
+        for op, answers in calls.items():
+            calls[op] = answers + [None] * (TICKS - n)  # None: the latest answer again
+    gpu = rec["gpus"][0]
+    recorded = next(a["value"] for a in reversed(gpu["compute_processes"][:n]) if a is not None)
+    gpu["compute_processes"] = [{"value": recorded + [{"pid": pid, "used_memory": int((1 << 30) + rate * t)}
+                                                      for pid in pids]} for t in range(TICKS)]
+    rec["ticks"] = TICKS
+    path = tmp / "nvml-charging.json"
+    path.write_text(json.dumps(rec))
+    return path
+
+
+def _open_leaks(agent: Agent) -> dict[str, dict]:
+    try:
+        found = call(str(agent.socket), "findings", {"kind": "memory_leak"})["open"]
+    except ControlError:
+        return {}
+    return {f["pid"]: f for f in found}
+
+
+def test_a_pools_leak_is_grey_and_named_and_plain_calls_are_black(tmp_path, allocs, fake_cuda):
+    pooled, plain = allocs(), allocs()
+    agent = Agent(tmp_path / "agent", "--nvml-replay", str(charging(tmp_path, [pooled.pid, plain.pid])),
+                  "--nvml-slow-interval", "1", "--ebpf-library", fake_cuda["lib"],
+                  "--ebpf-pool-libraries", "libfakepool.so=fakepool", "--no-baseline", "--no-cupti-sampling")
+    try:
+        deadline = time.monotonic() + 60
+        while 'gpuwatch_probe_up{probe="ebpf"} 1' not in agent.metrics():
+            assert time.monotonic() < deadline, agent.output()
+            time.sleep(0.2)
+        pooled.send("leak pool 4194304 50")  # 80 MiB/s from the pool: a 32 MiB chunk every 0.4 s
+        plain.send("leak plain 16777216 250")  # 64 MiB/s of plain cudaMalloc-like calls
+        deadline = time.monotonic() + 150
+        while len(leaks := _open_leaks(agent)) < 2:
+            assert time.monotonic() < deadline, f"findings {leaks} after 150 s:\n{agent.output()[-3000:]}"
+            time.sleep(2)
+        grey, black = leaks[str(pooled.pid)], leaks[str(plain.pid)]
+        # the plain calls first: eBPF's live bytes alone once made them grey, "the allocator's pool"
+        assert (black["color"], black["grey_source"], black.get("allocator")) == ("black", "ebpf", "none")
+        assert ("memory outside any allocator (black: plain cuMemAlloc/cudaMalloc calls outside any allocator "
+                "grow)" in black["summary"]), black["summary"]
+        assert black["stacks"] and {s["allocator"] for s in black["stacks"]} == {"none"}
+        assert all("plain+" in " ".join(s["frames"]) for s in black["stacks"])
+        assert (grey["color"], grey["grey_source"], grey.get("allocator")) == ("grey", "ebpf", "fakepool")
+        assert ("is leaking" in grey["summary"] and "the allocator's pool (grey: driver allocations made by the "
+                "fakepool (libfakepool.so) grow)" in grey["summary"]), grey["summary"]
+        assert grey["stacks"] and {s["allocator"] for s in grey["stacks"]} == {"fakepool"}
+        assert all("[libfakepool.so]" in " ".join(s["frames"]) for s in grey["stacks"])
+        text = agent.metrics()
+        pooled_bytes = series(text, "gpuwatch_process_cuda_memory_pooled_bytes")
+        assert [k for k in pooled_bytes if f'pid="{pooled.pid}"' in k] == [
+            f'{{pid="{pooled.pid}",process="allocs",allocator="fakepool"}}']
+        assert not [k for k in pooled_bytes if f'pid="{plain.pid}"' in k]
+    finally:
+        agent.stop()

@@ -1,0 +1,131 @@
+"""The pool allocators' table and the classifier of allocating stacks (probes/ebpf/pools.py), on
+mappings written as /proc/PID/maps has them (the eBPF tests run the same on real uprobes)."""
+from __future__ import annotations
+
+import pytest
+
+from gpuwatch.probes.ebpf import pools
+from gpuwatch.probes.ebpf.pools import POOLS, Classifier, parse_pool_libraries, pool_table
+
+SITE = "/opt/conda/lib/python3.12/site-packages"
+
+
+@pytest.mark.parametrize("path, allocator", [
+    (f"{SITE}/torch/lib/libc10_cuda.so", "pytorch"),
+    (f"{SITE}/cupy/cuda/memory.cpython-312-x86_64-linux-gnu.so", "cupy"),
+    (f"{SITE}/jaxlib/xla_extension.so", "xla"),
+    (f"{SITE}/jaxlib/_jax.cpython-312-x86_64-linux-gnu.so", "xla"),
+    (f"{SITE}/jax_plugins/xla_cuda12/xla_cuda_plugin.so", "xla"),
+    (f"{SITE}/librmm/lib64/librmm.so", "rmm"),
+    (f"{SITE}/rmm/pylibrmm/memory_resource.cpython-312-x86_64-linux-gnu.so", "rmm"),
+    (f"{SITE}/tensorflow/libtensorflow_framework.so.2", "tensorflow"),
+    (f"{SITE}/tensorflow/python/_pywrap_tensorflow_internal.so", "tensorflow"),
+    # not pools: the runtime and the driver, PyTorch's other libraries, CuPy's runtime wrappers and hooks
+    ("/usr/local/cuda/lib64/libcudart.so.13", None),
+    ("/usr/lib/x86_64-linux-gnu/libcuda.so.1", None),
+    (f"{SITE}/torch/lib/libc10.so", None),
+    (f"{SITE}/torch/lib/libtorch_cuda.so", None),
+    (f"{SITE}/cupy_backends/cuda/api/runtime.cpython-312-x86_64-linux-gnu.so", None),
+    (f"{SITE}/cupy/cuda/memory_hook.cpython-312-x86_64-linux-gnu.so", None),
+    (f"{SITE}/mylib/memory.cpython-312-x86_64-linux-gnu.so", None),  # CuPy's module name, elsewhere
+])
+def test_the_known_pools_by_their_libraries(path, allocator):
+    found = Classifier().file_pool(path)
+    assert (found.allocator if found else None) == allocator
+    assert [p.allocator for p in POOLS] == ["pytorch", "cupy", "xla", "rmm", "tensorflow"]
+
+
+def test_the_setting_adds_pools_and_globs_to_known_ones():
+    assert parse_pool_libraries("") == {}
+    assert parse_pool_libraries(" libfakepool.so*=fakepool, libmore.so=fakepool ,libc10_custom.so=pytorch") == {
+        "fakepool": ("libfakepool.so*", "libmore.so"), "pytorch": ("libc10_custom.so",)}
+    table = pool_table("libfakepool.so*=fakepool,myco/arena/*.so=arena,libc10_custom.so=pytorch")
+    assert [p.allocator for p in table] == ["pytorch", "cupy", "xla", "rmm", "tensorflow", "fakepool", "arena"]
+    by = {p.allocator: p for p in table}
+    assert by["pytorch"].name == "PyTorch caching allocator (libc10_cuda)"
+    assert by["pytorch"].patterns == ("libc10_cuda.so*", "libc10_custom.so")
+    assert by["fakepool"].name == "fakepool (libfakepool.so*)"
+    c = Classifier(table)
+    assert c.file_pool("/tmp/x/libfakepool.so").allocator == "fakepool"
+    assert c.file_pool("/srv/myco/arena/big.so").allocator == "arena"  # a glob with a / ends the path
+    assert c.file_pool("/srv/other/arena/big.so") is None
+    assert c.file_pool("/srv/libc10_custom.so").allocator == "pytorch"
+    assert pools.names(table)["arena"] == "arena (myco/arena/*.so)"
+
+
+def maps_file(tmp_path, pid: int, rows: list[tuple[int, int, str, str]]) -> None:
+    d = tmp_path / str(pid)
+    d.mkdir(exist_ok=True)
+    (d / "maps").write_text("".join(f"{lo:x}-{hi:x} {perms} 00000000 08:01 1234 {path}\n"
+                                    for lo, hi, perms, path in rows))
+
+
+LIBCUDA = (0x7000_0000, 0x7100_0000, "r-xp", "/usr/lib/x86_64-linux-gnu/libcuda.so.1")
+CUDART = (0x7200_0000, 0x7210_0000, "r-xp", "/usr/local/cuda/lib64/libcudart.so.13")
+C10 = (0x7300_0000, 0x7310_0000, "r-xp", f"{SITE}/torch/lib/libc10_cuda.so")
+C10_DATA = (0x7310_0000, 0x7320_0000, "rw-p", f"{SITE}/torch/lib/libc10_cuda.so")
+APP = (0x40_0000, 0x50_0000, "r-xp", "/usr/bin/python3.12")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_innermost_pool_frame_decides_and_each_stack_is_classified_once(tmp_path):
+    maps_file(tmp_path, 7, [LIBCUDA, CUDART, C10, C10_DATA, APP,
+                            (0x7400_0000, 0x7410_0000, "r-xp", f"{SITE}/cupy/cuda/memory.cpython-312.so"),
+                            (0x7500_0000, 0x7600_0000, "r--p", "[anon:x]"), (0x7600_0000, 0x7700_0000, "rw-p", "")])
+    c = Classifier(proc=str(tmp_path))
+    asked = []
+
+    def stack(*addrs):
+        return lambda: asked.append(addrs) or list(addrs)
+
+    # cuMemAlloc_v2 <- cudart <- c10 <- python: PyTorch's pool, though its caller is the runtime
+    assert c.pool_of(7, 1, 0x7200_0010, stack(0x7000_0000, 0x7200_0010, 0x7300_0100, 0x40_1000)).allocator == "pytorch"
+    assert c.pool_of(7, 1, 0x7200_0010, stack()).allocator == "pytorch"  # cached: addresses not asked again
+    assert len(asked) == 1
+    # the innermost pool wins: CuPy's pool over PyTorch's further out
+    assert c.pool_of(7, 2, 0, stack(0x7000_0000, 0x7200_0010, 0x7400_0100, 0x7300_0100)).allocator == "cupy"
+    # cudart <- python: outside any allocator; a data mapping of c10 and unmapped addresses count for nothing
+    assert c.pool_of(7, 3, 0, stack(0x7000_0000, 0x7200_0010, 0x7310_0100, 0x7550_0000, 0x40_1000)) is None
+    # libcuda itself is never a pool, whatever a glob says
+    assert Classifier(pool_table("libcuda.so.2=x"), proc=str(tmp_path)).file_pool("/usr/lib/libcuda.so.2") is None
+    # per process: the same stack id and caller in another process has its own mappings
+    maps_file(tmp_path, 8, [LIBCUDA, CUDART, APP])
+    assert c.pool_of(8, 1, 0x7200_0010, stack(0x7000_0000, 0x7200_0010, 0x7300_0100)) is None
+
+
+def test_a_library_loaded_since_is_found_by_reading_the_mappings_again(tmp_path):
+    clock = Clock()
+    maps_file(tmp_path, 7, [LIBCUDA, CUDART, APP])
+    c = Classifier(proc=str(tmp_path), clock=clock)
+    assert c.pool_of(7, 1, 0, lambda: [0x7000_0000, 0x40_1000]) is None
+    assert c.maps_pool(7) is False
+    maps_file(tmp_path, 7, [LIBCUDA, CUDART, C10, APP])  # import torch
+    # read again only a second after the last read
+    assert c.pool_of(7, 2, 0, lambda: [0x7000_0000, 0x7300_0100]) is None
+    clock.now += 1.0
+    assert c.pool_of(7, 3, 0, lambda: [0x7000_0000, 0x7300_0100]).allocator == "pytorch"
+    assert c.pool_of(7, 2, 0, lambda: []) is None  # a stack keeps what it was found to be
+
+
+def test_maps_pool_is_rechecked_every_10_s_and_forget_drops_a_process(tmp_path):
+    clock = Clock()
+    maps_file(tmp_path, 7, [LIBCUDA, APP])
+    c = Classifier(proc=str(tmp_path), clock=clock)
+    assert c.maps_pool(7) is False
+    maps_file(tmp_path, 7, [LIBCUDA, C10, APP])
+    clock.now += 9.9
+    assert c.maps_pool(7) is False
+    clock.now += 0.1
+    assert c.maps_pool(7) is True
+    assert c.pool_of(7, 1, 0, lambda: [0x7300_0000]).allocator == "pytorch"
+    maps_file(tmp_path, 7, [LIBCUDA, APP])  # a new process with the same PID
+    c.forget([7])
+    assert c.maps_pool(7) is False and c.pool_of(7, 1, 0, lambda: [0x7300_0000]) is None
+    assert c.maps_pool(99) is False  # no such process: nothing mapped
