@@ -244,11 +244,13 @@ METRICS: tuple[Metric, ...] = (
     # divide by gpuwatch.cupti.observed for the fraction of time. The busiest kernels
     # of the busiest processes are kept, the rest folded into kernel="other" / pid="other".
     Metric("gpuwatch.process.gpu.memory.allocated", "By", Kind.GAUGE,
-           "Bytes in live tensors (torch.cuda.memory_allocated), from the in-process agent, for a GPU NVML "
+           "Bytes in live tensors or arrays (torch.cuda.memory_allocated, CuPy's pool used_bytes, JAX's "
+           "bytes_in_use; summed when a program uses several), from the in-process agent, for a GPU NVML "
            "lists the process on: the 'white' color of the leak detector.", ("gpu", "pid", "process")),
     Metric("gpuwatch.process.gpu.memory.reserved", "By", Kind.GAUGE,
-           "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved), "
-           "from the in-process agent, for a GPU NVML lists the process on: the 'grey' color.",
+           "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved, "
+           "CuPy's pool total_bytes, JAX's pool_bytes), from the in-process agent, for a GPU NVML lists the "
+           "process on: the 'grey' color.",
            ("gpu", "pid", "process")),
     # Bytes an in-process agent reports for a GPU whose processes NVML cannot list (not supported,
     # folded beyond its cap, another PID namespace): shown, never judged.

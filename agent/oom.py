@@ -30,6 +30,10 @@ FULL = 0.95  # of the GPU's memory in use: an exit then is taken for an OOM
 RECENT_S = 5.0  # how far back "before it exited" looks in the GPU's memory series
 SAME_OOM_S = 60.0  # evidence for the same process within this long is the same OOM
 MAX_TRACKED = 1024  # forecasts kept (processes with a leak finding); the oldest go first
+# Evidence may come after the leak's finding closed: a program that dies of its OOM exits right
+# after its last report, and the runner can see the exit before the report's OOM. Its forecast is
+# kept this long after the finding closed.
+LATE_S = 10.0
 
 CAUSE_WORDS = {"driver": "the driver returned CUDA_ERROR_OUT_OF_MEMORY",
                "out_of_memory_error": "{error}",
@@ -55,6 +59,7 @@ class OomRecorder:
     def __init__(self, history: History, started: float | None = None) -> None:
         self.history = history
         self._forecasts: dict[str, _Forecast] = {}  # pid -> the first forecast of its open leak
+        self._closed: dict[str, tuple[_Forecast, float]] = {}  # pid -> forecast of a leak that closed, when
         self._last_oom: dict[str, float] = {}  # pid -> when its last OOM event was made
         self.events_total: dict[tuple[str, str], int] = {}  # (gpu, cause) -> OOM events
         self.started = time.time() if started is None else started  # wall time the counting began: the histograms' start
@@ -77,6 +82,10 @@ class OomRecorder:
         that was the OOM. The forecast is forgotten either way."""
         pid = str(f.attrs.get("pid", ""))
         fc = self._forecasts.pop(pid, None)
+        if fc is not None:
+            self._closed[pid] = (fc, wall)
+            if len(self._closed) > MAX_TRACKED:
+                del self._closed[next(iter(self._closed))]
         if not exited or fc is None or self._same_oom(pid, wall):
             return None
         full = self._fullness(fc.gpu, wall)
@@ -89,7 +98,7 @@ class OomRecorder:
         pid = str(ev.attrs.get("pid", ""))
         if not pid.isdigit() or self._same_oom(pid, wall):
             return None
-        fc = self._forecasts.get(pid)
+        fc = self._forecast(pid, wall)
         detail = f" to {ev.attrs.get('api', 'an allocation')} ({ev.attrs.get('errors', 1)} calls)"
         return self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc, "driver", wall,
                            detail=detail)
@@ -102,17 +111,26 @@ class OomRecorder:
         framework, how = ev.attrs.get("framework"), ev.attrs.get("how")
         if not pid.isdigit() or framework not in ERRORS or how not in HOW or self._same_oom(pid, wall):
             return None
-        fc = self._forecasts.get(pid)
-        detail = ""
+        fc = self._forecast(pid, wall)
+        detail, extra = "", {"framework": framework, "how": how}
         requested, device = ev.attrs.get("requested_bytes"), ev.attrs.get("device")
         if isinstance(requested, int):
             detail += f" allocating {requested / 2**30:.2f} GiB"
+            extra["requested_bytes"] = requested
         if isinstance(device, int):
             detail += f" on CUDA device {device}"
+            extra["device"] = device
         return self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc,
                            "out_of_memory_error", wall, detail=detail, gpu=ev.resource,
-                           error=HOW[how].format(error=ERRORS[framework]),
-                           extra={"framework": framework, "how": how})
+                           error=HOW[how].format(error=ERRORS[framework]), extra=extra)
+
+    def _forecast(self, pid: str, wall: float) -> _Forecast | None:
+        """The forecast of the process's open leak, or of one that closed in the last LATE_S."""
+        fc = self._forecasts.get(pid)
+        if fc is None and pid in self._closed:
+            closed, at = self._closed[pid]
+            fc = closed if 0 <= wall - at <= LATE_S else None
+        return fc
 
     def _same_oom(self, pid: str, wall: float) -> bool:
         last = self._last_oom.get(pid)
@@ -151,6 +169,8 @@ class OomRecorder:
                          f"({err:+.0%})")
             else:
                 score = f"the leak was found {came / 60:.1f} min before, with no time to OOM forecast"
+        attrs["evidence"] = why  # the summary's parts, for `gpuwatch findings` to lay out
+        attrs["score"] = score
         attrs["summary"] = f"{process or 'process'} (pid {pid}) ran out of GPU memory: {why}; {score}"
         self.events_total[(gpu, cause)] = self.events_total.get((gpu, cause), 0) + 1
         return Event("finding.oom", gpu, attrs, wall)

@@ -32,7 +32,7 @@ TAG = "gpuwatch"
 NEEDS = {
     "ebpf": "the eBPF probe (the agent as root, with Debian's python3-bpfcc) and CUDA processes on the node",
     "inprocess": "a program started with `gpuwatch run -- CMD` (the in-process CUPTI agent; white and grey "
-                 "need PyTorch)",
+                 "need PyTorch, CuPy or JAX)",
     "pm_sampling": "CUPTI PM sampling in the daemon (cupti-python installed, GPU counters readable, no other "
                    "profiler holding them)",
     "leak": "an open leak finding",
@@ -467,10 +467,12 @@ def gpu_memory() -> Dashboard:
                            "in-process agent reports."),
             ts("White: bytes in live tensors",
                Q(with_index(sel("gpuwatch.process.gpu.memory.allocated", **proc)), who, needs="inprocess"),
-               unit="bytes", min=0, width=8, description="torch.cuda.memory_allocated(), from the in-process agent."),
+               unit="bytes", min=0, width=8, description="torch.cuda.memory_allocated(), CuPy's pool used_bytes(), "
+                                                         "JAX's bytes_in_use, from the in-process agent."),
             ts("Grey: the allocator's pool",
                Q(with_index(sel("gpuwatch.process.gpu.memory.reserved", **proc)), who, needs="inprocess"),
-               unit="bytes", min=0, width=8, description="torch.cuda.memory_reserved(), from the in-process agent."),
+               unit="bytes", min=0, width=8, description="torch.cuda.memory_reserved(), CuPy's pool total_bytes(), "
+                                                         "JAX's pool_bytes, from the in-process agent."),
             ts("Black: charged by the driver",
                Q(with_index(sel("gpuwatch.process.gpu.memory.usage", **proc)), who), unit="bytes", min=0, width=8,
                description="NVML's per-process used memory."),
