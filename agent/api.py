@@ -18,13 +18,30 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 
 @dataclass(frozen=True, slots=True)
+class HistogramValue:
+    """A histogram's state, cumulative since `start`: observations per bucket of the registry's
+    bounds (agent/metrics.py Metric.buckets), not cumulative, the last one above every bound."""
+
+    counts: tuple[int, ...]
+    sum: float
+    min: float
+    max: float
+    start: float  # wall-clock seconds when counting began (OTLP's start time of a cumulative point)
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     """One value of a registered metric.
 
-    metric:   the metric's registry name (its OpenTelemetry name, e.g. "hw.temperature").
-    resource: the GPU UUID for per-GPU metrics, "" for node or agent metrics.
-    labels:   the metric's other label values (never the GPU, which is the resource).
-    ts:       wall-clock seconds (time.time()) when the value was read.
+    metric:    the metric's registry name (its OpenTelemetry name, e.g. "hw.temperature").
+    resource:  the GPU UUID for per-GPU metrics, "" for node or agent metrics.
+    labels:    the metric's other label values (never the GPU, which is the resource).
+    ts:        wall-clock seconds (time.time()) when the value was read.
+    histogram: for a histogram metric, its state (value is then its count).
     """
 
     metric: str
@@ -32,6 +49,7 @@ class Sample:
     resource: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     ts: float = field(default_factory=time.time)
+    histogram: HistogramValue | None = None
 
     def series_key(self) -> tuple:
         return (self.metric, self.resource, tuple(sorted(self.labels.items())))

@@ -230,10 +230,23 @@ def _print_findings(found: dict, what: str) -> None:
                 frames = " ← ".join(st.get("frames", [])[1:4]) or "(no stack)"
                 console.print(f"    {st['bytes'] / 2**20:,.0f} MiB live in {st['allocations']} allocations ← "
                               f"{escape(frames)}")
-    if found["recent"]:
+    ooms = found.get("ooms") or []  # an older agent does not send them
+    if ooms:
+        console.print()
+        console.print("out of memory:")
+        for e in ooms[-10:]:
+            who = f"{e.get('process') or 'process'} (pid {e.get('pid', '?')})"
+            where = f" on {e['resource']}" if e.get("resource") else ""
+            # the forecast beside when it came, then what said it was an OOM
+            console.print(f"  {_when(e['ts'])}  {escape(who + where)}: {escape(str(e.get('score', '')))}",
+                          soft_wrap=True)
+            console.print(f"      {escape(str(e.get('evidence', '')))}", soft_wrap=True)
+    # OOMs have their section above: the rest of what opened and closed here
+    recent = [e for e in found["recent"] if not (ooms and e.get("event") == "finding.oom")]
+    if recent:
         console.print()
         console.print("recent:")
-        for e in found["recent"][-10:]:
+        for e in recent[-10:]:
             console.print(f"  {_when(e['ts'])}  {e['event'].removeprefix('finding.'):7}  {escape(e['summary'])}")
 
 

@@ -49,6 +49,7 @@ LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 # compiles and attaches) before answering that it is busy: well within the client's timeout.
 TRACE_EXACT_S = 60.0  # launches counted exactly this long after each trace.snapshot
 TRACE_LOCK_WAIT = 3.0
+OOMS_SHOWN = 20  # the latest OOM events `gpuwatch findings` and `gpuwatch leaks` list
 
 
 class DaemonError(GpuwatchError):
@@ -420,11 +421,14 @@ class Daemon:
                 events = list(reversed(self.store.recent_events(500, prefix="finding.")))
             except StoreError as e:
                 log.warning("findings: %s; showing this run's only", e)
+        as_dict = lambda e: {"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs}  # noqa: E731
         return {
             "open": attach_stacks([dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in snap.findings
                                    if kind is None or f.kind == kind], self._live_stacks),
-            "recent": [{"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs} for e in events
-                       if kind is None or e.attrs.get("kind") == kind][-50:],
+            "recent": [as_dict(e) for e in events if kind is None or e.attrs.get("kind") == kind][-50:],
+            # The OOMs, each beside the forecast its leak finding made: with leaks too (what they foretold)
+            "ooms": [as_dict(e) for e in events if e.kind == "finding.oom"][-OOMS_SHOWN:]
+                    if kind in (None, "memory_leak", "oom") else [],
         }
 
     def _live_stacks(self, pid: int, allocator: str | None = None) -> list[dict]:

@@ -12,15 +12,22 @@ which travels in Sample.resource.
 """
 from __future__ import annotations
 
+import bisect
 import enum
+import math
 import re
 from dataclasses import dataclass
+
+from gpuwatch.agent.api import HistogramValue
 
 
 class Kind(enum.Enum):
     GAUGE = "gauge"
     COUNTER = "counter"  # monotonic; Prometheus name gets `_total`
     INFO = "info"  # constant 1 carrying identity labels; Prometheus name ends in `_info`
+    # Observations in buckets (Metric.buckets), cumulative: Prometheus `_bucket{le}`, `_sum` and
+    # `_count` series; an OpenTelemetry explicit-bucket histogram.
+    HISTOGRAM = "histogram"
 
 
 # UCUM unit -> Prometheus suffix. "" means no suffix (states, counts of things).
@@ -46,6 +53,7 @@ class Metric:
     kind: Kind
     help: str
     labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()  # a histogram's upper bounds, ascending (+Inf is implied)
 
     @property
     def per_gpu(self) -> bool:
@@ -66,6 +74,38 @@ class Metric:
     def prom_exposed_name(self) -> str:
         """The name as it appears in the exposition (with `_total` for counters)."""
         return self.prom_name + ("_total" if self.kind is Kind.COUNTER else "")
+
+    @property
+    def prom_series_names(self) -> tuple[str, ...]:
+        """The names of its series in the exposition (a histogram has three)."""
+        if self.kind is Kind.HISTOGRAM:
+            return tuple(f"{self.prom_name}_{s}" for s in ("bucket", "sum", "count"))
+        return (self.prom_exposed_name,)
+
+
+class Histogram:
+    """Counts observations into a histogram metric's buckets; value() is the immutable state a
+    Sample carries. Not thread-safe: one owner (the runner's thread) observes and reads it."""
+
+    def __init__(self, name: str, start: float) -> None:
+        m = get(name)
+        if m.kind is not Kind.HISTOGRAM:
+            raise ValueError(f"{name} is a {m.kind.value}, not a histogram")
+        self.bounds = m.buckets
+        self.counts = [0] * (len(m.buckets) + 1)
+        self.sum = 0.0
+        self.min = math.inf
+        self.max = -math.inf
+        self.start = start
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, v)] += 1  # le: a value on a bound is in that bucket
+        self.sum += v
+        self.min = min(self.min, v)
+        self.max = max(self.max, v)
+
+    def value(self) -> HistogramValue:
+        return HistogramValue(tuple(self.counts), self.sum, self.min, self.max, self.start)
 
 
 _G = ("gpu",)
@@ -221,11 +261,13 @@ METRICS: tuple[Metric, ...] = (
     # divide by gpuwatch.cupti.observed for the fraction of time. The busiest kernels
     # of the busiest processes are kept, the rest folded into kernel="other" / pid="other".
     Metric("gpuwatch.process.gpu.memory.allocated", "By", Kind.GAUGE,
-           "Bytes in live tensors (torch.cuda.memory_allocated), from the in-process agent, for a GPU NVML "
+           "Bytes in live tensors or arrays (torch.cuda.memory_allocated, CuPy's pool used_bytes, JAX's "
+           "bytes_in_use; summed when a program uses several), from the in-process agent, for a GPU NVML "
            "lists the process on: the 'white' color of the leak detector.", ("gpu", "pid", "process")),
     Metric("gpuwatch.process.gpu.memory.reserved", "By", Kind.GAUGE,
-           "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved), "
-           "from the in-process agent, for a GPU NVML lists the process on: the 'grey' color.",
+           "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved, "
+           "CuPy's pool total_bytes, JAX's pool_bytes), from the in-process agent, for a GPU NVML lists the "
+           "process on: the 'grey' color.",
            ("gpu", "pid", "process")),
     # Bytes an in-process agent reports for a GPU whose processes NVML cannot list (not supported,
     # folded beyond its cap, another PID namespace): shown, never judged.
@@ -281,12 +323,16 @@ METRICS: tuple[Metric, ...] = (
            "included, over the growth rate).", ("gpu", "pid", "process", "color")),
     Metric("gpuwatch.oom.events", "", Kind.COUNTER,
            "Out-of-memory events since the agent started: the driver returned CUDA_ERROR_OUT_OF_MEMORY "
-           "(cause=\"driver\", eBPF), or a process with a leak finding exited with its GPU >= 95 % full "
-           "(cause=\"gpu_full_at_exit\"). gpu is empty when no leak was found for the process.", ("gpu", "cause")),
-    Metric("gpuwatch.oom.forecast.error", "1", Kind.GAUGE,
-           "For the last OOM on the GPU that a leak finding had forecast: when it came over when it was "
-           "forecast, minus 1 (0.05: 5 % later than forecast; the forecast made when the leak was first found).",
-           ("gpu",)),
+           "(cause=\"driver\", eBPF), the program's framework raised its out-of-memory error "
+           "(cause=\"out_of_memory_error\", the in-process agent of `gpuwatch run`), or a process with a leak "
+           "finding exited with its GPU >= 95 % full (cause=\"gpu_full_at_exit\"). gpu is the leak's GPU, or "
+           "the GPU the in-process agent named (one NVML lists the process on); empty when neither is known.",
+           ("gpu", "cause")),
+    Metric("gpuwatch.oom.forecast.error", "1", Kind.HISTOGRAM,
+           "OOMs a leak finding had forecast, by how far off the forecast made when the leak was first found "
+           "was: |came / forecast - 1| (0.05: 5 % off), came=early (before the forecast) or late. "
+           "histogram_quantile() over its buckets gives the typical error.",
+           ("gpu", "came"), buckets=(0.05, 0.1, 0.2, 0.5, 1.0, 2.0)),
     # --- GPM (Hopper and newer) ----------------------------------------------------------
     Metric("gpuwatch.gpu.sm.activity", "1", Kind.GAUGE,
            "GPM: fraction of time at least one warp was active on an SM, averaged over SMs.", _G),
@@ -380,6 +426,12 @@ def _check_registry() -> None:
     seen: dict[str, str] = {}
     for m in METRICS:
         assert m.unit in _UNIT_SUFFIX, f"{m.name}: unit {m.unit!r} has no Prometheus suffix rule"
+        if m.kind is Kind.HISTOGRAM:
+            assert m.buckets and list(m.buckets) == sorted(set(m.buckets)) and math.isfinite(m.buckets[-1]), \
+                f"{m.name}: a histogram's buckets are finite bounds, ascending"
+            assert "le" not in m.labels, f"{m.name}: le is the bucket's label"
+        else:
+            assert not m.buckets, f"{m.name}: only histograms have buckets"
         assert m.prom_name not in seen, f"{m.name} and {seen[m.prom_name]} derive the same Prometheus name"
         seen[m.prom_name] = m.name
 

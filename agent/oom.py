@@ -5,27 +5,45 @@ was. Evidence, whichever comes first (one event per process and OOM, not one per
 
 - the driver returned CUDA_ERROR_OUT_OF_MEMORY to the process (the eBPF probe's "cuda.oom"
   events: its errors by return code rose);
+- the program's framework raised its out-of-memory error (torch.OutOfMemoryError, CuPy's
+  OutOfMemoryError, JAX's RESOURCE_EXHAUSTED): the in-process agent of `gpuwatch run` saw it and
+  said so in its report, which the daemon checked (probes/cupti/reports.py: "framework.oom" events);
 - a process with an open memory-leak finding exited while its GPU was nearly full
   (hw.gpu.memory.usage / limit >= FULL in the last seconds before).
 
 Each becomes a "finding.oom" event (stored and shown by `gpuwatch findings` like the other
 finding events) beside the forecast made when the leak was first found: "forecast 3.0 min, came
-at 3.1 min (+3 %)". The runner owns the one OomRecorder; it calls it from its own thread only.
+at 3.1 min (+3 %)", and the forecast's error is counted in a histogram per GPU
+(gpuwatch_oom_forecast_error_ratio). The runner owns the one OomRecorder; it calls it from its own
+thread only.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from gpuwatch.agent.api import Event, Finding, Sample
 from gpuwatch.agent.history import History
+from gpuwatch.agent.metrics import Histogram
 
 FULL = 0.95  # of the GPU's memory in use: an exit then is taken for an OOM
 RECENT_S = 5.0  # how far back "before it exited" looks in the GPU's memory series
 SAME_OOM_S = 60.0  # evidence for the same process within this long is the same OOM
 MAX_TRACKED = 1024  # forecasts kept (processes with a leak finding); the oldest go first
+# Evidence may come after the leak's finding closed: a program that dies of its OOM exits right
+# after its last report, and the runner can see the exit before the report's OOM. Its forecast is
+# kept this long after the finding closed.
+LATE_S = 10.0
 
 CAUSE_WORDS = {"driver": "the driver returned CUDA_ERROR_OUT_OF_MEMORY",
+               "out_of_memory_error": "{error}",
                "gpu_full_at_exit": "it exited with its GPU {full:.0%} full"}
+# What the in-process agent's framework names mean (wire.OOM_FRAMEWORKS): the words are ours, never
+# the client's.
+ERRORS = {"torch": "torch.OutOfMemoryError", "cupy": "cupy.cuda.memory.OutOfMemoryError",
+          "jax": "JAX's RESOURCE_EXHAUSTED error"}
+HOW = {"allocator": "PyTorch's allocator raised {error}", "uncaught": "it died of an uncaught {error}"}
+ERROR_HISTOGRAM = "gpuwatch.oom.forecast.error"
 
 
 @dataclass
@@ -38,12 +56,14 @@ class _Forecast:
 
 
 class OomRecorder:
-    def __init__(self, history: History) -> None:
+    def __init__(self, history: History, started: float | None = None) -> None:
         self.history = history
         self._forecasts: dict[str, _Forecast] = {}  # pid -> the first forecast of its open leak
+        self._closed: dict[str, tuple[_Forecast, float]] = {}  # pid -> forecast of a leak that closed, when
         self._last_oom: dict[str, float] = {}  # pid -> when its last OOM event was made
         self.events_total: dict[tuple[str, str], int] = {}  # (gpu, cause) -> OOM events
-        self.last_error: dict[str, float] = {}  # gpu -> the last OOM's forecast error ratio
+        self.started = time.time() if started is None else started  # wall time the counting began: the histograms' start
+        self.errors: dict[tuple[str, str], Histogram] = {}  # (gpu, came) -> |forecast error ratio|
 
     def leak_seen(self, f: Finding, wall: float) -> None:
         """A memory-leak finding is open (at the runner's time `wall`): keep the first forecast made
@@ -62,6 +82,10 @@ class OomRecorder:
         that was the OOM. The forecast is forgotten either way."""
         pid = str(f.attrs.get("pid", ""))
         fc = self._forecasts.pop(pid, None)
+        if fc is not None:
+            self._closed[pid] = (fc, wall)
+            if len(self._closed) > MAX_TRACKED:
+                del self._closed[next(iter(self._closed))]
         if not exited or fc is None or self._same_oom(pid, wall):
             return None
         full = self._fullness(fc.gpu, wall)
@@ -74,10 +98,39 @@ class OomRecorder:
         pid = str(ev.attrs.get("pid", ""))
         if not pid.isdigit() or self._same_oom(pid, wall):
             return None
-        fc = self._forecasts.get(pid)
+        fc = self._forecast(pid, wall)
         detail = f" to {ev.attrs.get('api', 'an allocation')} ({ev.attrs.get('errors', 1)} calls)"
         return self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc, "driver", wall,
                            detail=detail)
+
+    def framework_oom(self, ev: Event, wall: float) -> Event | None:
+        """The in-process agent saw its framework raise an out-of-memory error ("framework.oom",
+        made by the daemon from a checked report: its pid from the kernel, its fields from choices
+        and bounds; ev.resource is the GPU it named when NVML lists the process there, else "")."""
+        pid = str(ev.attrs.get("pid", ""))
+        framework, how = ev.attrs.get("framework"), ev.attrs.get("how")
+        if not pid.isdigit() or framework not in ERRORS or how not in HOW or self._same_oom(pid, wall):
+            return None
+        fc = self._forecast(pid, wall)
+        detail, extra = "", {"framework": framework, "how": how}
+        requested, device = ev.attrs.get("requested_bytes"), ev.attrs.get("device")
+        if isinstance(requested, int):
+            detail += f" allocating {requested / 2**30:.2f} GiB"
+            extra["requested_bytes"] = requested
+        if isinstance(device, int):
+            detail += f" on CUDA device {device}"
+            extra["device"] = device
+        return self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc,
+                           "out_of_memory_error", wall, detail=detail, gpu=ev.resource,
+                           error=HOW[how].format(error=ERRORS[framework]), extra=extra)
+
+    def _forecast(self, pid: str, wall: float) -> _Forecast | None:
+        """The forecast of the process's open leak, or of one that closed in the last LATE_S."""
+        fc = self._forecasts.get(pid)
+        if fc is None and pid in self._closed:
+            closed, at = self._closed[pid]
+            fc = closed if 0 <= wall - at <= LATE_S else None
+        return fc
 
     def _same_oom(self, pid: str, wall: float) -> bool:
         last = self._last_oom.get(pid)
@@ -92,13 +145,14 @@ class OomRecorder:
         return used / limit if used is not None and limit else None
 
     def _event(self, pid: str, process: str, fc: _Forecast | None, cause: str, wall: float, full: float = 0.0,
-               detail: str = "") -> Event:
+               detail: str = "", gpu: str = "", error: str = "", extra: dict | None = None) -> Event:
         self._last_oom[pid] = wall
         if len(self._last_oom) > MAX_TRACKED:
             del self._last_oom[next(iter(self._last_oom))]
-        gpu = fc.gpu if fc else ""
-        attrs: dict = {"kind": "oom", "severity": "critical", "pid": pid, "process": process, "cause": cause}
-        why = CAUSE_WORDS[cause].format(full=full) + detail
+        gpu = fc.gpu if fc else gpu  # the leak's GPU first: its forecast is what is scored
+        attrs: dict = {"kind": "oom", "severity": "critical", "pid": pid, "process": process, "cause": cause,
+                       **(extra or {})}
+        why = CAUSE_WORDS[cause].format(full=full, error=error) + detail
         score = "no leak was forecast for it"
         if fc is not None:
             came = wall - fc.found_at
@@ -106,11 +160,17 @@ class OomRecorder:
             if fc.seconds:
                 err = came / fc.seconds - 1
                 attrs.update(forecast_seconds=round(fc.seconds, 1), forecast_error_ratio=round(err, 4))
-                self.last_error[gpu] = err
+                came_when = "early" if err < 0 else "late"
+                hist = self.errors.get((gpu, came_when))
+                if hist is None:
+                    hist = self.errors[(gpu, came_when)] = Histogram(ERROR_HISTOGRAM, self.started)
+                hist.observe(abs(attrs["forecast_error_ratio"]))  # as the event says it: 5.0 % is in le 0.05
                 score = (f"forecast {fc.seconds / 60:.1f} min when the leak was found, came at {came / 60:.1f} min "
                          f"({err:+.0%})")
             else:
                 score = f"the leak was found {came / 60:.1f} min before, with no time to OOM forecast"
+        attrs["evidence"] = why  # the summary's parts, for `gpuwatch findings` to lay out
+        attrs["score"] = score
         attrs["summary"] = f"{process or 'process'} (pid {pid}) ran out of GPU memory: {why}; {score}"
         self.events_total[(gpu, cause)] = self.events_total.get((gpu, cause), 0) + 1
         return Event("finding.oom", gpu, attrs, wall)
@@ -118,5 +178,7 @@ class OomRecorder:
     def samples(self, wall: float) -> list[Sample]:
         out = [Sample("gpuwatch.oom.events", float(n), gpu, {"cause": cause}, wall)
                for (gpu, cause), n in sorted(self.events_total.items())]
-        out += [Sample("gpuwatch.oom.forecast.error", err, gpu, {}, wall) for gpu, err in sorted(self.last_error.items())]
+        for (gpu, came), hist in sorted(self.errors.items()):
+            h = hist.value()
+            out.append(Sample(ERROR_HISTOGRAM, float(h.count), gpu, {"came": came}, wall, histogram=h))
         return out

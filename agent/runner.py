@@ -24,6 +24,10 @@ from gpuwatch.agent.snapshot import EMPTY, ProbeStatus, Snapshot
 from gpuwatch.probes.process import identity
 
 LEAK_KIND = "memory_leak"  # detectors/leak.py KIND: the findings whose forecasts OOM events score
+# Probes' evidence of an out-of-memory: turned into "finding.oom" events (or dropped as the same
+# OOM) by the OomRecorder, never passed on as they are.
+OOM_EVIDENCE = {"cuda.oom": OomRecorder.driver_oom,  # eBPF: CUDA_ERROR_OUT_OF_MEMORY
+                "framework.oom": OomRecorder.framework_oom}  # in-process agents' reports (probes/cupti)
 
 log = logging.getLogger("gpuwatch.runner")
 
@@ -133,7 +137,7 @@ class Runner:
         self.findings_dropped = 0
         self.exporters = list(exporters)
         self.history = history or History()
-        self.oom = OomRecorder(self.history)  # OOM events, scored against the leak forecasts
+        self.oom = OomRecorder(self.history, wallclock())  # OOM events, scored against the leak forecasts
         self.events: deque[Event] = deque(maxlen=max_events)
         self.on_event = on_event
         self.snapshot: Snapshot = EMPTY
@@ -289,8 +293,8 @@ class Runner:
                 if points:
                     slot.appended_until = max(slot.appended_until, max(s.ts for s in points))
             for ev in events:
-                if ev.kind == "cuda.oom":  # evidence, scored against the leak forecast
-                    ev = self.oom.driver_oom(ev, wall)
+                if ev.kind in OOM_EVIDENCE:  # evidence, scored against the leak forecast
+                    ev = OOM_EVIDENCE[ev.kind](self.oom, ev, wall)
                     if ev is None:
                         continue
                 self._add_event(ev)

@@ -374,6 +374,10 @@ class ReportCopy(Message):
     gpu_seconds: float = wire(Float(), 0.0)
 
 
+MEMORY_FRAMEWORKS = ("torch", "cupy", "jax")  # probes/cupti/frameworks.py FRAMEWORKS
+OOM_HOW = ("allocator", "uncaught")  # PyTorch's allocator said so (caught or not); nothing caught it
+
+
 @dataclass(frozen=True)
 class ReportMemory(Message):
     device: int = wire(Int(0, MAX_GPUS - 1), 0)
@@ -381,6 +385,22 @@ class ReportMemory(Message):
     allocated: int = wire(Int(0, MAX_BYTES), 0)
     reserved: int = wire(Int(0, MAX_BYTES), 0)
     ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)  # the client's clock: an ordering hint only
+    # whose allocators the bytes are (summed when a program uses more than one)
+    frameworks: tuple = wire(ListOf(Str(8, choices=MEMORY_FRAMEWORKS), len(MEMORY_FRAMEWORKS)), ())
+
+
+@dataclass(frozen=True)
+class ReportOom(Message):
+    """The last out-of-memory error the in-process agent saw its framework raise. Names only from
+    choices, numbers bounded: the daemon words the event itself (agent/oom.py), stamps its time and
+    takes the pid from the kernel."""
+
+    count: int = wire(Int(1, 2**32))  # errors seen since the agent started: a rise is a new one
+    framework: str = wire(Str(8, choices=MEMORY_FRAMEWORKS))
+    how: str = wire(Str(16, choices=OOM_HOW))
+    device: int | None = wire(Opt(Int(0, MAX_GPUS - 1)), None)
+    requested_bytes: int | None = wire(Opt(Int(0, MAX_BYTES)), None)
+    ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)  # the client's clock: not used
 
 
 @dataclass(frozen=True)
@@ -399,6 +419,7 @@ class CuptiReport(Message):
     kernels_other: ReportKernelsOther = wire(Obj(ReportKernelsOther), ReportKernelsOther())
     copies: tuple = wire(ListOf(Obj(ReportCopy), 64), ())
     memory: tuple = wire(ListOf(Obj(ReportMemory), 64), ())
+    oom: ReportOom | None = wire(Opt(Obj(ReportOom)), None)
 
 
 # -- the control methods ---------------------------------------------------------------------------

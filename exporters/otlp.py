@@ -173,6 +173,58 @@ def _sdk_pieces(protocol: str, endpoint: str, headers: Mapping[str, str], certif
     return [_failures_with_status_counted(made[sig][0](endpoint=base + made[sig][1], **kw)) for sig in signals]
 
 
+HISTOGRAMS = [m for m in registry.METRICS if m.kind is registry.Kind.HISTOGRAM]
+
+
+def _with_metrics(data, extra: list, resource):
+    """MetricsData with `extra` (sdk Metric objects) added to the "gpuwatch" scope."""
+    from opentelemetry.sdk.metrics.export import MetricsData, ResourceMetrics, ScopeMetrics
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    rms = list(data.resource_metrics) if data is not None else []
+    if not rms:
+        rms = [ResourceMetrics(resource, [], "")]
+    scopes = list(rms[0].scope_metrics)
+    at = next((i for i, sm in enumerate(scopes) if sm.scope.name == "gpuwatch"), None)
+    if at is None:
+        scopes.append(ScopeMetrics(InstrumentationScope("gpuwatch", __version__), extra, ""))
+    else:
+        scopes[at] = ScopeMetrics(scopes[at].scope, [*scopes[at].metrics, *extra], scopes[at].schema_url)
+    rms[0] = ResourceMetrics(rms[0].resource, scopes, rms[0].schema_url)
+    return MetricsData(rms)
+
+
+def _with_histograms(inner, resource, histograms):
+    """The OTLP metric exporter `inner`, with the registry's histograms (histograms() -> sdk Metric
+    objects) added to each export. The SDK has no asynchronous histogram instrument, and a
+    synchronous one would need every observation; the snapshot holds each histogram's cumulative
+    state, which becomes its data points here. (A class made here: the SDK is imported only once
+    OTLP export starts.)"""
+    from opentelemetry.sdk.metrics.export import MetricExporter
+
+    class WithHistograms(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__(preferred_temporality=inner._preferred_temporality,
+                             preferred_aggregation=inner._preferred_aggregation)
+
+        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+            try:
+                extra = histograms()
+                if extra:
+                    metrics_data = _with_metrics(metrics_data, extra, resource)
+            except Exception:  # noqa: BLE001 - the other metrics still go out
+                log.exception("OTLP: histograms left out of this export")
+            return inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return inner.force_flush(timeout_millis=timeout_millis)
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+            return inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+
+    return WithHistograms()
+
+
 class HttpStatusError(Exception):
     """An OTLP/HTTP export that ended in an error status (after the SDK's retries)."""
 
@@ -248,12 +300,13 @@ class OtlpExporter(Exporter):
         self._self_metrics, self._self_reader = _self_meters()  # exported, failed, dropped: OtlpStatsProbe
         metric_exporter, log_exporter = _sdk_pieces(self.protocol, self.endpoint, self.headers, self.certificate,
                                                     self.insecure, self.timeout, self._self_metrics, ("metrics", "logs"))
-        reader = PeriodicExportingMetricReader(metric_exporter, export_interval_millis=self.interval * 1000,
+        reader = PeriodicExportingMetricReader(_with_histograms(metric_exporter, resource, self._histograms),
+                                               export_interval_millis=self.interval * 1000,
                                                export_timeout_millis=self.timeout * 1000)
         self._meters = MeterProvider(metric_readers=[reader], resource=resource)
         meter = self._meters.get_meter("gpuwatch", __version__)
         for m in registry.METRICS:
-            if m.kind is registry.Kind.INFO:
+            if m.kind in (registry.Kind.INFO, registry.Kind.HISTOGRAM):  # histograms: _with_histograms
                 continue
             make = meter.create_observable_counter if m.kind is registry.Kind.COUNTER else meter.create_observable_gauge
             make(m.name, callbacks=[self._callback(m.name)], unit=m.unit, description=m.help)
@@ -284,6 +337,24 @@ class OtlpExporter(Exporter):
             samples, gpus = self._samples(metric)
             return [Observation(s.value, attributes(s, gpus)) for s in samples]
         return observe
+
+    def _histograms(self) -> list:
+        """The registry's histograms in the latest snapshot, as OpenTelemetry explicit-bucket
+        histograms (cumulative since each one's start)."""
+        from opentelemetry.sdk.metrics.export import AggregationTemporality, Histogram, HistogramDataPoint, Metric
+
+        out = []
+        for m in HISTOGRAMS:
+            samples, gpus = self._samples(m.name)
+            points = [HistogramDataPoint(attributes=attributes(s, gpus), start_time_unix_nano=int(h.start * 1e9),
+                                         time_unix_nano=int(s.ts * 1e9), count=h.count, sum=h.sum,
+                                         bucket_counts=list(h.counts), explicit_bounds=list(m.buckets),
+                                         min=h.min, max=h.max)
+                      for s in samples
+                      if (h := s.histogram) is not None and h.count and len(h.counts) == len(m.buckets) + 1]
+            if points:
+                out.append(Metric(m.name, m.help, m.unit, Histogram(points, AggregationTemporality.CUMULATIVE)))
+        return out
 
     # -- the exporter interface -------------------------------------------------------------
     def publish(self, snapshot: Snapshot) -> None:

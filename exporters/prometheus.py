@@ -17,6 +17,7 @@ format: HA Prometheus pairs and retries get cached bytes.
 from __future__ import annotations
 
 import gzip
+import itertools
 import logging
 import math
 import socket
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from gpuwatch.agent import metrics as registry
-from gpuwatch.agent.api import Exporter, Sample
+from gpuwatch.agent.api import Exporter, HistogramValue, Sample
 from gpuwatch.agent.config import parse_listen
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
 
@@ -82,9 +83,11 @@ class _Family:
             sample, om_type, om_name = name + "_total", "counter", name
         elif m.kind is registry.Kind.INFO:
             sample, om_type, om_name = name, "info", name[: -len("_info")]
+        elif m.kind is registry.Kind.HISTOGRAM:
+            sample, om_type, om_name = name, "histogram", name
         else:
             sample, om_type, om_name = name, "gauge", name
-        text_type = "counter" if m.kind is registry.Kind.COUNTER else "gauge"
+        text_type = om_type if om_type in ("counter", "histogram") else "gauge"
         text = f"# HELP {sample} {help_text}\n# TYPE {sample} {text_type}\n"
         om_help = help_text.replace('"', r'\"')  # OpenMetrics escapes quotes in HELP too
         om = f"# HELP {om_name} {om_help}\n# TYPE {om_name} {om_type}\n"
@@ -111,6 +114,7 @@ def render(snapshot: Snapshot, openmetrics: bool) -> bytes:
         fam = _FAMILIES[metric]
         labels = fam.metric.labels
         rest = labels[1:] if fam.metric.per_gpu else labels
+        histogram = fam.metric.kind is registry.Kind.HISTOGRAM
         lines = []
         for s in groups[metric]:
             try:
@@ -120,6 +124,12 @@ def render(snapshot: Snapshot, openmetrics: bool) -> bytes:
                 continue
             if fam.metric.per_gpu:
                 pairs.insert(0, f'gpu="{_escape_value(s.resource)}"')
+            if histogram:
+                if s.histogram is None or len(s.histogram.counts) != len(fam.metric.buckets) + 1:
+                    skipped.add(f"{metric} (no histogram of its buckets)")
+                    continue
+                lines.extend(_histogram_lines(fam, pairs, s.histogram))
+                continue
             lines.append(f"{fam.sample_name}{{{','.join(pairs)}}} {_number(s.value)}\n" if pairs
                          else f"{fam.sample_name} {_number(s.value)}\n")
         if lines:
@@ -132,6 +142,26 @@ def render(snapshot: Snapshot, openmetrics: bool) -> bytes:
     return "".join(out).encode("utf-8")
 
 
+def _le(bound: float) -> str:
+    """A bucket's bound as Prometheus writes it (Go's float formatting: 1.0, 0.05, +Inf)."""
+    return "+Inf" if math.isinf(bound) else repr(float(bound))
+
+
+def _histogram_lines(fam: _Family, pairs: list[str], h: HistogramValue) -> list[str]:
+    """_bucket{le} (cumulative), _sum, _count. The bounds are non-negative (registry), so _sum may
+    be there in OpenMetrics too."""
+    name, labels = fam.sample_name, ",".join(pairs)
+    sep = "," if labels else ""
+    out, total = [], 0
+    for bound, n in zip((*fam.metric.buckets, math.inf), h.counts):
+        total += n
+        out.append(f'{name}_bucket{{{labels}{sep}le="{_le(bound)}"}} {total}\n')
+    tail = f"{{{labels}}}" if labels else ""
+    out.append(f"{name}_sum{tail} {_number(h.sum)}\n")
+    out.append(f"{name}_count{tail} {total}\n")
+    return out
+
+
 def reference_registry(snapshot: Snapshot):
     """The snapshot as prometheus_client metric families, for the library to render.
 
@@ -139,7 +169,7 @@ def reference_registry(snapshot: Snapshot):
     bench/bench_render.py measures it against.
     """
     from prometheus_client import CollectorRegistry
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 
     fams: dict = {}
     for s in snapshot.samples:
@@ -152,10 +182,17 @@ def reference_registry(snapshot: Snapshot):
                 fams[m.name] = InfoMetricFamily(m.prom_name[: -len("_info")], m.help)
             elif m.kind is registry.Kind.COUNTER:
                 fams[m.name] = CounterMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
+            elif m.kind is registry.Kind.HISTOGRAM:
+                fams[m.name] = HistogramMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
             else:
                 fams[m.name] = GaugeMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
         if m.kind is registry.Kind.INFO:
             fams[m.name].add_metric([], values)
+        elif m.kind is registry.Kind.HISTOGRAM:
+            cumulative = itertools.accumulate(s.histogram.counts)
+            fams[m.name].add_metric([values[k] for k in m.labels],
+                                    [(_le(b), n) for b, n in zip((*m.buckets, math.inf), cumulative)],
+                                    s.histogram.sum)
         else:
             fams[m.name].add_metric([values[k] for k in m.labels], s.value)
 

@@ -34,12 +34,13 @@ NEEDS = {
     "ebpf_pool": "the eBPF probe and a process whose driver allocations a pool allocator makes (PyTorch, CuPy, JAX, "
                  "RMM, TensorFlow, or a library named in ebpf.pool_libraries)",
     "inprocess": "a program started with `gpuwatch run -- CMD` (the in-process CUPTI agent; white and grey "
-                 "need PyTorch)",
+                 "need PyTorch, CuPy or JAX)",
     "pm_sampling": "CUPTI PM sampling in the daemon (cupti-python installed, GPU counters readable, no other "
                    "profiler holding them)",
     "leak": "an open leak finding",
-    "oom": "an out-of-memory event since the agent started (CUDA_ERROR_OUT_OF_MEMORY seen by eBPF, or a leaking "
-           "process gone with its GPU nearly full)",
+    "oom": "an out-of-memory event since the agent started (CUDA_ERROR_OUT_OF_MEMORY seen by eBPF, a framework's "
+           "out-of-memory error seen by an in-process agent, or a leaking process gone with its GPU nearly full)",
+    "oom_forecast": "an out-of-memory event that a leak finding had forecast",
     "baseline": "runs of the reference workload (`gpuwatch baseline run`, or the daemon's schedule on idle GPUs)",
     "xid": "an XID error since the agent started",
     "nvlink": "GPUs with NVLink",
@@ -66,36 +67,54 @@ def outside_allocators(**matchers) -> str:
 # --- PromQL from the registry ---------------------------------------------------------------
 
 
-def sel(name: str, **matchers: str | tuple[str, str]) -> str:
+def sel(name: str, series: str = "", **matchers: str | tuple[str, str]) -> str:
     """A selector of a registry metric on the dashboard's nodes (and GPUs, for per-GPU metrics).
 
     sel("hw.temperature", sensor="gpu"); a tuple gives the operator: reason=("!~", "total_.*").
+    A histogram's series is named: sel("gpuwatch.oom.forecast.error", "bucket").
     """
     m = get(name)
+    labels = m.labels
+    if m.kind is Kind.HISTOGRAM:
+        if series not in ("bucket", "sum", "count"):
+            raise ValueError(f"{name} is a histogram: name its series, bucket, sum or count")
+        labels += ("le",) if series == "bucket" else ()
+        metric = f"{m.prom_name}_{series}"
+    elif series:
+        raise ValueError(f"{name} is a {m.kind.value}: it has no {series} series")
+    else:
+        metric = m.prom_exposed_name
     pairs = [("instance", "=~", "$instance")]
     if m.per_gpu:
         pairs.append(("gpu", "=~", "$gpu"))
     for label, value in matchers.items():
-        if label not in m.labels:
-            raise KeyError(f"{m.prom_exposed_name} has no label {label!r}; its labels: {m.labels}")
+        if label not in labels:
+            raise KeyError(f"{metric} has no label {label!r}; its labels: {labels}")
         op, value = value if isinstance(value, tuple) else ("=", value)
         pairs.append((label, op, value))
-    return m.prom_exposed_name + "{" + ",".join(f'{k}{op}"{v}"' for k, op, v in pairs) + "}"
+    return metric + "{" + ",".join(f'{k}{op}"{v}"' for k, op, v in pairs) + "}"
 
 
 def _counter(name: str) -> None:
-    if get(name).kind is not Kind.COUNTER:
+    if get(name).kind not in (Kind.COUNTER, Kind.HISTOGRAM):  # a histogram's series are counters
         raise ValueError(f"{name} is a {get(name).kind.value}: rate() and increase() are for counters")
 
 
-def rate(name: str, **matchers) -> str:
+def rate(name: str, series: str = "", **matchers) -> str:
     _counter(name)
-    return f"rate({sel(name, **matchers)}[$__rate_interval])"
+    return f"rate({sel(name, series, **matchers)}[$__rate_interval])"
 
 
-def increase(name: str, window: str = "$__range", **matchers) -> str:
+def increase(name: str, window: str = "$__range", series: str = "", **matchers) -> str:
     _counter(name)
-    return f"increase({sel(name, **matchers)}[{window}])"
+    return f"increase({sel(name, series, **matchers)}[{window}])"
+
+
+def quantile(q: float, name: str, window: str = "$__range", by: str = "", **matchers) -> str:
+    """The q-quantile of a histogram's observations in the window (all selected series together,
+    or per `by` labels)."""
+    group = ", ".join(filter(None, ("le", by)))
+    return f"histogram_quantile({q:g}, sum by ({group}) ({increase(name, window, 'bucket', **matchers)}))"
 
 
 def with_index(expr: str) -> str:
@@ -460,10 +479,12 @@ def gpu_memory() -> Dashboard:
                            "call stacks."),
             ts("White: bytes in live tensors",
                Q(with_index(sel("gpuwatch.process.gpu.memory.allocated", **proc)), who, needs="inprocess"),
-               unit="bytes", min=0, width=8, description="torch.cuda.memory_allocated(), from the in-process agent."),
+               unit="bytes", min=0, width=8, description="torch.cuda.memory_allocated(), CuPy's pool used_bytes(), "
+                                                         "JAX's bytes_in_use, from the in-process agent."),
             ts("Grey: the allocator's pool",
                Q(with_index(sel("gpuwatch.process.gpu.memory.reserved", **proc)), who, needs="inprocess"),
-               unit="bytes", min=0, width=8, description="torch.cuda.memory_reserved(), from the in-process agent."),
+               unit="bytes", min=0, width=8, description="torch.cuda.memory_reserved(), CuPy's pool total_bytes(), "
+                                                         "JAX's pool_bytes, from the in-process agent."),
             ts("Black: charged by the driver",
                Q(with_index(sel("gpuwatch.process.gpu.memory.usage", **proc)), who), unit="bytes", min=0, width=8,
                description="NVML's per-process used memory."),
@@ -499,10 +520,20 @@ def gpu_memory() -> Dashboard:
             ts("Out-of-memory events", Q(f'sum by (instance, gpu, cause) ({increase("gpuwatch.oom.events", "1h")})',
                                          "{{instance}} {{gpu}} {{cause}}", needs="oom"), unit="none", min=0,
                description="OOMs in the last hour (`gpuwatch findings` lists each, with the forecast made for it)."),
-            ts("How good the forecasts were", Q(sel("gpuwatch.oom.forecast.error"), "{{instance}} {{gpu}}", needs="oom"),
-               unit="percentunit",
-               description="For the last OOM on each GPU that a leak finding forecast: how much later (+) or earlier "
-                           "(-) it came than forecast when the leak was first found."),
+            stat("How good the forecasts were",
+                 Q(quantile(0.5, "gpuwatch.oom.forecast.error"), "median", needs="oom_forecast"),
+                 Q(quantile(0.9, "gpuwatch.oom.forecast.error"), "90th percentile", needs="oom_forecast"),
+                 unit="percentunit", width=6, height=8, base_color="green",
+                 thresholds=[(0.2, "orange"), (0.5, "red")],
+                 description="OOMs that a leak finding forecast, in the range: how far off the forecast made when "
+                             "the leak was first found was (|came / forecast - 1|), interpolated within the "
+                             "histogram's buckets (0.05, 0.1, 0.2, 0.5, 1, 2)."),
+            stat("OOMs sooner than forecast",
+                 Q(f'sum({increase("gpuwatch.oom.forecast.error", series="count", came="early")}) / '
+                   f'sum({increase("gpuwatch.oom.forecast.error", series="count")})', needs="oom_forecast"),
+                 unit="percentunit", width=6, height=8, base_color="green", thresholds=[(0.5, "orange")],
+                 description="Of the forecast OOMs in the range, the share that came before the forecast: those "
+                             "left less time than their forecast said."),
         ])
 
 

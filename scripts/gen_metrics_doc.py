@@ -13,7 +13,7 @@ import difflib
 import sys
 from pathlib import Path
 
-from gpuwatch.agent.metrics import _UNIT_SUFFIX, METRICS, Metric
+from gpuwatch.agent.metrics import _UNIT_SUFFIX, METRICS, Kind, Metric
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 README = DOC.parent.parent / "README.md"
@@ -26,7 +26,8 @@ HEADER = """\
 
 Every metric gpuwatch exports, from the one registry in `agent/metrics.py`. The Prometheus
 name is derived from the OpenTelemetry name: dots become underscores, the unit becomes a
-suffix, counters end in `_total` and identity series in `_info`. Values are in base units.
+suffix, counters end in `_total` and identity series in `_info`; a histogram is the three
+series `_bucket` (with `le`), `_sum` and `_count`. Values are in base units.
 A `gpu` label, always first, holds the GPU UUID; model, index, PCI bus id and driver
 version are in `gpuwatch_gpu_info`.
 
@@ -47,7 +48,11 @@ def _unit(m: Metric) -> str:
 
 def _row(m: Metric) -> str:
     labels = ", ".join(f"`{label}`" for label in m.labels)
-    return (f"| `{m.prom_exposed_name}` | {m.kind.value} | {_unit(m)} | {labels} | `{m.name}` | {_cell(m.help)} |")
+    help_text = m.help
+    if m.kind is Kind.HISTOGRAM:
+        series = ", ".join(f"`{n}`" for n in m.prom_series_names)
+        help_text += f" Series {series} (`le`: {', '.join(f'{b:g}' for b in m.buckets)}, +Inf)."
+    return (f"| `{m.prom_exposed_name}` | {m.kind.value} | {_unit(m)} | {labels} | `{m.name}` | {_cell(help_text)} |")
 
 
 def render() -> str:

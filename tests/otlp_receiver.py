@@ -32,6 +32,7 @@ class Received:
         self.lock = threading.Lock()
         self.requests: list[tuple[str, float]] = []  # (signal, monotonic time)
         self.points: list[tuple[str, str, float, dict]] = []  # (metric, unit, value, attributes)
+        self.histograms: list[dict] = []  # explicit-bucket histogram points, field by field
         self.resources: list[dict] = []
         self.logs: list[dict] = []
         self.spans: list[dict] = []
@@ -56,6 +57,14 @@ class Received:
                                 v = p.as_double if p.WhichOneof("value") == "as_double" else p.as_int
                             else:  # histograms: their count
                                 v = p.count
+                                if m.WhichOneof("data") == "histogram":
+                                    self.histograms.append({
+                                        "name": m.name, "unit": m.unit, "attributes": attrs(p.attributes),
+                                        "temporality": data.aggregation_temporality, "count": p.count,
+                                        "sum": p.sum, "bucket_counts": list(p.bucket_counts),
+                                        "explicit_bounds": list(p.explicit_bounds), "min": p.min, "max": p.max,
+                                        "start_time_unix_nano": p.start_time_unix_nano,
+                                        "time_unix_nano": p.time_unix_nano})
                             self.points.append((m.name, m.unit, v, attrs(p.attributes)))
 
     def logs_request(self, req: logs_pb.ExportLogsServiceRequest) -> None:

@@ -1,5 +1,6 @@
-"""The in-process agent: CUPTI kernel, copy and set activity and the allocator's bytes, from
-inside the program that does the GPU work, reported to the gpuwatch daemon.
+"""The in-process agent: CUPTI kernel, copy and set activity, the bytes the program's frameworks
+hold (PyTorch, CuPy, JAX: probes/cupti/frameworks.py) and their out-of-memory errors, from inside
+the program that does the GPU work, reported to the gpuwatch daemon.
 
 Loaded by `gpuwatch run -- CMD` (through a sitecustomize) or by the program itself:
 
@@ -7,7 +8,8 @@ Loaded by `gpuwatch run -- CMD` (through a sitecustomize) or by the program itse
     gw.start()          # never raises; settings from GPUWATCH_RUN_* (see docs/run.md)
 
 It must never break the program it runs in: everything it does happens on its own daemon
-thread, every failure is caught, printed once as a `gpuwatch: ...` line on stderr and put
+thread (but for what sees out-of-memory errors: PyTorch's allocator observer and the chained
+sys.excepthook and threading.excepthook note the error and return), every failure is caught, printed once as a `gpuwatch: ...` line on stderr and put
 in the report, and the program goes on. It stays cheap where there is nothing to see: until
 the process has libcuda mapped it only looks at /proc/self/maps twice a second, and CUPTI is
 loaded only then.
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpuwatch.probes.cupti import MIN_CUPTI, cupti_lib_dir, loaded_libcupti, uuid_string, version_tuple
+from gpuwatch.probes.cupti import frameworks
 from gpuwatch.probes.cupti.records import REPORT_VERSION, TOP_KERNELS, ActivityTables, record_fields
 
 DEFAULT_SOCKET = "/run/gpuwatch/control.sock"
@@ -184,7 +187,14 @@ class InProcessAgent:
         self.memory: list[dict] = []
         self._devices: dict[int, Any] = {}  # CUDA ordinal -> occupancy.Device, or None when unknown
         self._uuids: dict[int, str] = {}
-        self._memory_devices: set[int] = set()
+        self._memory_devices: dict[int, set[str]] = {}  # ordinal -> the frameworks seen holding memory there
+        self._driver = frameworks.CudaDriver()
+        self.oom: dict | None = None  # the last framework out-of-memory error seen, as reported
+        self.oom_count = 0
+        self._oom_lock = threading.Lock()
+        self._report_now = False  # an OOM was seen: report at the next tick, not the next interval
+        self._uncaught_seen: int | None = None  # id() of the last uncaught exception looked at
+        self._torch_observer = False
         self._occupancies: dict[tuple, tuple[float, str] | None] = {}
         self._lock = threading.RLock()  # CUPTI state changes: agent thread vs the profiler hooks
         self._stop = threading.Event()
@@ -202,6 +212,7 @@ class InProcessAgent:
         atexit.register(self.stop)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=self._after_fork)
+        self._hook_uncaught()
 
     def _after_fork(self) -> None:
         # A forked child (a DataLoader worker) has the memory but not the thread or CUPTI's: stay silent.
@@ -215,6 +226,9 @@ class InProcessAgent:
         wait is bounded, so a stuck CUPTI cannot hold the program's exit."""
         if self._forked or self._stop.is_set():
             return
+        # The exception the program dies of, if its own sys.excepthook replaced ours: Python keeps it
+        # in sys.last_value (3.12: last_exc too) before the atexit functions run.
+        self.uncaught(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
         self._stop.set()
         if self._thread is not None and self._thread.is_alive():
             self._final_done.wait(timeout)
@@ -264,7 +278,8 @@ class InProcessAgent:
                 if self.state == "on":
                     self._hook_torch_profiler()
                     self._duty(now)
-                if now >= next_report:
+                if now >= next_report or self._report_now:
+                    self._report_now = False
                     next_report = now + self.settings.interval
                     self._flush()
                     self._read_memory()
@@ -415,31 +430,127 @@ class InProcessAgent:
         except Exception as e:
             self._failed(f"resuming after the profiler: {type(e).__name__}: {e}")
 
-    # -- what the allocator holds (white and grey) ----------------------------------------------
+    # -- what the allocators hold (white and grey) ---------------------------------------------
     def _read_memory(self) -> None:
-        torch = sys.modules.get("torch")
-        cuda = getattr(torch, "cuda", None) if torch is not None else None
-        if cuda is None or not cuda.is_initialized():
+        """White and grey per device, summed over the frameworks the program imported (PyTorch,
+        CuPy, JAX: probes/cupti/frameworks.py says what each number is and why reading starts
+        nothing). A framework whose reading fails is left out of this report, said once."""
+        readings: dict[str, frameworks.Reading] = {}
+        current = None
+        for name in frameworks.FRAMEWORKS:
+            module = sys.modules.get(name)
+            if module is None or getattr(getattr(module, "__spec__", None), "_initializing", False):
+                continue  # not imported, or still being imported by the program
+            try:
+                if name == "torch":
+                    got = frameworks.torch_memory(module)
+                    if got is not None:
+                        readings["torch"], current = got
+                        self._attach_torch_observer(module)
+                elif name == "cupy":
+                    got = frameworks.cupy_memory(module, self._driver)
+                    if got is not None:
+                        readings["cupy"] = got
+                else:
+                    got = frameworks.jax_memory(module)
+                    if got is not None:
+                        readings["jax"] = got
+            except Exception as e:
+                self._once(f"cannot read {name}'s GPU memory ({type(e).__name__}: {e}); its bytes are left out")
+        if not readings:
             return
         out = []
-        current = cuda.current_device()
-        for i in range(cuda.device_count()):
-            allocated, reserved = int(cuda.memory_allocated(i)), int(cuda.memory_reserved(i))
-            ts = time.time()
+        ts = time.time()
+        for i in sorted({i for r in readings.values() for i in r}):
+            held = {fw: r[i] for fw, r in readings.items() if i in r}
+            allocated, reserved = sum(a for a, _ in held.values()), sum(r for _, r in held.values())
             # Devices the program never used stay out; once used, a device stays in (its 0 says the
             # cache was emptied, which the leak detector must see).
-            if not (reserved or allocated or i == current or i in self._memory_devices):
+            users = {fw for fw, (a, r) in held.items() if a or r} | ({"torch"} if i == current else set())
+            if not users and i not in self._memory_devices:
                 continue
-            self._memory_devices.add(i)
-            uuid = self._uuids.get(i)
-            if uuid is None:
-                try:
-                    uuid = "GPU-" + str(cuda.get_device_properties(i).uuid)
-                except Exception:
-                    uuid = ""
-                self._uuids[i] = uuid
-            out.append({"device": i, "uuid": uuid, "allocated": allocated, "reserved": reserved, "ts": ts})
+            seen = self._memory_devices.setdefault(i, set())
+            seen |= users
+            out.append({"device": i, "uuid": self._uuid(i, "torch" in readings), "allocated": allocated,
+                        "reserved": reserved, "ts": ts, "frameworks": sorted(seen)})
         self.memory = out
+
+    def _uuid(self, ordinal: int, torch_knows: bool) -> str:
+        uuid = self._uuids.get(ordinal)
+        if uuid is None:
+            uuid = ""
+            try:
+                if torch_knows:
+                    uuid = "GPU-" + str(sys.modules["torch"].cuda.get_device_properties(ordinal).uuid)
+                else:
+                    raw = self._driver.uuid(ordinal)
+                    uuid = uuid_string(raw) if raw else ""
+            except Exception:
+                pass
+            if uuid:  # "" is asked again next time (the driver may not have been initialised yet)
+                self._uuids[ordinal] = uuid
+        return uuid
+
+    # -- out-of-memory errors ---------------------------------------------------------------------
+    def saw_oom(self, framework: str, how: str, device: int | None = None, requested: int | None = None) -> None:
+        """A framework's out-of-memory error: in the next report, which goes at the next tick.
+        Called on the program's threads (PyTorch's allocator, the excepthooks): cheap, never raises."""
+        if self._forked:
+            return
+        with self._oom_lock:
+            self.oom_count += 1
+            self.oom = {"count": self.oom_count, "framework": framework, "how": how, "device": device,
+                        "requested_bytes": requested, "ts": time.time()}
+        self._report_now = True
+
+    def uncaught(self, exc: BaseException | None) -> None:
+        """An exception nothing caught (the program's, or one of its threads'): an OOM when it is a
+        framework's out-of-memory error or was raised from one."""
+        try:
+            if exc is None or id(exc) == self._uncaught_seen:
+                return
+            self._uncaught_seen = id(exc)
+            found = frameworks.oom_error(exc)
+            if found is not None:
+                self.saw_oom(found[0], "uncaught", found[1], found[2])
+        except Exception:
+            pass
+
+    def _hook_uncaught(self) -> None:
+        """Chain sys.excepthook and threading.excepthook: ours looks, then theirs runs as before."""
+        agent = self
+        before, thread_before = sys.excepthook, threading.excepthook
+
+        def excepthook(exc_type, exc, tb):
+            agent.uncaught(exc)
+            return before(exc_type, exc, tb)
+
+        def thread_excepthook(args):
+            agent.uncaught(args.exc_value)
+            return thread_before(args)
+
+        sys.excepthook = excepthook
+        threading.excepthook = thread_excepthook
+
+    def _attach_torch_observer(self, torch: Any) -> None:
+        """PyTorch's allocator says when it raises OutOfMemoryError (with the bytes asked for),
+        caught or not; CPU builds have no such hook: the excepthooks still see uncaught ones."""
+        if self._torch_observer:
+            return
+        self._torch_observer = True
+        agent = self
+
+        def observer(device, requested, device_allocated, device_free):
+            try:  # runs inside the allocator: never raise there
+                agent.saw_oom("torch", "allocator", int(device), int(requested))
+            except BaseException:
+                pass
+
+        try:
+            frameworks.attach_torch_observer(torch, observer)
+        except Exception as e:
+            self._once(f"PyTorch's out-of-memory observer not attached ({type(e).__name__}: {e}); "
+                       "uncaught OutOfMemoryErrors are still seen")
 
     # -- occupancy of kernel variants -------------------------------------------------------------
     def _occupancy(self, device: int, threads: int, registers: int, static: int, dynamic: int,
@@ -508,6 +619,8 @@ class InProcessAgent:
                 "copies": [dict(c, uuid=self._uuids.get(c["device"], "")) for c in self.tables.copy_rows()],
                 "memory": self.memory,
             }
+            if self.oom is not None:
+                report["oom"] = dict(self.oom)
             if top <= 5 or len(json.dumps(report)) <= MAX_REPORT:
                 return report
             top //= 2

@@ -14,6 +14,14 @@ server can know it takes from the kernel and NVML, never from the report —
   *self-reported*: exported under metrics of its own that no detector or alert rule reads.
   Where NVML lists the GPU's processes and this one is not among them, the entry is dropped.
 
+A report may also say its framework raised an out-of-memory error (`oom`: which framework, caught
+by nobody or seen by PyTorch's allocator, the device and bytes asked for, and a count that rises
+with each). The server makes a "framework.oom" event of a rise — its pid and name from the kernel,
+its time its own, its GPU the device's entry when NVML lists the process there — at most one per
+process every OOM_EVENT_INTERVAL, taken before the rate limit below (the report an OOM'd program
+sends as it exits must not be dropped for coming soon after the last), and the runner scores it
+against the leak forecast (agent/oom.py).
+
 What each user can make the agent hold is bounded: MAX_REPORTERS_PER_USER processes per uid,
 MAX_REPORTERS in all, one report per process every MIN_REPORT_INTERVAL (faster ones are dropped,
 the reply is the same). Refusals and drops are counted per cause
@@ -37,7 +45,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from gpuwatch.agent import wire
-from gpuwatch.agent.api import Probe, Sample
+from gpuwatch.agent.api import Event, Probe, Sample
 from gpuwatch.probes.process.identity import ProcessIdentity, identify
 
 log = logging.getLogger("gpuwatch.cupti")
@@ -52,6 +60,8 @@ KEEP_AFTER_EXIT = 60.0  # seconds a finished process's last report stays readabl
 STALE = 10.0  # a live process that stops reporting for this long is shown as not reporting
 WATCH_SECONDS = 10.0  # continuous kernels are asked for this long after each trace poll
 STATES = wire.CUPTI_STATES
+OOM_EVENT_INTERVAL = 60.0  # seconds: one OOM event per process at most this often (agent/oom.py SAME_OOM_S)
+MAX_EVENTS = 256  # OOM events not yet drained by the runner; more are dropped and counted
 MAX_LABEL = 120
 REFUSED = ("too_often", "user_limit", "total_limit", "unknown_process")
 MEMORY_REFUSED = ("unknown_gpu", "not_on_gpu")
@@ -106,6 +116,7 @@ class Memory:
     allocated: int
     reserved: int
     verified: bool
+    frameworks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,7 +149,8 @@ class Report:
             if pids is not None and who.pid not in pids:
                 dropped["not_on_gpu"] += 1
             else:
-                memory.append(Memory(uuid, m.device, m.allocated, m.reserved, verified=pids is not None))
+                memory.append(Memory(uuid, m.device, m.allocated, m.reserved, verified=pids is not None,
+                                     frameworks=m.frameworks))
         return cls(pid=who.pid, start_time=who.start_time, process=who.comm, uid=uid,
                    received=received, cupti=msg.cupti, kernels=msg.kernels, kernels_other=msg.kernels_other,
                    copies=msg.copies, memory=tuple(memory)), dropped
@@ -166,7 +178,7 @@ class Report:
                               "gpu_seconds": self.kernels_other.gpu_seconds},
             "copies": [c.to_json() for c in self.copies],
             "memory": [{"device": m.device, "uuid": m.uuid, "allocated": m.allocated, "reserved": m.reserved,
-                        "self_reported": not m.verified} for m in self.memory],
+                        "self_reported": not m.verified, "frameworks": list(m.frameworks)} for m in self.memory],
         }
 
 
@@ -187,6 +199,10 @@ class InProcessReports:
         self.refused: Counter = Counter()  # reports, by cause (REFUSED)
         self.memory_refused: Counter = Counter()  # memory entries, by cause (MEMORY_REFUSED)
         self._logged: set[str] = set()
+        # key -> (the highest OOM count seen, monotonic time of its last OOM event): pruned with the reports
+        self._ooms: dict[tuple[int, int], tuple[int, float]] = {}
+        self._events: list[Event] = []  # "framework.oom", drained by events()
+        self.events_dropped = 0
 
     def _count(self, counter: Counter, cause: str, n: int, what: str) -> None:
         counter[cause] += n
@@ -220,7 +236,9 @@ class InProcessReports:
                 if sum(1 for r in self._reports.values() if r.uid == uid) >= MAX_REPORTERS_PER_USER:
                     raise self._refuse("user_limit", f"the agent keeps reports of {MAX_REPORTERS_PER_USER} "
                                                      f"processes of user {uid} already")
-            if last is not None and 0 <= received - last.received < MIN_REPORT_INTERVAL:
+            too_often = last is not None and 0 <= received - last.received < MIN_REPORT_INTERVAL
+            report = None
+            if too_often:
                 self._count(self.refused, "too_often", 1, f"in-process reports of process {pid} dropped: more "
                             f"than one every {MIN_REPORT_INTERVAL:g} s")
             else:
@@ -229,8 +247,35 @@ class InProcessReports:
                     why = "a GPU NVML does not know" if cause == "unknown_gpu" else "a GPU NVML does not list it on"
                     self._count(self.memory_refused, cause, n, f"memory entries of process {pid} dropped: {why}")
                 self._reports[report.key] = report
+            if msg.oom is not None:  # a report dropped above still tells of its OOM
+                self._oom(msg.oom, who, received, now, report or last)
             until = self._watch.get((who.pid, who.start_time), 0.0)
         return {"detail_seconds": round(until - now, 1) if until > now else 0}
+
+    def _oom(self, oom: wire.ReportOom, who: ProcessIdentity, received: float, now: float,
+             report: Report | None) -> None:
+        """A rise of the report's OOM count is an OOM: a "framework.oom" event, one per process every
+        OOM_EVENT_INTERVAL at most. Its GPU: the device's memory entry NVML vouches for. Lock held."""
+        key = (who.pid, who.start_time)
+        count, last_event = self._ooms.get(key, (0, float("-inf")))
+        if oom.count <= count:
+            return
+        if now - last_event < OOM_EVENT_INTERVAL:
+            self._ooms[key] = (oom.count, last_event)  # the same OOM's retries, or a flood: no event
+            return
+        self._ooms[key] = (oom.count, now)
+        if len(self._events) >= MAX_EVENTS:
+            self.events_dropped += 1
+            return
+        gpu = next((m.uuid for m in (report.memory if report else ()) if m.verified and m.device == oom.device), "")
+        self._events.append(Event("framework.oom", gpu, {
+            "pid": str(who.pid), "process": who.comm, "framework": oom.framework, "how": oom.how,
+            "device": oom.device, "requested_bytes": oom.requested_bytes}, received))
+
+    def events(self) -> list[Event]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
 
     def watch(self, report: Report, seconds: float = WATCH_SECONDS) -> None:
         with self._lock:
@@ -258,6 +303,7 @@ class InProcessReports:
             if age > KEEP_AFTER_EXIT or (age > STALE and not self._alive(r)):
                 del self._reports[key]
                 self._watch.pop(key, None)
+                self._ooms.pop(key, None)
 
     def current(self) -> list[Report]:
         """Reports of processes alive (or gone for less than STALE), dropping the rest."""
@@ -290,6 +336,10 @@ class InProcessProbe(Probe):
             from gpuwatch.probes.ebpf.driver_names import demangle
             self._demangle = demangle
         return self._demangle(names)
+
+    def events(self) -> list[Event]:
+        """Out-of-memory errors the in-process agents reported ("framework.oom"), since the last call."""
+        return self.reports.events()
 
     def collect(self) -> list[Sample]:
         wall = time.time()  # before the reports are read: a report received later is newer than it
@@ -335,6 +385,8 @@ class InProcessProbe(Probe):
                 for c in REFUSED]
         out += [Sample("gpuwatch.cupti.memory.refused", float(memory_refused.get(c, 0)), "", {"reason": c}, wall)
                 for c in MEMORY_REFUSED]
+        out.append(Sample("gpuwatch.probe.events.dropped", float(self.reports.events_dropped), "",
+                          {"probe": self.name}, wall))
         return out
 
     @staticmethod

@@ -182,3 +182,68 @@ def test_status_lists_the_in_process_agents(agent):
     human = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "status", "--socket", str(agent.socket)],
                            capture_output=True, text=True, timeout=30)
     assert "in-process agents" in human.stdout and "unavailable: no NVIDIA driver" in human.stdout
+
+
+# Programs that run out of memory, each its own way, under `gpuwatch run`: the real exception
+# classes (torch's CPU build has torch.cuda.OutOfMemoryError; JAX's CPU build its runtime error).
+OOM_PROGRAMS = {
+    "uncaught": "import torch, time; time.sleep(0.5)\n"
+                "raise torch.cuda.OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a "
+                "total capacity of 139.72 GiB of which 1.12 GiB is free.')",
+    # in a thread, wrapped by the program's own error: the thread dies of it, the program goes on
+    "thread": "import threading, time, torch\n"
+              "def step():\n"
+              "    try:\n"
+              "        raise torch.cuda.OutOfMemoryError('CUDA out of memory.')\n"
+              "    except torch.cuda.OutOfMemoryError as e:\n"
+              "        raise RuntimeError('training step failed') from e\n"
+              "t = threading.Thread(target=step); t.start(); t.join(); time.sleep(1.0); print('main goes on')",
+    # the program's own excepthook replaces ours: seen at exit all the same
+    "own_hook": "import sys, time, torch; time.sleep(0.5)\n"
+                "sys.excepthook = lambda *a: print('their hook', file=sys.stderr)\n"
+                "raise torch.cuda.OutOfMemoryError('CUDA out of memory.')",
+    # caught and recovered from: the program's business (PyTorch's allocator hook sees those on a GPU)
+    "caught": "import time, torch\n"
+              "try:\n"
+              "    raise torch.cuda.OutOfMemoryError('CUDA out of memory.')\n"
+              "except torch.cuda.OutOfMemoryError:\n"
+              "    print('smaller batch')\n"
+              "time.sleep(1.0)",
+    "jax": "import jax, time; time.sleep(0.5)\n"
+           "raise jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: Out of memory while trying to allocate 4096 bytes.')",
+}
+
+
+def test_out_of_memory_errors_seen_in_process_become_oom_events(agent):
+    import importlib.util
+
+    programs = {k: v for k, v in OOM_PROGRAMS.items() if k != "jax" or importlib.util.find_spec("jax")}
+    procs = {name: subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "run", "--socket", str(agent.socket),
+                                     "--interval", "0.5", "--", sys.executable, "-c", prog],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, prog in programs.items()}
+    results = {name: (p.pid, *p.communicate(timeout=120), p.returncode) for name, p in procs.items()}
+    assert results["thread"][1] == "main goes on\n" and results["thread"][3] == 0
+    assert "their hook" in results["own_hook"][2] and results["own_hook"][3] == 1
+    assert results["caught"][1] == "smaller batch\n"
+    want = {str(results[n][0]): n for n in programs if n != "caught"}
+
+    def ooms():
+        got = control.call(str(agent.socket), "findings", {})["ooms"]
+        return got if {e["pid"] for e in got} >= set(want) else None
+
+    got = {e["pid"]: e for e in wait_for(ooms, 20) or control.call(str(agent.socket), "findings", {})["ooms"]}
+    assert set(got) == set(want), (got, results)  # the caught one is no event
+    by = {want[pid]: e for pid, e in got.items()}
+    for name, e in by.items():
+        assert (e["event"], e["kind"], e["cause"], e["how"]) == ("finding.oom", "oom", "out_of_memory_error",
+                                                                 "uncaught"), name
+        assert e["process"] == identify(os.getpid()).comm and e["resource"] == ""  # no NVML: no GPU it vouches for
+    assert by["uncaught"]["framework"] == "torch" and by["uncaught"]["device"] == 1
+    assert by["uncaught"]["summary"] == (f"{by['uncaught']['process']} (pid {results['uncaught'][0]}) ran out of "
+                                         "GPU memory: it died of an uncaught torch.OutOfMemoryError on CUDA device 1; "
+                                         "no leak was forecast for it")
+    if "jax" in by:
+        assert by["jax"]["framework"] == "jax" and by["jax"]["requested_bytes"] == 4096
+    counted = series(agent.metrics(), "gpuwatch_oom_events_total")
+    assert counted == {'{gpu="",cause="out_of_memory_error"}': float(len(want))}

@@ -1,12 +1,14 @@
 """`gpuwatch leaks` and `gpuwatch findings` against a real agent (NVML replayed from the H200)."""
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from gpuwatch.agent import control
-from tests.conftest import FIXTURE, wait_for
+from tests.conftest import FIXTURE, nvml_recording, series, wait_for
 
 
 def gpuwatch(*args):
@@ -20,7 +22,7 @@ def test_leaks_and_findings_on_a_healthy_node(agent_factory):
     out = gpuwatch("leaks", "--socket", str(agent.socket))
     assert out.returncode == 0 and out.stdout.strip() == "no open memory leaks", out.stderr
     out = gpuwatch("findings", "--socket", str(agent.socket), "--json")
-    assert out.returncode == 0 and json.loads(out.stdout) == {"open": [], "recent": []}
+    assert out.returncode == 0 and json.loads(out.stdout) == {"open": [], "recent": [], "ooms": []}
     out = gpuwatch("findings", "--socket", str(agent.socket), "--kind", "memory_leak")
     assert out.stdout.strip() == "no open memory_leak findings"
     with pytest.raises(control.ControlError, match=r'findings refused: kind: must be a string, got int'):
@@ -78,3 +80,90 @@ def test_findings_on_a_node_with_a_hot_gpu_and_ecc_errors(agent_factory, tmp_pat
     assert any(line.startswith(f"CRITICAL GPU {gpu} had ") and line.endswith(" uncorrectable ECC errors in the "
                "last 10 min: the work on it may have read corrupt memory; drain it") for line in lines), lines
     assert any(line.endswith(f"opened   {by_kind['thermal_margin']['summary']}") for line in lines), lines
+
+
+# A training job whose tensors leak 20 MiB a second, as its in-process agent reports them (NVML's
+# recording lists it on the GPU, so the bytes are verified), until its allocator raises
+# OutOfMemoryError: argv[1] the socket, argv[2] the GPU; a line on stdin starts it, the next one is
+# the OOM.
+LEAKER = r"""
+import os, sys, threading, time
+from gpuwatch.agent import control
+sock, uuid = sys.argv[1], sys.argv[2]
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+oom = []
+threading.Thread(target=lambda: (sys.stdin.readline(), oom.append(1)), daemon=True).start()
+t0 = time.time()
+while True:
+    held = int((1 << 30) + 20 * (1 << 20) * (time.time() - t0))
+    report = {"version": 1, "cupti": {"state": "unavailable"}, "memory": [
+        {"device": 0, "uuid": uuid, "allocated": held, "reserved": held, "ts": time.time(), "frameworks": ["torch"]}]}
+    if oom:
+        report["oom"] = {"count": 1, "framework": "torch", "how": "allocator", "device": 0,
+                         "requested_bytes": 2 << 30}
+    control.call(sock, "cupti.report", report)
+    if oom:
+        break
+    time.sleep(0.5)
+"""
+
+
+def test_an_oom_is_shown_beside_the_forecast_its_leak_finding_made(agent_factory, tmp_path):
+    """The whole way through a real agent: a leak finding opens with a time to OOM, the job's
+    allocator raises OutOfMemoryError, and `gpuwatch findings` and `gpuwatch leaks` show the OOM
+    with the forecast and when it came, its GPU counted in the histogram of forecast errors."""
+    uuid = next(iter(json.loads(FIXTURE.read_text())["gpus"][0]["uuid"]))["value"]
+    sock = tmp_path / "a0" / "run" / "control.sock"
+    job = subprocess.Popen([sys.executable, "-c", LEAKER, str(sock), uuid], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(job.stdout.readline())
+        agent = agent_factory("--nvml-replay", str(nvml_recording(tmp_path, [pid])), "--no-ebpf")
+        assert wait_for(lambda: "gpuwatch_gpu_up{" in agent.metrics(), 20)
+        job.stdin.write("go\n")
+        job.stdin.flush()
+
+        def leak():
+            found = control.call(str(agent.socket), "findings", {"kind": "memory_leak"})["open"]
+            return [f for f in found if f["pid"] == str(pid)]
+
+        (found,) = wait_for(leak, 90, 0.5)  # a 60 s window is the shortest the detector judges
+        assert found["color"] == "white" and found["time_to_oom_seconds"] > 0
+        time.sleep(3)
+        job.stdin.write("oom\n")
+        job.stdin.flush()
+        assert job.wait(30) == 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+
+    def ooms():
+        out = gpuwatch("findings", "--socket", str(agent.socket), "--json")
+        return json.loads(out.stdout)["ooms"]
+
+    (oom,) = wait_for(ooms, 20)
+    comm = os.path.basename(sys.executable)[:15]
+    assert (oom["pid"], oom["process"], oom["resource"], oom["cause"]) == (str(pid), comm, uuid, "out_of_memory_error")
+    assert (oom["framework"], oom["how"], oom["device"], oom["requested_bytes"]) == ("torch", "allocator", 0, 2 << 30)
+    # the forecast made when the leak was first found (this poll saw it then, or a judgement later)
+    assert oom["forecast_seconds"] == pytest.approx(found["time_to_oom_seconds"], rel=0.1)
+    assert 3 <= oom["came_after_seconds"] <= 40
+    assert oom["forecast_error_ratio"] == round(oom["came_after_seconds"] / oom["forecast_seconds"] - 1, 4)
+    score = (f"forecast {oom['forecast_seconds'] / 60:.1f} min when the leak was found, came at "
+             f"{oom['came_after_seconds'] / 60:.1f} min ({oom['forecast_error_ratio']:+.0%})")
+    assert oom["score"] == score
+    for command in ("findings", "leaks"):  # leaks: what they foretold
+        out = gpuwatch(command, "--socket", str(agent.socket))
+        lines = out.stdout.splitlines()
+        at = lines.index("out of memory:")
+        assert lines[at + 1].endswith(f"  {comm} (pid {pid}) on {uuid}: {score}") and lines[at + 1].startswith("  20")
+        assert lines[at + 2] == "      PyTorch's allocator raised torch.OutOfMemoryError allocating 2.00 GiB on CUDA device 0"
+        assert not any("oom " in x and "ran out of GPU memory" in x for x in lines[at + 1:]), lines  # not twice
+    thermal = gpuwatch("findings", "--socket", str(agent.socket), "--kind", "thermal_margin", "--json")
+    assert json.loads(thermal.stdout)["ooms"] == []
+    text = agent.metrics()
+    assert series(text, "gpuwatch_oom_events_total") == {f'{{gpu="{uuid}",cause="out_of_memory_error"}}': 1.0}
+    came = "early" if oom["forecast_error_ratio"] < 0 else "late"
+    assert series(text, "gpuwatch_oom_forecast_error_ratio_count") == {f'{{gpu="{uuid}",came="{came}"}}': 1.0}

@@ -10,6 +10,7 @@ import urllib.request
 
 import pytest
 
+from gpuwatch.agent.api import Event
 from tests.conftest import FIXTURE, bcrypt_hash, free_port, need_binary, wait_http
 
 pytestmark = pytest.mark.prometheus
@@ -155,3 +156,52 @@ http_server_config:
     targets = json.load(urllib.request.urlopen(f"{base}/api/v1/targets", timeout=5))["data"]["activeTargets"]
     wrong = next(t for t in targets if t["labels"]["job"] == "wrong_password")
     assert "401" in wrong["lastError"], wrong
+
+
+def _oom_recorder_samples():
+    """The OomRecorder's series after three OOMs its leak findings had forecast (120 s each): one
+    came at 126 s (+5 %), one at 102 s (-15 %), one at 360 s (+200 %)."""
+    from gpuwatch.agent.api import Finding
+    from gpuwatch.agent.history import History
+    from gpuwatch.agent.oom import OomRecorder
+
+    gpu = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"
+    rec = OomRecorder(History(), started=1_000.0)
+    for i, came in enumerate((126.0, 102.0, 360.0)):
+        pid, t0 = str(100 + i), 2_000.0 + 1_000 * i
+        rec.leak_seen(Finding("memory_leak", gpu, "critical", "leak", {"pid": pid, "process": "leaker",
+                                                                       "color": "white", "time_to_oom_seconds": 120.0}), t0)
+        ev = rec.framework_oom(Event("framework.oom", "", {"pid": pid, "process": "leaker", "framework": "torch",
+                                                           "how": "uncaught"}), t0 + came)
+        assert ev is not None and ev.attrs["cause"] == "out_of_memory_error"
+    return gpu, rec.samples(time.time())
+
+
+def test_the_forecast_error_histogram_through_prometheus_and_promtool(prometheus):
+    """gpuwatch_oom_forecast_error_ratio as a real Prometheus reads it: buckets, sum and count per
+    GPU and `came`, and histogram_quantile() over them; promtool finds nothing to lint."""
+    from gpuwatch.agent.snapshot import Snapshot
+    from gpuwatch.exporters.prometheus import PrometheusExporter
+
+    gpu, samples = _oom_recorder_samples()
+    exp = PrometheusExporter("127.0.0.1:0")
+    exp.start()
+    try:
+        exp.publish(Snapshot(ts=time.time(), samples=tuple(samples)))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exp.port}/metrics", timeout=5).read().decode()
+        promtool = need_binary("promtool")
+        lint = subprocess.run([promtool, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+        assert lint.returncode == 0 and not (lint.stdout + lint.stderr).strip(), lint.stdout + lint.stderr
+        base = prometheus(f"127.0.0.1:{exp.port}")
+        (late,) = wait_query(base, 'gpuwatch_oom_forecast_error_ratio_count{came="late"}')
+        assert late["metric"]["gpu"] == gpu and float(late["value"][1]) == 2
+        (early_sum,) = wait_query(base, 'gpuwatch_oom_forecast_error_ratio_sum{came="early"}')
+        assert float(early_sum["value"][1]) == pytest.approx(0.15)
+        buckets = {r["metric"]["le"]: float(r["value"][1])
+                   for r in wait_query(base, 'gpuwatch_oom_forecast_error_ratio_bucket{came="late"}')}
+        assert buckets == {"0.05": 1, "0.1": 1, "0.2": 1, "0.5": 1, "1.0": 1, "2.0": 2, "+Inf": 2}
+        # the median of |error| over the three: the 0.1-0.2 bucket's (-15 %), interpolated within it
+        (median,) = wait_query(base, "histogram_quantile(0.5, sum by (le) (gpuwatch_oom_forecast_error_ratio_bucket))")
+        assert 0.1 < float(median["value"][1]) <= 0.2
+    finally:
+        exp.shutdown()

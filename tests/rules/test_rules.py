@@ -26,6 +26,16 @@ RUNBOOK = ROOT / "docs" / "alerts.md"
 SEVERITIES = {"critical", "warning", "info"}
 # Labels Prometheus adds to every scraped series; `up` is Prometheus's own, per target.
 SCRAPE_LABELS = {"job", "instance"}
+
+
+def exposed_series() -> dict:
+    """Each series name of the exposition -> (its registry metric, the labels it carries): one per
+    metric, three per histogram (whose _bucket carries le too)."""
+    out = {}
+    for m in METRICS:
+        for name in m.prom_series_names:
+            out[name] = (m, m.labels + (("le",) if name.endswith("_bucket") and m.kind.value == "histogram" else ()))
+    return out
 PROMETHEUS_METRICS = {"up"}
 # level:metric:operations (prometheus.io/docs/practices/rules), the metric an exported one.
 RECORD_NAME = re.compile(r"^(?P<level>[a-z_]+):(?P<metric>[a-z_][a-z0-9_]*):(?P<ops>[a-z0-9_]+)$")
@@ -169,8 +179,8 @@ def selectors(expr: str) -> list[tuple[str, set[str]]]:
 
 
 def _labels_of(expr: str) -> set[str]:
-    by_name = {m.prom_exposed_name: m for m in METRICS}
-    return {label for name, _ in selectors(expr) if name in by_name for label in by_name[name].labels}
+    by_name = exposed_series()
+    return {label for name, _ in selectors(expr) if name in by_name for label in by_name[name][1]}
 
 
 def _queries() -> list[tuple[str, str]]:
@@ -194,20 +204,19 @@ def test_selector_extraction():
 
 
 def test_rules_use_only_exported_metrics_and_labels():
-    exposed = {m.prom_exposed_name: m for m in METRICS}
+    exposed = exposed_series()
     problems, used = [], set()
     for where, query in _queries():
         for name, labels in selectors(query):
             if name in PROMETHEUS_METRICS or name in recorded():
                 continue
-            metric = exposed.get(name)
-            if metric is None:
+            if name not in exposed:
                 problems.append(f"{where}: {name} is not an exported metric (agent/metrics.py, docs/metrics.md)")
                 continue
             used.add(name)
-            unknown = labels - set(metric.labels) - SCRAPE_LABELS
+            unknown = labels - set(exposed[name][1]) - SCRAPE_LABELS
             if unknown:
-                problems.append(f"{where}: {name} has no label {sorted(unknown)}; its labels: {metric.labels}")
+                problems.append(f"{where}: {name} has no label {sorted(unknown)}; its labels: {exposed[name][1]}")
     assert not problems, "\n".join(problems)
     # The extraction must have seen the rules' metrics, or this test checks nothing.
     assert {"gpuwatch_gpu_up", "gpuwatch_gpu_xid_total", "hw_temperature_limit_celsius",

@@ -89,6 +89,21 @@ def test_pid_name_and_time_come_from_the_server_not_the_report():
     (lambda r: r["memory"][0].update(allocated="1G"), "memory[0].allocated: must be an integer"),
     (lambda r: r["memory"][0].update(ts=4e10), "memory[0].ts: must be a number"),
     (lambda r: r.update(cupti=None), "cupti: must be a JSON object"),
+    (lambda r: r["memory"][0].update(frameworks=["mxnet"]), "memory[0].frameworks[0]: must be one of torch, "
+                                                                "cupy, jax"),
+    (lambda r: r["memory"][0].update(frameworks=["torch"] * 4), "memory[0].frameworks: must have at most 3"),
+    (lambda r: r.update(oom={"count": 1, "framework": "torch", "how": "uncaught", "message": "rm -rf"}),
+     "oom.message: is not a field of this message"),  # no free text: the daemon words the event
+    (lambda r: r.update(oom={"count": 0, "framework": "torch", "how": "uncaught"}), "oom.count: must be an integer "
+                                                                                      "from 1 to 4294967296"),
+    (lambda r: r.update(oom={"count": 1, "framework": "mxnet", "how": "uncaught"}), "oom.framework: must be one of"),
+    (lambda r: r.update(oom={"count": 1, "framework": "jax", "how": "caught"}), "oom.how: must be one of allocator, "
+                                                                               "uncaught"),
+    (lambda r: r.update(oom={"count": 1, "framework": "cupy", "how": "uncaught", "requested_bytes": 2**51}),
+     "oom.requested_bytes: must be an integer from 0 to 1125899906842624"),
+    (lambda r: r.update(oom={"count": 1, "framework": "torch", "how": "allocator", "device": 1024}),
+     "oom.device: must be an integer from 0 to 1023"),
+    (lambda r: r.update(oom={"framework": "torch", "how": "allocator"}), "oom.count: is required"),
 ])
 def test_bad_reports_are_refused_by_the_wire_type_with_the_reason(mutate, message):
     bad = copy.deepcopy(report())
@@ -227,7 +242,8 @@ def test_probe_exports_colors_kernels_and_agent_health():
     samples = probe_samples(s)
     for x in samples:
         metrics.get(x.metric)  # every sample is a registered metric
-        assert x.ts == 5000.0 or x.metric.endswith(".refused")  # the time of receipt, not the client's
+        # the time of receipt, not the client's (the probe's own counters: the time of collection)
+        assert x.ts == 5000.0 or x.metric.endswith((".refused", ".events.dropped"))
     proc = (("pid", "7"), ("process", "python3"))
     assert series(samples, "gpuwatch.process.gpu.memory.allocated") == {proc + (("gpu", UUID),): float(1 << 30)}
     assert series(samples, "gpuwatch.process.gpu.memory.reserved") == {proc + (("gpu", UUID),): float(2 << 30)}
@@ -318,3 +334,86 @@ def test_kernel_names_from_a_client_are_made_printable():
     s = store()
     s.accept(wire.CuptiReport.parse(bad), pid=7, uid=0)
     assert s.get(7).kernels[0].name == 'void k<"x">(float*)??[2J?'
+
+
+# -- out-of-memory errors the agents report ------------------------------------------------------
+
+OOM = {"count": 1, "framework": "torch", "how": "allocator", "device": 0, "requested_bytes": 2 << 30, "ts": 1.0}
+
+
+def test_a_reported_oom_becomes_one_event_in_the_daemon_s_words():
+    now = [100.0]
+    s = store(view={UUID: frozenset({7})}, clock=lambda: now[0], wallclock=lambda: 5000.0 + now[0])
+    s.accept(parsed(oom=OOM, pid=1, process="init"), pid=7, uid=0)
+    (ev,) = s.events()
+    assert (ev.kind, ev.resource, ev.ts) == ("framework.oom", UUID, 5100.0)  # the device's verified GPU, our time
+    assert dict(ev.attrs) == {"pid": "7", "process": "python3", "framework": "torch", "how": "allocator",
+                              "device": 0, "requested_bytes": 2 << 30}
+    assert s.events() == []  # drained
+    now[0] += 1
+    s.accept(parsed(oom=OOM), pid=7, uid=0)  # the same count again: the same OOM
+    assert s.events() == []
+    now[0] += R.OOM_EVENT_INTERVAL
+    s.accept(parsed(oom=dict(OOM, count=2, how="uncaught", device=None, requested_bytes=None)), pid=7, uid=0)
+    (ev,) = s.events()
+    assert ev.resource == "" and ev.attrs["how"] == "uncaught" and ev.attrs["device"] is None  # no device: no GPU
+
+
+def test_oom_events_are_rate_limited_per_process_and_bounded(monkeypatch):
+    now = [100.0]
+    s = store(clock=lambda: now[0])
+    for n in range(1, 50):  # a client raising its count each report: one event a minute
+        now[0] += 1
+        s.accept(parsed(oom=dict(OOM, count=n)), pid=7, uid=0)
+    assert len(s.events()) == 1
+    now[0] += R.OOM_EVENT_INTERVAL
+    s.accept(parsed(oom=dict(OOM, count=50)), pid=7, uid=0)
+    assert len(s.events()) == 1
+    monkeypatch.setattr(R, "MAX_EVENTS", 2)
+    for pid in (100, 101, 102):
+        s.accept(parsed(oom=OOM), pid=pid, uid=0)
+    assert s.events_dropped == 1 and len(s.events()) == 2
+    gauge = {x.labels["probe"]: x.value for x in probe_samples(s) if x.metric == "gpuwatch.probe.events.dropped"}
+    assert gauge == {"cupti": 1.0}
+
+
+def test_an_oom_in_a_report_dropped_as_too_frequent_still_counts():
+    """The report a dying program sends at exit may come right after its last one."""
+    t = [1000.0]
+    s = store(view={UUID: frozenset({7})}, wallclock=lambda: t[0])
+    s.accept(parsed(), pid=7, uid=0)
+    t[0] += R.MIN_REPORT_INTERVAL / 2
+    s.accept(parsed(oom=OOM, memory=[]), pid=7, uid=0)
+    assert s.refused == {"too_often": 1}
+    (ev,) = s.events()
+    assert ev.resource == UUID  # the device's GPU from the report kept before
+
+
+def test_an_oom_names_a_gpu_only_where_nvml_lists_the_process():
+    for view, gpu in (({UUID: None}, ""), ({UUID: frozenset({7})}, UUID)):
+        s = store(view=view)
+        s.accept(parsed(oom=OOM), pid=7, uid=0)
+        assert [e.resource for e in s.events()] == [gpu]
+    s = store(view={UUID: frozenset({7})})
+    s.accept(parsed(oom=dict(OOM, device=3)), pid=7, uid=0)  # a device it reported no memory on
+    assert [e.resource for e in s.events()] == [""]
+
+
+def test_oom_state_goes_with_the_report_of_an_exited_process():
+    ids = dict(IDS)
+    t = [1000.0]
+    s = store(ids=ids, wallclock=lambda: t[0])
+    s.accept(parsed(oom=OOM), pid=8, uid=0)
+    del ids[8]
+    t[0] += R.STALE + 1
+    assert s.current() == [] and s._ooms == {}
+    assert [e.attrs["pid"] for e in s.events()] == ["8"]
+
+
+def test_memory_entries_say_whose_allocators_they_sum():
+    s = store(view={UUID: frozenset({7})})
+    s.accept(parsed(memory=[{"device": 0, "uuid": UUID, "allocated": 5, "reserved": 9, "ts": 2.0,
+                             "frameworks": ["cupy", "torch"]}]), pid=7, uid=0)
+    (m,) = s.get(7).as_dict()["memory"]
+    assert m == {"device": 0, "uuid": UUID, "allocated": 5, "reserved": 9, "self_reported": False,
+                 "frameworks": ["cupy", "torch"]}

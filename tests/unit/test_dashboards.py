@@ -13,7 +13,7 @@ import pytest
 from gpuwatch.agent.metrics import METRICS, Kind
 
 from tests.conftest import ROOT, load_script
-from tests.rules.test_rules import SCRAPE_LABELS, selectors
+from tests.rules.test_rules import SCRAPE_LABELS, exposed_series, selectors
 
 GEN = ROOT / "scripts" / "gen_dashboards.py"
 DIR = ROOT / "dashboards" / "grafana"
@@ -86,7 +86,9 @@ def test_generation_is_deterministic():
 
 
 def test_every_metric_is_in_a_dashboard_or_intentionally_absent():
-    used = {name for dash in committed().values() for _, expr in queries(dash) for name, _ in selectors(expr)}
+    series = exposed_series()
+    used = {series[name][0].prom_exposed_name for dash in committed().values() for _, expr in queries(dash)
+            for name, _ in selectors(expr) if name in series}  # a histogram is shown by any of its series
     exported = {m.prom_exposed_name for m in METRICS}
     missing = exported - used - set(INTENTIONALLY_ABSENT)
     assert not missing, f"no dashboard shows {sorted(missing)}: add a panel, or a reason to INTENTIONALLY_ABSENT"
@@ -96,7 +98,7 @@ def test_every_metric_is_in_a_dashboard_or_intentionally_absent():
 
 
 def test_queries_use_only_exported_metrics_and_their_labels():
-    by_name = {m.prom_exposed_name: m for m in METRICS}
+    by_name = exposed_series()
     problems = []
     for file, dash in committed().items():
         for title, expr in queries(dash):
@@ -105,13 +107,14 @@ def test_queries_use_only_exported_metrics_and_their_labels():
                     continue
                 if name not in by_name:
                     problems.append(f"{file} {title!r}: {name} is not an exported metric")
-                elif unknown := labels - set(by_name[name].labels) - SCRAPE_LABELS:
+                elif unknown := labels - set(by_name[name][1]) - SCRAPE_LABELS:
                     problems.append(f"{file} {title!r}: {name} has no label {sorted(unknown)}")
     assert not problems, "\n".join(problems)
 
 
 def test_counters_are_read_through_rate_or_increase_and_gauges_never():
-    kinds = {m.prom_exposed_name: m.kind for m in METRICS}
+    # a histogram's series count observations: read like counters
+    kinds = {name: Kind.COUNTER if m.kind is Kind.HISTOGRAM else m.kind for name, (m, _) in exposed_series().items()}
     problems = []
     for file, dash in committed().items():
         for title, expr in queries(dash):
@@ -134,6 +137,14 @@ def test_the_generator_refuses_rate_of_a_gauge_and_unknown_names_and_labels():
         gen.sel("hw.power.draw")
     with pytest.raises(KeyError, match="no label"):
         gen.sel("hw.power", sensor="gpu")
+    with pytest.raises(ValueError, match="histogram: name its series"):
+        gen.sel("gpuwatch.oom.forecast.error")
+    with pytest.raises(ValueError, match="no bucket series"):
+        gen.sel("hw.power", "bucket")
+    with pytest.raises(KeyError, match="no label 'le'"):
+        gen.sel("gpuwatch.oom.forecast.error", "count", le="0.1")
+    assert gen.sel("gpuwatch.oom.forecast.error", "bucket", le="0.1").startswith(
+        'gpuwatch_oom_forecast_error_ratio_bucket{instance=~"$instance",gpu=~"$gpu",le="0.1"}')
 
 
 # --- importable into Grafana as they are ------------------------------------------------------

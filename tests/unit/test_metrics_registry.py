@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from gpuwatch.agent.metrics import METRICS, Kind, Metric
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,6 +59,10 @@ def test_names(m: Metric):
         assert not m.prom_exposed_name.endswith("_total")
     if m.kind is Kind.INFO:
         assert m.prom_name.endswith("_info")
+    if m.kind is Kind.HISTOGRAM:
+        assert m.buckets and "le" not in m.labels
+    else:
+        assert not m.buckets
 
 
 @pytest.mark.parametrize("m", METRICS, ids=lambda m: m.name)
@@ -96,6 +100,9 @@ def _exposition() -> str:
                     # The client appends `_info` itself.
                     fam = InfoMetricFamily(m.prom_name.removesuffix("_info"), m.help)
                     fam.add_metric([], dict(zip(m.labels, values)))
+                elif m.kind is Kind.HISTOGRAM:
+                    fam = HistogramMetricFamily(m.prom_name, m.help, labels=m.labels)
+                    fam.add_metric(values, [(str(b), 0.0) for b in m.buckets] + [("+Inf", 1.0)], 1.0)
                 else:
                     cls = CounterMetricFamily if m.kind is Kind.COUNTER else GaugeMetricFamily
                     fam = cls(m.prom_name, m.help, labels=m.labels)
@@ -110,7 +117,7 @@ def _exposition() -> str:
 def test_exposed_names_match_the_registry():
     text = _exposition()
     exposed = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
-    assert exposed == {m.prom_exposed_name for m in METRICS}
+    assert exposed == {name for m in METRICS for name in m.prom_series_names}
 
 
 @pytest.mark.prometheus

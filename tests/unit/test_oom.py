@@ -31,13 +31,17 @@ def test_an_exit_with_the_gpu_full_is_scored_against_the_first_forecast():
     assert dict(ev.attrs) == {
         "kind": "oom", "severity": "critical", "pid": "42", "process": "trainer", "cause": "gpu_full_at_exit",
         "leak_found_at": 1000.0, "came_after_seconds": 132.0, "color": "black", "forecast_seconds": 120.0,
-        "forecast_error_ratio": 0.1,
+        "forecast_error_ratio": 0.1, "evidence": "it exited with its GPU 97% full",
+        "score": "forecast 2.0 min when the leak was found, came at 2.2 min (+10%)",
         "summary": "trainer (pid 42) ran out of GPU memory: it exited with its GPU 97% full; forecast 2.0 min when "
                    "the leak was found, came at 2.2 min (+10%)"}
     counted, error = rec.samples(1133.0)
     assert counted == Sample("gpuwatch.oom.events", 1.0, "GPU-a", {"cause": "gpu_full_at_exit"}, 1133.0)
-    assert (error.metric, error.resource, error.labels, error.ts) == ("gpuwatch.oom.forecast.error", "GPU-a", {}, 1133.0)
-    assert error.value == pytest.approx(0.1)
+    assert (error.metric, error.resource, error.labels, error.ts) == ("gpuwatch.oom.forecast.error", "GPU-a",
+                                                                      {"came": "late"}, 1133.0)
+    # 132 / 120 - 1 is 0.1 and a little in floats, counted as the event says it: in le 0.1
+    assert error.value == 1.0 and error.histogram.counts == (0, 1, 0, 0, 0, 0, 0)
+    assert error.histogram.sum == pytest.approx(0.1) and error.histogram.start == rec.started
     assert rec.leak_closed(leak(), exited=True, wall=1140.0) is None  # its forecast went with the first
 
 
@@ -92,7 +96,7 @@ def test_a_leak_without_a_forecast_says_when_it_was_found():
     ev = rec.leak_closed(leak(process=""), exited=True, wall=180.0)
     assert ev.attrs["summary"] == ("process (pid 42) ran out of GPU memory: it exited with its GPU 100% full; the "
                                    "leak was found 3.0 min before, with no time to OOM forecast")
-    assert "forecast_error_ratio" not in ev.attrs and rec.last_error == {}
+    assert "forecast_error_ratio" not in ev.attrs and rec.errors == {}
 
 
 def test_forecasts_and_recent_ooms_are_bounded(monkeypatch):
@@ -113,3 +117,65 @@ def test_the_edges_full_at_exactly_95_percent_and_a_leak_never_seen():
     gpu_memory(h, "GPU-a", [(10.0, 95 * GIB)])
     assert rec.leak_closed(leak(), exited=True, wall=11.0) is not None  # 95 % is full
     assert rec.leak_closed(leak(pid="99"), exited=True, wall=12.0) is None  # no forecast kept for it
+
+
+def framework(pid="42", framework="torch", how="allocator", gpu="", **attrs) -> Event:
+    return Event("framework.oom", gpu, {"pid": pid, "process": "trainer", "framework": framework, "how": how,
+                                        "device": None, "requested_bytes": None, **attrs}, 0.0)
+
+
+def test_a_framework_oom_is_scored_against_the_forecast_in_our_words():
+    rec = OomRecorder(History(), started=10.0)
+    rec.leak_seen(leak(tto=300.0, gpu="GPU-a"), 1000.0)
+    ev = rec.framework_oom(framework(device=1, requested_bytes=3 * GIB, gpu="GPU-other"), 1285.0)
+    assert (ev.kind, ev.resource) == ("finding.oom", "GPU-a")  # the leak's GPU: its forecast is scored
+    assert dict(ev.attrs) == {
+        "kind": "oom", "severity": "critical", "pid": "42", "process": "trainer", "cause": "out_of_memory_error",
+        "framework": "torch", "how": "allocator", "device": 1, "requested_bytes": 3 * GIB,
+        "leak_found_at": 1000.0, "came_after_seconds": 285.0, "color": "black", "forecast_seconds": 300.0,
+        "forecast_error_ratio": -0.05,
+        "evidence": "PyTorch's allocator raised torch.OutOfMemoryError allocating 3.00 GiB on CUDA device 1",
+        "score": "forecast 5.0 min when the leak was found, came at 4.8 min (-5%)",
+        "summary": "trainer (pid 42) ran out of GPU memory: PyTorch's allocator raised torch.OutOfMemoryError "
+                   "allocating 3.00 GiB on CUDA device 1; forecast 5.0 min when the leak was found, came at 4.8 "
+                   "min (-5%)"}
+    counted, error = rec.samples(1300.0)
+    assert counted == Sample("gpuwatch.oom.events", 1.0, "GPU-a", {"cause": "out_of_memory_error"}, 1300.0)
+    assert error.labels == {"came": "early"} and error.histogram.counts == (1, 0, 0, 0, 0, 0, 0)
+    assert error.histogram.start == 10.0
+    # the driver's word for the same OOM a moment later is not a second one
+    assert rec.driver_oom(Event("cuda.oom", "", {"pid": "42"}, 0), 1290.0) is None
+
+
+@pytest.mark.parametrize("fw, how, words", [
+    ("cupy", "uncaught", "it died of an uncaught cupy.cuda.memory.OutOfMemoryError"),
+    ("jax", "uncaught", "it died of an uncaught JAX's RESOURCE_EXHAUSTED error"),
+    ("torch", "uncaught", "it died of an uncaught torch.OutOfMemoryError"),
+])
+def test_a_framework_oom_without_a_leak_names_the_gpu_the_daemon_verified(fw, how, words):
+    rec = OomRecorder(History())
+    ev = rec.framework_oom(framework(framework=fw, how=how, gpu="GPU-v"), 50.0)
+    assert ev.resource == "GPU-v" and ev.attrs["evidence"] == words
+    assert ev.attrs["summary"] == f"trainer (pid 42) ran out of GPU memory: {words}; no leak was forecast for it"
+    assert "device" not in ev.attrs and "requested_bytes" not in ev.attrs
+    assert rec.samples(51.0) == [Sample("gpuwatch.oom.events", 1.0, "GPU-v", {"cause": "out_of_memory_error"}, 51.0)]
+
+
+@pytest.mark.parametrize("attrs", [{"pid": ""}, {"pid": "x7"}, {"framework": "tensorflow"}, {"how": "caught"},
+                                   {"framework": None}])
+def test_a_framework_oom_event_outside_the_choices_is_none(attrs):
+    assert OomRecorder(History()).framework_oom(framework(**attrs), 1.0) is None
+
+
+def test_evidence_just_after_the_leak_closed_still_scores_its_forecast():
+    """A program that dies of its OOM: the runner may see it gone before its report's OOM arrives."""
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(pid="5", tto=100.0), 1000.0)
+    assert rec.leak_closed(leak(pid="5"), exited=True, wall=1090.0) is None  # the GPU was not full
+    ev = rec.framework_oom(framework(pid="5"), 1090.0 + oom_mod.LATE_S)
+    assert ev.attrs["forecast_seconds"] == 100.0 and ev.attrs["came_after_seconds"] == 100.0
+    rec.leak_seen(leak(pid="6", tto=100.0), 1000.0)
+    rec.leak_closed(leak(pid="6"), exited=False, wall=1090.0)
+    late = rec.driver_oom(Event("cuda.oom", "", {"pid": "6"}, 0), 1090.0 + oom_mod.LATE_S + 0.1)
+    assert late.attrs["summary"].endswith("no leak was forecast for it")

@@ -65,6 +65,44 @@ def test_metrics_follow_the_hardware_semantic_conventions(receiver):
     assert resource["service.name"] == "gpuwatch" and resource["service.version"]
 
 
+def ours(receiver) -> list[dict]:
+    with receiver.lock:  # not the SDK's own (it measures its collections in a histogram too)
+        return [h for h in receiver.histograms if h["name"] == "gpuwatch.oom.forecast.error"]
+
+
+def test_histograms_are_explicit_bucket_histograms_cumulative_from_their_start(receiver):
+    """The forecast-error histogram as the OomRecorder holds it: an OTel histogram with the
+    registry's bounds, its counts, sum, min and max, cumulative from when counting began."""
+    from gpuwatch.agent import metrics as registry
+    from opentelemetry.proto.metrics.v1.metrics_pb2 import AGGREGATION_TEMPORALITY_CUMULATIVE
+
+    hist = registry.Histogram("gpuwatch.oom.forecast.error", 1_700_000_000.0)
+    for err in (0.02, 0.05, 0.3, 4.0):
+        hist.observe(err)
+    now = time.time()
+    e = exporter(receiver)
+    try:
+        e.publish(Snapshot(ts=now, samples=(
+            Sample("gpuwatch.gpu", 1.0, GPU, INFO),
+            Sample("gpuwatch.oom.forecast.error", 4.0, GPU, {"came": "late"}, now, hist.value()),
+            Sample("hw.power", 614.0, GPU, {}))))
+        assert receiver.wait_for(lambda: ours(receiver) and "hw.power" in receiver.metric_names())
+    finally:
+        e.shutdown()
+    h = ours(receiver)[0]
+    assert h == {"name": "gpuwatch.oom.forecast.error", "unit": "1", "attributes": {"hw.id": GPU, "came": "late"},
+                 "temporality": AGGREGATION_TEMPORALITY_CUMULATIVE, "count": 4, "sum": pytest.approx(4.37),
+                 "bucket_counts": [2, 0, 0, 1, 0, 0, 1], "explicit_bounds": [0.05, 0.1, 0.2, 0.5, 1.0, 2.0],
+                 "min": 0.02, "max": 4.0, "start_time_unix_nano": 1_700_000_000 * 10**9,
+                 "time_unix_nano": int(now * 1e9)}
+    # its only points are the histogram's (no gauge of its count), in every export
+    hists = ours(receiver)
+    with receiver.lock:
+        points = [p for p in receiver.points if p[0] == "gpuwatch.oom.forecast.error"]
+    assert len(points) == len(hists)
+    assert all(p == ("gpuwatch.oom.forecast.error", "1", 4, {"hw.id": GPU, "came": "late"}) for p in points)
+
+
 def test_events_are_log_records_with_their_severity(receiver):
     e = exporter(receiver)
     try:

@@ -275,6 +275,66 @@ def test_openmetrics_exposition_is_exact_and_ends_with_eof():
             'hw_temperature_celsius{gpu="GPU-a",sensor="gpu"} 41.0\n') in text
 
 
+def _histogram_snapshot():
+    """Forecast-error histograms as the OomRecorder keeps them: two GPUs, both sides of the forecast."""
+    out = []
+    for gpu, came, errors in (("GPU-a", "late", (0.05, 0.05, 0.3, 7.0)), ("GPU-a", "early", (0.12,)),
+                              ("GPU-b", "late", ())):
+        h = registry.Histogram("gpuwatch.oom.forecast.error", 100.0)
+        for e in errors:
+            h.observe(e)
+        out.append(Sample("gpuwatch.oom.forecast.error", float(len(errors)), gpu, {"came": came}, 200.0, h.value()))
+    return snap(*out, Sample("hw.power", 3.0, "GPU-a"))
+
+
+def test_histograms_render_as_prometheus_client_renders_them():
+    snapshot = _histogram_snapshot()
+    for ours, ref, parse in ((render(snapshot, False), generate_latest(reference_registry(snapshot)), parse_text),
+                             (render(snapshot, True), generate_openmetrics(reference_registry(snapshot)),
+                              parse_openmetrics)):
+        assert series(parse(ours.decode())) == series(parse(ref.decode()))
+        fams = {f.name: (f.type, f.unit) for f in parse(ours.decode())}
+        assert fams["gpuwatch_oom_forecast_error_ratio"][0] == "histogram"
+    text = render(snapshot, False).decode()
+    assert "# TYPE gpuwatch_oom_forecast_error_ratio histogram\n" in text
+    lines = [line for line in text.splitlines() if 'gpu="GPU-a",came="late"' in line]
+    assert lines == [  # cumulative; an observation on a bound is in that bound's bucket (le)
+        'gpuwatch_oom_forecast_error_ratio_bucket{gpu="GPU-a",came="late",le="0.05"} 2',
+        'gpuwatch_oom_forecast_error_ratio_bucket{gpu="GPU-a",came="late",le="0.1"} 2',
+        'gpuwatch_oom_forecast_error_ratio_bucket{gpu="GPU-a",came="late",le="0.2"} 2',
+        'gpuwatch_oom_forecast_error_ratio_bucket{gpu="GPU-a",came="late",le="0.5"} 3',
+        'gpuwatch_oom_forecast_error_ratio_bucket{gpu="GPU-a",came="late",le="1.0"} 3',
+        'gpuwatch_oom_forecast_error_ratio_bucket{gpu="GPU-a",came="late",le="2.0"} 3',
+        'gpuwatch_oom_forecast_error_ratio_bucket{gpu="GPU-a",came="late",le="+Inf"} 4',
+        'gpuwatch_oom_forecast_error_ratio_sum{gpu="GPU-a",came="late"} 7.4',
+        'gpuwatch_oom_forecast_error_ratio_count{gpu="GPU-a",came="late"} 4']
+    om = render(snapshot, True).decode()
+    assert ("# TYPE gpuwatch_oom_forecast_error_ratio histogram\n"
+            "# UNIT gpuwatch_oom_forecast_error_ratio ratio\n") in om
+    assert 'gpuwatch_oom_forecast_error_ratio_count{gpu="GPU-b",came="late"} 0\n' in om
+
+
+def test_a_histogram_sample_without_its_state_is_skipped():
+    bad = registry.Histogram("gpuwatch.oom.forecast.error", 0.0).value()
+    short = type(bad)(bad.counts[:-1], 0.0, 0.0, 0.0, 0.0)  # not the registry's buckets
+    text = render(snap(Sample("gpuwatch.oom.forecast.error", 1.0, GPU, {"came": "late"}),
+                       Sample("gpuwatch.oom.forecast.error", 1.0, GPU, {"came": "early"}, histogram=short),
+                       Sample("hw.power", 3.0, GPU)), False).decode()
+    assert "forecast" not in text and "hw_power_watts" in text
+
+
+def test_histogram_counting():
+    h = registry.Histogram("gpuwatch.oom.forecast.error", 5.0)
+    assert h.value() == registry.HistogramValue((0,) * 7, 0.0, float("inf"), float("-inf"), 5.0)
+    for v in (0.0, 0.05, 0.0500001, 2.0, 2.5):
+        h.observe(v)
+    v = h.value()
+    assert v.counts == (2, 1, 0, 0, 0, 1, 1) and v.count == 5
+    assert (v.sum, v.min, v.max, v.start) == (pytest.approx(4.6000001), 0.0, 2.5, 5.0)
+    with pytest.raises(ValueError, match="is a gauge, not a histogram"):
+        registry.Histogram("hw.power", 0.0)
+
+
 def test_empty_snapshot():
     assert render(snap(), openmetrics=False) == b""
     assert render(snap(), openmetrics=True) == b"# EOF\n"

@@ -1054,8 +1054,10 @@ def test_a_leaking_process_gone_with_its_gpu_full_is_an_oom_scored_against_its_f
     assert "ran out of GPU memory" in a["summary"] and "GPU 9" in a["summary"]
     counted = {(s.resource, s.labels["cause"]): s.value for s in snap.samples if s.metric == "gpuwatch.oom.events"}
     assert counted == {("GPU-oom", "gpu_full_at_exit"): 1.0}
-    errors = [s.value for s in snap.samples if s.metric == "gpuwatch.oom.forecast.error"]
-    assert errors == [pytest.approx(a["forecast_error_ratio"], abs=1e-3)]
+    (error,) = [s for s in snap.samples if s.metric == "gpuwatch.oom.forecast.error"]
+    assert error.labels == {"came": "early" if a["forecast_error_ratio"] < 0 else "late"}
+    assert error.histogram.count == 1 and error.histogram.sum == pytest.approx(abs(a["forecast_error_ratio"]), abs=1e-3)
+    assert error.histogram.start == 1_800_000_000.0  # the runner's wall clock when it started
 
 
 def test_a_driver_oom_event_is_scored_once_and_a_leak_ending_without_a_full_gpu_is_none():
