@@ -27,11 +27,15 @@ from gpuwatch.agent import control
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+EBPF = False  # --ebpf: the agent's eBPF probe on, the programs run on their own (no in-process agent)
+
+
 def start_agent(work: str, port: int) -> tuple[subprocess.Popen, str]:
     sock = os.path.join(work, "run", "control.sock")
     p = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "", "--listen",
                           f"127.0.0.1:{port}", "--state-dir", os.path.join(work, "state"), "--runtime-dir",
-                          os.path.join(work, "run"), "--no-ebpf", "--no-cupti-sampling", "--no-baseline"],
+                          os.path.join(work, "run"), *([] if EBPF else ["--no-ebpf"]), "--no-cupti-sampling",
+                          "--no-baseline"],
                          stdout=open(os.path.join(work, "agent.log"), "w"), stderr=subprocess.STDOUT)
     for _ in range(100):
         try:
@@ -46,9 +50,12 @@ def run_program(sock: str, mode: str, log: str, **opts) -> subprocess.Popen:
     args = [sys.executable, os.path.join(HERE, "leak_program.py"), "--mode", mode, "--log", log]
     for k, v in opts.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
+    out = open(os.path.join(os.path.dirname(log), f"{mode}.log"), "a")
+    if EBPF:  # on its own, as most jobs run: only the eBPF probe and NVML see it (no bcc libraries in it)
+        import workload
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=workload.env())
     return subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "run", "--quiet", "--socket", sock,
-                             "--"] + args, stdout=open(os.path.join(os.path.dirname(log), f"{mode}.log"), "a"),
-                            stderr=subprocess.STDOUT)
+                             "--"] + args, stdout=out, stderr=subprocess.STDOUT)
 
 
 def events(log: str, pid_mode: str) -> list[dict]:
@@ -74,7 +81,11 @@ def main() -> int:
     ap.add_argument("--slow-rate-mib-per-min", type=float, default=100.0)
     ap.add_argument("--modes", default="slow,white,grey,black")
     ap.add_argument("--steady-seconds", type=float, default=600.0)
+    ap.add_argument("--ebpf", action="store_true", help="the agent's eBPF probe on and no `gpuwatch run`: grey is "
+                    "the pooled driver allocations (the PyTorch caching allocator), black the rest")
     a = ap.parse_args()
+    global EBPF
+    EBPF = a.ebpf
     os.makedirs(a.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gw-leak-")
     log = os.path.join(a.out, "programs.jsonl")
@@ -104,7 +115,7 @@ def main() -> int:
                     if f["pid"] == str(p.pid) and (not seen or seen[-1]["ts"] != f["ts"]):
                         seen.append({k: f.get(k) for k in ("ts", "color", "rate_bytes_per_second",
                                                             "time_to_oom_seconds", "headroom_bytes", "confidence",
-                                                            "summary")})
+                                                            "summary", "allocator", "grey_source")})
                         if len(seen) == 1:
                             progress(f"{mode}: {f.get('summary')}")
                     if f["pid"] == str(steady.pid):
@@ -131,6 +142,10 @@ def main() -> int:
                 continue
             line = f"{mode}: seen {delay:.0f} s after the leak's start (limit 90 s) as {first['color']}"
             ok = ok_color and delay <= 90
+            if EBPF:  # who allocates: the pool named for grey, "outside any allocator" for black
+                want = {"grey": "pytorch", "black": "none"}.get(kind)
+                line += f", allocator {first.get('allocator')!r} (want {want!r})"
+                ok = ok and first.get("allocator") == want
             if oom is not None and first.get("time_to_oom_seconds"):
                 actual = oom["t"] - first["ts"]
                 err = (first["time_to_oom_seconds"] - actual) / actual
