@@ -96,6 +96,8 @@ def _probe_for_prune():
     p = EbpfCudaProbe.__new__(EbpfCudaProbe)  # only the bookkeeping _prune uses, no BPF
     p._starts, p._names, p._driver_named, p._loader = {}, {}, {}, _FakeLoader()
     p._python, p._resolvers = {}, {}
+    from gpuwatch.probes.ebpf import pools
+    p._pools, p._allocators = pools.Classifier(), {}
     return p
 
 
