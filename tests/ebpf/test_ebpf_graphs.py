@@ -28,6 +28,17 @@ LAUNCH_CALLS = {"cuLaunchKernel": 7, "cuLaunchKernelEx": 2, "cuLaunchCooperative
                 "cuGraphLaunch": REPLAYS}
 
 
+def traced(lib: str, d) -> dict:
+    """The workload of driver d run once under a trace of it (pid-filtered probe): its snapshot."""
+    probe = EbpfCudaProbe(libraries=[lib], pid=d.pid, driver_names=False)
+    probe.start()
+    try:
+        d.go()
+        return probe.snapshot(d.pid)
+    finally:
+        probe.shutdown()
+
+
 def _by_handle(snapshot: dict) -> dict:
     return {k["handle"]: (k["direct_launches"], k["graph_launches"], k["degenerate_launches"])
             for k in snapshot["kernels"]}
@@ -35,13 +46,7 @@ def _by_handle(snapshot: dict) -> dict:
 
 def test_kernels_in_graphs_are_counted_and_named_direct_vs_graph(fake_cuda, drivers):
     d = drivers(None, "graphs")
-    probe = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, driver_names=False)
-    probe.start()
-    try:
-        d.go()
-        snap = probe.snapshot(d.pid)
-    finally:
-        probe.shutdown()
+    snap = traced(fake_cuda["lib"], d)
     assert _by_handle(snap) == GRAPH_KERNELS
     for k in snap["kernels"]:
         assert k["launches"] == k["direct_launches"] + k["graph_launches"]

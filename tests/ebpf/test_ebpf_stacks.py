@@ -14,6 +14,7 @@ import pytest
 from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
 
 from .test_ebpf_cuda import handle
+from .test_ebpf_graphs import traced
 
 pytestmark = pytest.mark.root
 
@@ -31,13 +32,7 @@ def _stacks(snap: dict) -> dict:
 
 def test_native_launch_stacks_name_the_launching_functions(fake_cuda, drivers):
     d = drivers()
-    probe = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, driver_names=False)
-    probe.start()
-    try:
-        d.go()
-        snap = probe.snapshot(d.pid)
-    finally:
-        probe.shutdown()
+    snap = traced(fake_cuda["lib"], d)
     by = _stacks(snap)
     launches = {k["handle"]: k["launches"] for k in snap["kernels"]}
     for h in (handle(0xa000), handle(0xb000), handle(0xc000), handle(0xd000)):
@@ -109,13 +104,7 @@ def test_python_frames_of_a_launch_from_a_cpython_program(fake_cuda, tmp_path):
 
 def test_a_kernel_in_a_graph_has_the_stack_that_captured_it(fake_cuda, drivers):
     d = drivers(None, "graphs")
-    probe = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=d.pid, driver_names=False)
-    probe.start()
-    try:
-        d.go()
-        snap = probe.snapshot(d.pid)
-    finally:
-        probe.shutdown()
+    snap = traced(fake_cuda["lib"], d)
     by = _stacks(snap)
     # D was only ever captured or launched from graphs_work (inlined into main at -O1) and launcher-less
     assert by[handle(0xd000)] and all(s["frames"][0].startswith("cuLaunchKernel_ptsz") for s in by[handle(0xd000)])
