@@ -128,26 +128,10 @@ def _calibrate(mem: driver_names.Memory) -> Offsets:
     # which points at the code object.
     def here():
         frame = sys._getframe()
-        code = frame.f_code
-        f_frame = None
-        off_code = None
-        for o in range(16, 64, 8):
-            q = _u64(mem, id(frame) + o)
-            if q:
-                hits = _find(mem, q, 96, id(code))
-                if hits:
-                    f_frame, off_code = q, hits[0]
-                    break
-        caller = frame.f_back
-        caller_iframe = None
-        for o in range(16, 64, 8):
-            q = _u64(mem, id(caller) + o)
-            if q and _find(mem, q, 96, id(caller.f_code)):
-                caller_iframe = q
-                break
-        return f_frame, off_code, caller_iframe, code
+        iframe, off_code = _iframe_of(mem, frame)
+        return iframe, off_code, _iframe_of(mem, frame.f_back)[0]
 
-    iframe, off_code, caller_iframe, code = here()
+    iframe, off_code, caller_iframe = here()
     if iframe is None or caller_iframe is None:
         raise LookupError("the interpreter frame not found")
     previous = _one(_find(mem, iframe, 96, caller_iframe), "the previous frame")
@@ -155,7 +139,9 @@ def _calibrate(mem: driver_names.Memory) -> Offsets:
     # The current frame: in the thread state (3.13) or one pointer away (_PyCFrame, 3.11/3.12).
     # While memory is read the current frame is the reader's, a few calls below this one: a
     # candidate is right when its chain of callers reaches this function's frame.
-    iframe_now = _current_iframe(mem)
+    iframe_now = _iframe_of(mem, sys._getframe())[0]
+    if iframe_now is None:
+        raise LookupError("this function's interpreter frame not found")
 
     def reaches(p: int | None) -> bool:
         for _ in range(8):
@@ -210,19 +196,20 @@ def _calibrate(mem: driver_names.Memory) -> Offsets:
             break
     if instr is None or ascii_data < 0 or bytes_data < 0:
         raise LookupError("the instruction pointer or string layout not found")
-    del code
     return Offsets(sys.hexversion >> 16, interp_head, threads_head, nxt, native, cframe, current, off_code,
                    previous, instr, adaptive, filename, qualname, firstlineno, linetable, ascii_data, bytes_data)
 
 
-def _current_iframe(mem: driver_names.Memory) -> int:
-    """The _PyInterpreterFrame of the caller of this function."""
-    frame = sys._getframe(1)
+def _iframe_of(mem: driver_names.Memory, frame) -> tuple[int | None, int | None]:
+    """A frame object's _PyInterpreterFrame (the pointer in the PyFrameObject to memory that
+    holds the frame's code object), and the code object's offset in it; (None, None) if not found."""
     for o in range(16, 64, 8):
         q = _u64(mem, id(frame) + o)
-        if q and _find(mem, q, 96, id(frame.f_code)):
-            return q
-    return 0
+        if q:
+            hits = _find(mem, q, 96, id(frame.f_code))
+            if hits:
+                return q, hits[0]
+    return None, None
 
 
 _CALIBRATED: "Offsets | str | None" = None

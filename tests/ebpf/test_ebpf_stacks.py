@@ -74,13 +74,18 @@ PROGRAM = textwrap.dedent('''\
     ''')
 
 
-def test_python_frames_of_a_launch_from_a_cpython_program(fake_cuda, tmp_path):
+def start_launcher(tmp_path, lib: str, program: str = PROGRAM):
+    """PROGRAM written to tmp_path and started on the fake libcuda, up to its "ready": (path, process)."""
     prog = tmp_path / "launcher.py"
-    prog.write_text(PROGRAM)
-    p = subprocess.Popen([sys.executable, str(prog), fake_cuda["lib"]], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    prog.write_text(program)
+    p = subprocess.Popen([sys.executable, str(prog), lib], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return prog, p
+
+
+def test_python_frames_of_a_launch_from_a_cpython_program(fake_cuda, tmp_path):
+    prog, p = start_launcher(tmp_path, fake_cuda["lib"])
     try:
-        assert p.stdout.readline().strip() == "ready"
         probe = EbpfCudaProbe(libraries=[fake_cuda["lib"]], pid=p.pid, driver_names=False)
         probe.start()
         try:
@@ -115,12 +120,8 @@ def test_a_kernel_in_a_graph_has_the_stack_that_captured_it(fake_cuda, drivers):
 def test_the_live_view_and_summary_show_where_kernels_are_launched_from(fake_cuda, tmp_path):
     from gpuwatch.agent.trace.output import read_summary
     from .test_trace_cli import Trace
-    prog = tmp_path / "launcher.py"
-    prog.write_text(PROGRAM)
-    p = subprocess.Popen([sys.executable, str(prog), fake_cuda["lib"]], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    prog, p = start_launcher(tmp_path, fake_cuda["lib"])
     try:
-        assert p.stdout.readline().strip() == "ready"
         out = tmp_path / "summary.json"
         trace_out = tmp_path / "calls.json"
         t = Trace("-p", str(p.pid), "--library", fake_cuda["lib"], "--summary-json", str(out),
@@ -151,15 +152,12 @@ def test_the_live_view_and_summary_show_where_kernels_are_launched_from(fake_cud
 def test_the_agent_reads_a_new_processs_python_frames_from_its_first_launches(fake_cuda, tmp_path):
     """Every process (the agent's probe): a CPython process is looked at when its first launch is
     sampled, not at the next collection, so its later samples have their Python frames."""
-    prog = tmp_path / "launcher.py"
-    prog.write_text(PROGRAM.replace("launch_from_python(300)", "launch_from_python(20000)"))
     probe = EbpfCudaProbe(libraries=[fake_cuda["lib"]], driver_names=False)
     probe.start()
     try:
-        p = subprocess.Popen([sys.executable, str(prog), fake_cuda["lib"]], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+        _, p = start_launcher(tmp_path, fake_cuda["lib"],
+                              PROGRAM.replace("launch_from_python(300)", "launch_from_python(20000)"))
         try:
-            assert p.stdout.readline().strip() == "ready"
             p.stdin.write("go\n")
             p.stdin.flush()
             assert p.stdout.readline().strip() == "done"
