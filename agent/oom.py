@@ -9,7 +9,9 @@ was. Evidence, whichever comes first (one event per process and OOM, not one per
   OutOfMemoryError, JAX's RESOURCE_EXHAUSTED): the in-process agent of `gpuwatch run` saw it and
   said so in its report, which the daemon checked (probes/cupti/reports.py: "framework.oom" events);
 - a process with an open memory-leak finding exited while its GPU was nearly full
-  (hw.gpu.memory.usage / limit >= FULL in the last seconds before).
+  (hw.gpu.memory.usage / limit >= FULL in the last seconds before); this one waits EXIT_HOLD_S for
+  the others, which come a probe interval later at most and say more (the error, the bytes asked
+  for), and is then made only when none came.
 
 Each becomes a "finding.oom" event (stored and shown by `gpuwatch findings` like the other
 finding events) beside the forecast made when the leak was first found: "forecast 3.0 min, came
@@ -34,6 +36,10 @@ MAX_TRACKED = 1024  # forecasts kept (processes with a leak finding); the oldest
 # after its last report, and the runner can see the exit before the report's OOM. Its forecast is
 # kept this long after the finding closed.
 LATE_S = 10.0
+# An exit with the GPU full is the weakest evidence: the program's own report of its framework's OOM
+# (which names the error and the bytes asked for) can reach the runner a probe interval after the
+# exit is seen. The exit's event waits this long for better evidence, which then replaces it.
+EXIT_HOLD_S = 5.0
 
 CAUSE_WORDS = {"driver": "the driver returned CUDA_ERROR_OUT_OF_MEMORY",
                "out_of_memory_error": "{error}",
@@ -61,6 +67,7 @@ class OomRecorder:
         self._forecasts: dict[str, _Forecast] = {}  # pid -> the first forecast of its open leak
         self._closed: dict[str, tuple[_Forecast, float]] = {}  # pid -> forecast of a leak that closed, when
         self._last_oom: dict[str, float] = {}  # pid -> when its last OOM event was made
+        self._exits: dict[str, tuple[_Forecast, float, float]] = {}  # pid -> an exit with the GPU full: forecast, when, fullness
         self.events_total: dict[tuple[str, str], int] = {}  # (gpu, cause) -> OOM events
         self.started = time.time() if started is None else started  # wall time the counting began: the histograms' start
         self.errors: dict[tuple[str, str], Histogram] = {}  # (gpu, came) -> |forecast error ratio|
@@ -77,9 +84,10 @@ class OomRecorder:
                                              float(tto) if isinstance(tto, (int, float)) else None,
                                              str(f.attrs.get("color", "")))
 
-    def leak_closed(self, f: Finding, exited: bool, wall: float) -> Event | None:
-        """Its leak finding closed: when because the process exited with the GPU nearly full,
-        that was the OOM. The forecast is forgotten either way."""
+    def leak_closed(self, f: Finding, exited: bool, wall: float) -> None:
+        """Its leak finding closed: when because the process exited with the GPU nearly full, that
+        was the OOM, unless better evidence comes within EXIT_HOLD_S (due() then makes the event).
+        The forecast is forgotten either way."""
         pid = str(f.attrs.get("pid", ""))
         fc = self._forecasts.pop(pid, None)
         if fc is not None:
@@ -87,11 +95,20 @@ class OomRecorder:
             if len(self._closed) > MAX_TRACKED:
                 del self._closed[next(iter(self._closed))]
         if not exited or fc is None or self._same_oom(pid, wall):
-            return None
+            return
         full = self._fullness(fc.gpu, wall)
-        if full is None or full < FULL:
-            return None
-        return self._event(pid, fc.process, fc, "gpu_full_at_exit", wall, full=full)
+        if full is not None and full >= FULL and len(self._exits) < MAX_TRACKED:
+            self._exits[pid] = (fc, wall, full)
+
+    def due(self, wall: float) -> list[Event]:
+        """The exits with the GPU full that no better evidence followed within EXIT_HOLD_S: OOM
+        events, dated when the exit was seen."""
+        out = []
+        for pid, (fc, at, full) in list(self._exits.items()):
+            if wall - at >= EXIT_HOLD_S or wall < at:
+                del self._exits[pid]
+                out.append(self._event(pid, fc.process, fc, "gpu_full_at_exit", at, full=full))
+        return out
 
     def driver_oom(self, ev: Event, wall: float) -> Event | None:
         """The eBPF probe saw CUDA_ERROR_OUT_OF_MEMORY returned to a process."""
@@ -125,7 +142,9 @@ class OomRecorder:
                            error=HOW[how].format(error=ERRORS[framework]), extra=extra)
 
     def _forecast(self, pid: str, wall: float) -> _Forecast | None:
-        """The forecast of the process's open leak, or of one that closed in the last LATE_S."""
+        """The forecast of the process's open leak, or of one that closed in the last LATE_S. Evidence
+        asking for it replaces the process's held exit, if any."""
+        self._exits.pop(pid, None)
         fc = self._forecasts.get(pid)
         if fc is None and pid in self._closed:
             closed, at = self._closed[pid]

@@ -368,6 +368,8 @@ class Runner:
                     log.exception("detector %s failed", det.name)
             findings.extend(self._detector_out[i][0])
         findings = self._track_findings(findings, wall)
+        for ev in self.oom.due(wall):  # exits with the GPU full that no better evidence followed
+            self._add_event(ev)
         samples.extend(self.oom.samples(wall))  # after tracking: an OOM of this pass is counted in it
         kept = {id(f) for f in findings}
         for i, det in enumerate(self.detectors):
@@ -418,9 +420,7 @@ class Runner:
                 self._add_event(Event("finding.closed", f.resource, attrs, wall))
                 self._finding_starts.pop(key, None)
                 if f.kind == LEAK_KIND:
-                    oom = self.oom.leak_closed(f, key in exited, wall)
-                    if oom is not None:
-                        self._add_event(oom)
+                    self.oom.leak_closed(f, key in exited, wall)
         for f in current.values():
             if f.kind == LEAK_KIND:
                 self.oom.leak_seen(f, wall)

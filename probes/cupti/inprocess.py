@@ -46,6 +46,7 @@ MAX_REPORT = 60_000  # the control socket takes requests up to 64 KiB
 SOCKET_RETRY = 30.0  # while reporting to the file, try the daemon again this often
 TICK = 0.1
 KERNEL_MODES = ("sampled", "continuous", "off")
+SAME_OOM_S = 60.0  # an uncaught OutOfMemoryError this soon after the allocator said it is that same error
 
 
 def _note(msg: str) -> None:
@@ -498,6 +499,10 @@ class InProcessAgent:
         if self._forked:
             return
         with self._oom_lock:
+            last = self.oom
+            if (how == "uncaught" and last is not None and last["how"] == "allocator"
+                    and last["framework"] == framework and time.time() - last["ts"] < SAME_OOM_S):
+                return  # the error PyTorch's allocator just told us of, reaching the top: not a second OOM
             self.oom_count += 1
             self.oom = {"count": self.oom_count, "framework": framework, "how": how, "device": device,
                         "requested_bytes": requested, "ts": time.time()}

@@ -116,7 +116,7 @@ def capture_decode() -> dict:
     torch.cuda.synchronize()
     nodes = _kernel_nodes(g)
 
-    def replay():  # one token: the graph, then the next position and token (two direct kernels)
+    def replay():  # one token: the graph, then the next token (a device copy) and position (a direct kernel)
         g.replay()
         ids.copy_(out["next"])
         pos.add_(1)

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from gpuwatch.agent import wire
-from gpuwatch.probes.cupti import frameworks
+from gpuwatch.probes.cupti import frameworks, inprocess
 from gpuwatch.probes.cupti.inprocess import InProcessAgent, Settings
 
 torch = pytest.importorskip("torch")
@@ -119,6 +119,13 @@ def test_an_uncaught_oom_is_in_the_next_report_and_each_one_is_counted_once():
     a.saw_oom("torch", "allocator", 0, 123)
     oom = wire.CuptiReport.parse(a.build_report()).oom
     assert (oom.count, oom.how, oom.device, oom.requested_bytes) == (2, "allocator", 0, 123)
+    # the error PyTorch's allocator told of, reaching the top uncaught: the same OOM, with its bytes kept
+    a.uncaught(torch.cuda.OutOfMemoryError(TORCH_OOM))
+    oom = wire.CuptiReport.parse(a.build_report()).oom
+    assert (oom.count, oom.how, oom.requested_bytes) == (2, "allocator", 123)
+    a.oom["ts"] -= inprocess.SAME_OOM_S  # one a minute later is a new OOM
+    a.uncaught(torch.cuda.OutOfMemoryError(TORCH_OOM))
+    assert (a.oom_count, a.oom["how"]) == (3, "uncaught")
 
 
 def test_no_oom_no_field_and_no_framework_no_memory():

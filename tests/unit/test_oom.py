@@ -20,13 +20,22 @@ def gpu_memory(h: History, gpu: str, points: list[tuple[float, float]], limit: f
                                                    Sample("hw.gpu.memory.limit", limit, gpu, {}, t))])
 
 
+def closed(rec: OomRecorder, f: Finding, exited: bool, wall: float) -> Event | None:
+    """The leak closes at `wall`; its OOM event, if any, once the exit's hold is over."""
+    assert rec.leak_closed(f, exited=exited, wall=wall) is None
+    assert rec.due(wall + oom_mod.EXIT_HOLD_S - 0.001) == []  # held for better evidence
+    events = rec.due(wall + oom_mod.EXIT_HOLD_S)
+    assert len(events) <= 1 and rec.due(wall + 2 * oom_mod.EXIT_HOLD_S) == []
+    return events[0] if events else None
+
+
 def test_an_exit_with_the_gpu_full_is_scored_against_the_first_forecast():
     h = History()
     rec = OomRecorder(h)
     rec.leak_seen(leak(tto=120.0), 1000.0)
     rec.leak_seen(leak(tto=5.0), 1100.0)  # later forecasts do not replace the first
     gpu_memory(h, "GPU-a", [(1128.0, 60 * GIB), (1130.0, 97 * GIB)])
-    ev = rec.leak_closed(leak(), exited=True, wall=1132.0)
+    ev = closed(rec, leak(), True, 1132.0)
     assert (ev.kind, ev.resource, ev.ts) == ("finding.oom", "GPU-a", 1132.0)
     assert dict(ev.attrs) == {
         "kind": "oom", "severity": "critical", "pid": "42", "process": "trainer", "cause": "gpu_full_at_exit",
@@ -42,7 +51,7 @@ def test_an_exit_with_the_gpu_full_is_scored_against_the_first_forecast():
     # 132 / 120 - 1 is 0.1 and a little in floats, counted as the event says it: in le 0.1
     assert error.value == 1.0 and error.histogram.counts == (0, 1, 0, 0, 0, 0, 0)
     assert error.histogram.sum == pytest.approx(0.1) and error.histogram.start == rec.started
-    assert rec.leak_closed(leak(), exited=True, wall=1140.0) is None  # its forecast went with the first
+    assert closed(rec, leak(), True, 1140.0) is None  # its forecast went with the first
 
 
 @pytest.mark.parametrize("exited,points,why", [
@@ -57,7 +66,7 @@ def test_a_leak_that_ends_otherwise_is_no_oom(exited, points, why):
     rec.leak_seen(leak(), 1000.0)
     gpu_memory(h, "GPU-a", points)
     gpu_memory(h, "GPU-other", [(1131.0, 99 * GIB)])  # another GPU's fullness is not this one's
-    assert rec.leak_closed(leak(), exited=exited, wall=1132.0) is None, why
+    assert closed(rec, leak(), exited, 1132.0) is None, why
     assert rec.samples(1132.0) == []
 
 
@@ -71,7 +80,7 @@ def test_a_driver_oom_uses_the_forecast_and_names_the_call():
                                    "9.0 min (-10%)")
     assert ev.attrs["forecast_error_ratio"] == -0.1 and ev.attrs["cause"] == "driver"
     # the process then exits with a full GPU: the same OOM, not a second
-    assert rec.leak_closed(leak(pid="7", gpu="GPU-b"), exited=True, wall=600.0) is None
+    assert closed(rec, leak(pid="7", gpu="GPU-b"), True, 600.0) is None
     assert rec.events_total == {("GPU-b", "driver"): 1}
 
 
@@ -93,7 +102,7 @@ def test_a_leak_without_a_forecast_says_when_it_was_found():
     rec = OomRecorder(h)
     rec.leak_seen(leak(tto=None, process=""), 0.0)
     gpu_memory(h, "GPU-a", [(179.0, 100 * GIB)])
-    ev = rec.leak_closed(leak(process=""), exited=True, wall=180.0)
+    ev = closed(rec, leak(process=""), True, 180.0)
     assert ev.attrs["summary"] == ("process (pid 42) ran out of GPU memory: it exited with its GPU 100% full; the "
                                    "leak was found 3.0 min before, with no time to OOM forecast")
     assert "forecast_error_ratio" not in ev.attrs and rec.errors == {}
@@ -115,8 +124,8 @@ def test_the_edges_full_at_exactly_95_percent_and_a_leak_never_seen():
     rec = OomRecorder(h)
     rec.leak_seen(leak(), 0.0)
     gpu_memory(h, "GPU-a", [(10.0, 95 * GIB)])
-    assert rec.leak_closed(leak(), exited=True, wall=11.0) is not None  # 95 % is full
-    assert rec.leak_closed(leak(pid="99"), exited=True, wall=12.0) is None  # no forecast kept for it
+    assert closed(rec, leak(), True, 11.0) is not None  # 95 % is full
+    assert closed(rec, leak(pid="99"), True, 12.0) is None  # no forecast kept for it
 
 
 def framework(pid="42", framework="torch", how="allocator", gpu="", **attrs) -> Event:
@@ -179,3 +188,18 @@ def test_evidence_just_after_the_leak_closed_still_scores_its_forecast():
     rec.leak_closed(leak(pid="6"), exited=False, wall=1090.0)
     late = rec.driver_oom(Event("cuda.oom", "", {"pid": "6"}, 0), 1090.0 + oom_mod.LATE_S + 0.1)
     assert late.attrs["summary"].endswith("no leak was forecast for it")
+
+
+def test_an_exit_with_the_gpu_full_gives_way_to_the_programs_own_word_that_comes_after():
+    """JAX on the H200: the runner saw the process gone (its GPU full) before the report that says
+    it died of RESOURCE_EXHAUSTED; the OOM is the framework's, scored once, and the exit makes none."""
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(pid="8", tto=100.0), 1000.0)
+    gpu_memory(h, "GPU-a", [(1099.0, 99 * GIB)])
+    assert rec.leak_closed(leak(pid="8"), exited=True, wall=1100.0) is None
+    assert rec.due(1102.0) == []
+    ev = rec.framework_oom(framework(pid="8", framework="jax", how="uncaught"), 1103.0)
+    assert ev.attrs["cause"] == "out_of_memory_error" and ev.attrs["came_after_seconds"] == 103.0
+    assert rec.due(1100.0 + oom_mod.EXIT_HOLD_S) == [] and rec.due(2000.0) == []
+    assert rec.events_total == {("GPU-a", "out_of_memory_error"): 1}
