@@ -189,6 +189,55 @@ METRICS: tuple[Metric, ...] = (
            "own), from its cgroup and the kubelet's log layout (/var/log/pods, /var/log/containers); "
            "namespace, pod and container are empty when those are not mounted. Join on pid.",
            ("pid", "process", "namespace", "pod", "pod_uid", "container")),
+    # --- the host side of GPU processes (probes/process/host.py) -------------------------------
+    # For each process with series of its own on a GPU (NVML's kept processes, eBPF's); the same
+    # pid/process labels as the GPU series, so one row of a dashboard joins them.
+    Metric("gpuwatch.process.cpu.time", "s", Kind.COUNTER,
+           "CPU time of a GPU process (all its threads), by mode (user, system).", ("pid", "process", "mode")),
+    Metric("gpuwatch.process.cpu.utilization", "1", Kind.GAUGE,
+           "CPU time of a GPU process over the last interval, per second of wall time: 1 is one core busy, "
+           "so a process may read above 1.", ("pid", "process")),
+    Metric("gpuwatch.process.thread.cpu.utilization", "1", Kind.GAUGE,
+           "The busiest threads of a GPU process (at most 3): CPU time over the last interval per second "
+           "(1: the thread kept one core busy, as a saturated data-loading thread does).",
+           ("pid", "process", "tid", "thread")),
+    Metric("gpuwatch.process.memory.rss", "By", Kind.GAUGE, "Resident host memory of a GPU process.",
+           ("pid", "process")),
+    Metric("gpuwatch.process.memory.swap", "By", Kind.GAUGE,
+           "Host memory of a GPU process swapped out (VmSwap).", ("pid", "process")),
+    Metric("gpuwatch.process.paging.faults", "", Kind.COUNTER,
+           "Page faults of a GPU process by type: major (the page was read from disk: a file evicted from "
+           "the page cache, or swap) or minor.", ("pid", "process", "type")),
+    Metric("gpuwatch.process.disk.io", "By", Kind.COUNTER,
+           "Bytes a GPU process read from or wrote to storage (direction: read, write; page-cache hits "
+           "are not counted).", ("pid", "process", "direction")),
+    Metric("gpuwatch.process.context_switches", "", Kind.COUNTER,
+           "Context switches of a GPU process by type (voluntary, involuntary).", ("pid", "process", "type")),
+    Metric("gpuwatch.process.threads.blocked", "", Kind.GAUGE,
+           "Threads of a GPU process in uninterruptible sleep (D state: waiting on disk I/O) when read.",
+           ("pid", "process")),
+    Metric("gpuwatch.process.cgroup.cpu.throttled.time", "s", Kind.COUNTER,
+           "Time the cgroup of a GPU process was throttled by its CPU quota (cpu.stat throttled_usec).",
+           ("pid", "process")),
+    Metric("gpuwatch.process.cgroup.cpu.throttled.periods", "", Kind.COUNTER,
+           "Enforcement periods in which the cgroup of a GPU process was throttled (cpu.stat nr_throttled).",
+           ("pid", "process")),
+    Metric("gpuwatch.process.cgroup.pressure.stall.time", "s", Kind.COUNTER,
+           "Time tasks of the cgroup of a GPU process stalled on a resource (PSI: resource cpu, io, memory; "
+           "scope some: at least one task, full: all of them).", ("pid", "process", "resource", "scope")),
+    Metric("gpuwatch.process.file.size", "By", Kind.GAUGE,
+           "Size of a large file a GPU process maps or holds open (model weights, datasets, shards; the "
+           "largest few per process).", ("pid", "process", "file")),
+    Metric("gpuwatch.process.file.cache.resident", "By", Kind.GAUGE,
+           "Bytes of that file in the page cache (cachestat(2) on Linux 6.5+, else mincore(2)).",
+           ("pid", "process", "file")),
+    Metric("gpuwatch.process.file.cache.evicted", "By", Kind.GAUGE,
+           "Bytes of that file evicted from the page cache whose eviction the kernel still remembers "
+           "(cachestat(2) nr_evicted; absent with mincore(2)).", ("pid", "process", "file")),
+    Metric("gpuwatch.node.process.disk.read.rate", "By/s", Kind.GAUGE,
+           "The processes of the node reading most from storage over the last interval (at most 5, any "
+           "process, GPU or not): who may be evicting a GPU process's files from the page cache.",
+           ("pid", "process")),
     # --- PCIe and NVLink ------------------------------------------------------------------------
     Metric("gpuwatch.gpu.pcie.throughput", "By/s", Kind.GAUGE,
            "PCIe throughput over a 20 ms NVML sample window.", ("gpu", "direction")),
@@ -321,6 +370,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.leak.time_to_oom", "s", Kind.GAUGE,
            "Seconds until the GPU runs out of memory at the leak's rate (free memory, other processes "
            "included, over the growth rate).", ("gpu", "pid", "process", "color")),
+    Metric("gpuwatch.host_bound.suspected", "", Kind.GAUGE,
+           "1 while the host_bound detector sees a GPU process's GPU work fall while a host-side cause "
+           "holds (cause: page_cache_eviction, input_thread, cpu_throttled, swapping, memory_pressure, "
+           "io_pressure).", ("gpu", "pid", "process", "cause")),
     Metric("gpuwatch.oom.events", "", Kind.COUNTER,
            "Out-of-memory events since the agent started: the driver returned CUDA_ERROR_OUT_OF_MEMORY "
            "(cause=\"driver\", eBPF), the program's framework raised its out-of-memory error "
