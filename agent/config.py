@@ -367,6 +367,19 @@ SETTINGS: tuple[Setting, ...] = (
             "Replay runs recorded on a GPU (tests/fixtures/baseline-h200.json) instead of running the workload "
             "(tests and demos without a GPU).",
             "--baseline-replay", "an absolute path to an existing file, or empty", _existing_file),
+    Setting("host", "enabled", bool, True,
+            "Read the host side of GPU processes (CPU time and its busiest threads, memory, swap, page "
+            "faults, I/O, their cgroup's CPU throttling and pressure) from /proc and cgroup files.",
+            "--host", "true or false"),
+    Setting("host", "interval", float, 5.0, "Seconds between reads of the host side of GPU processes.",
+            "--host-interval", "a number of seconds > 0", _positive),
+    Setting("host", "page_cache", bool, True,
+            "Read how much of the large files GPU processes map or hold open is in the page cache "
+            "(cachestat(2), else mincore(2)), and which processes of the node read most from storage.",
+            "--page-cache", "true or false"),
+    Setting("host", "page_cache_min_bytes", int, 64 << 20,
+            "Files smaller than this are not followed in the page cache.",
+            "--page-cache-min-bytes", "an integer >= 1", _at_least(1)),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

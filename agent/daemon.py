@@ -60,6 +60,9 @@ class DaemonError(GpuwatchError):
 # from_config(cfg) returns its probe, or None when the config leaves it off. A new probe package
 # adds its factory here. The Daemon adds the probes that need its own objects after these (the
 # OTLP exporter's counters, the in-process reports, the reference workload with the store).
+# Per-process series whose pids are GPU processes (NVML: a context on a GPU; eBPF: CUDA calls).
+GPU_PROCESS_METRICS = frozenset({"gpuwatch.process.gpu.memory.usage", "gpuwatch.cuda.calls",
+                                 "gpuwatch.process.cuda.memory.live"})
 PROBE_FACTORIES: tuple[Callable[[Config], Probe | None], ...] = (
     nvml_probes.from_config,
     ebpf_probes.from_config,
@@ -343,6 +346,18 @@ class Daemon:
                                    f"agent attaches only to {', '.join(self.ebpf.libraries)} (ebpf.library in its "
                                    f"config)")
         return snap
+
+    def _gpu_processes(self) -> dict[int, str]:
+        """pid -> process name of the processes with series of their own on a GPU in the runner's
+        latest snapshot (NVML's kept processes, eBPF's busiest): the processes the host-side probes
+        read, under the same pid/process labels."""
+        out: dict[int, str] = {}
+        for s in self.runner.snapshot.samples:
+            if s.metric in GPU_PROCESS_METRICS:
+                pid = s.labels.get("pid", "")
+                if pid.isdigit():
+                    out.setdefault(int(pid), s.labels.get("process", ""))
+        return out
 
     def _nvml_view(self) -> dict:
         """NVML's GPUs and the pids it lists on each, from the runner's latest snapshot (the NVML

@@ -167,7 +167,7 @@ def test_unknown_key_suggests_the_closest(tmp_path):
 
 def test_key_in_the_wrong_section_points_to_the_right_one(tmp_path):
     p = write(tmp_path, "[agent]\ninterval = 2\n")
-    assert err(p) == f"{p}: agent.interval: unknown setting (did you mean nvml.interval or otlp.interval or baseline.interval?)"
+    assert err(p) == f"{p}: agent.interval: unknown setting (did you mean nvml.interval or otlp.interval or baseline.interval or host.interval?)"
 
 
 def test_unknown_section_suggests_the_closest(tmp_path):
@@ -179,7 +179,7 @@ def test_unknown_section_suggests_the_closest(tmp_path):
 
 def test_key_outside_any_section(tmp_path):
     p = write(tmp_path, "interval = 2\n")
-    assert err(p) == f"{p}: interval: unknown setting outside any section (settings go in sections: did you mean nvml.interval or otlp.interval or baseline.interval?)"
+    assert err(p) == f"{p}: interval: unknown setting outside any section (settings go in sections: did you mean nvml.interval or otlp.interval or baseline.interval or host.interval?)"
 
 
 def test_section_that_is_not_a_table(tmp_path):
