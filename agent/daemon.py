@@ -251,7 +251,8 @@ class Daemon:
         from gpuwatch.probes.ebpf.pools import names, pool_table
 
         leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
-        self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector(), HostBoundDetector()],
+        self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector(),
+                                                HostBoundDetector()],
                              exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 

@@ -196,3 +196,69 @@ def test_counter_rate_skips_a_reset_and_its_interval():
     none(build(util=after(0.9, 0.3), throttled=thr))
     f = one(build(util=after(0.9, 0.3), throttled=lambda t: ramp(0.0, 0.5)(t) if t < 330 else 0.5 * (t - 330)))
     assert f.attrs["numbers"]["throttled_seconds_per_second"] == pytest.approx(0.5)
+
+
+# --- through the runner, to `gpuwatch findings` ----------------------------------------------------
+
+def test_a_host_bound_finding_opens_and_closes_as_events_and_renders_in_findings(capsys):
+    import subprocess
+
+    from gpuwatch.agent import cli
+    from gpuwatch.agent.api import Probe
+    from gpuwatch.agent.runner import Runner, finding_attrs
+
+    recover = 420
+
+    class Playback(Probe):
+        """The eviction case's series of a real process, one collection per 10 s; the GPU busy
+        again at `recover`."""
+        name, interval = "playback", 10.0
+
+        def __init__(self, pid):
+            self.pid, self.t = str(pid), 0
+
+        def collect(self):
+            t, self.t = self.t, self.t + 10
+            h = build(util=lambda x: 0.31 if AT <= x < recover else 0.92, resident=lambda x: 0.04 if x >= AT else 1.0,
+                      major=ramp(2.0, 9000.0), readers=EVICTED["readers"], seconds=t)
+            out = []
+            for metric in {k[0] for k in h._series}:
+                for (_, res, labels), pts in h.series(metric):
+                    lab = dict(labels)
+                    if lab.get("pid") == PID:
+                        lab["pid"] = self.pid
+                    out.append(Sample(metric, pts[-1][1], res, lab, pts[-1][0]))
+            return out
+
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        now, events = [0.0], []
+        r = Runner([Playback(child.pid)], detectors=[HostBoundDetector()], clock=lambda: now[0],
+                   wallclock=lambda: T0 + now[0], on_event=events.append)
+        seen = []
+        for t in range(0, 600, 10):
+            now[0] = float(t)
+            snap = r.tick_once()
+            if snap.findings:
+                seen.append(t)
+                shown = snap
+        assert seen and AT < seen[0] <= AT + 30 and recover <= seen[-1] < recover + 60
+        assert [s.metric for s in shown.samples if s.metric.startswith("gpuwatch.host_bound")] == [
+            "gpuwatch.host_bound.suspected"]
+    finally:
+        child.kill()
+        child.wait()
+    kinds = [e.kind for e in events if e.kind.startswith("finding.")]
+    assert kinds == ["finding.opened", "finding.closed"]
+    opened = events[[e.kind for e in events].index("finding.opened")]
+    assert opened.resource == GPU and opened.attrs["cause"] == "page_cache_eviction"
+    found = {"open": [dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in shown.findings],
+             "recent": [{"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs} for e in events
+                        if e.kind.startswith("finding.")]}
+    cli._print_findings(found, "findings")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"WARNING page cache eviction of {MODEL}: 100 % -> 4 % resident")
+    assert (f"    cause page_cache_eviction, pid {child.pid}: GPU utilisation 92 % -> 31 % over the last "
+                        "60 s") in lines  # after the summary, wrapped at 200 columns
+    recent = [ln.split()[2] for ln in lines[lines.index("recent:") + 1:] if ln.startswith("  20")]
+    assert recent == ["opened", "closed"]
