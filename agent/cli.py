@@ -230,6 +230,14 @@ def _print_findings(found: dict, what: str) -> None:
                 frames = " ← ".join(st.get("frames", [])[1:4]) or "(no stack)"
                 console.print(f"    {st['bytes'] / 2**20:,.0f} MiB live in {st['allocations']} allocations ← "
                               f"{escape(frames)}")
+        if f.get("kind") == "host_bound":
+            n = f.get("numbers") or {}
+            signal = "utilisation" if n.get("gpu_work_signal") == "utilization" else "CUDA calls/s"
+            fmt = (lambda x: f"{x * 100:.0f} %") if signal == "utilisation" else (lambda x: f"{x:,.0f}")
+            also = [c for c in (f.get("causes") or {}) if c != f.get("cause")]
+            console.print(f"    cause {escape(str(f.get('cause')))}, pid {escape(str(f.get('pid')))}: GPU {signal} "
+                          f"{fmt(n.get('gpu_work_before', 0.0))} -> {fmt(n.get('gpu_work_now', 0.0))} over the last "
+                          f"{f.get('window_seconds', 0):.0f} s" + (f", also {escape(', '.join(also))}" if also else ""))
     ooms = found.get("ooms") or []  # an older agent does not send them
     if ooms:
         console.print()

@@ -235,6 +235,7 @@ class Daemon:
         from gpuwatch.detectors.launch import LaunchDetector
         from gpuwatch.detectors.leak import LeakDetector
         from gpuwatch.detectors.thermal import ThermalDetector
+        from gpuwatch.detectors.host_bound import HostBoundDetector
 
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",
@@ -250,7 +251,8 @@ class Daemon:
         from gpuwatch.probes.ebpf.pools import names, pool_table
 
         leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
-        self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector()],
+        self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector(),
+                                                HostBoundDetector()],
                              exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 

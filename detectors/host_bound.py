@@ -1,0 +1,343 @@
+"""A GPU process waiting on its host: its GPU work fell (or stays low) while a host-side cause holds.
+
+GPU work per GPU and process: NVML's process utilisation (gpuwatch.process.gpu.utilization), else
+the rate of its CUDA driver calls (eBPF's gpuwatch.cuda.calls, summed over api). The last `recent`
+seconds are judged against the `baseline` seconds before them. A fall alone is no finding (the job
+may have finished a phase); a host-side cause alone is none either (a job whose files are evicted
+while its GPU stays busy does not wait on them). Both at once are:
+
+  page_cache_eviction  one of its large files lost its page-cache residency and its major faults rose
+  swapping             its swapped-out memory grows and its major faults are high
+  cpu_throttled        its cgroup's CPU quota throttles it
+  input_thread         one of its threads keeps a core busy while the GPU waits (also with no fall:
+                       GPU utilisation low all window long, the input-pipeline-bound training loop)
+  memory_pressure      its cgroup's tasks stall on memory (PSI some)
+  io_pressure          its cgroup's tasks stall on I/O (PSI some)
+
+Each cause needs its own series: with fewer probes running, fewer findings, never wrong ones.
+Host series have resource "" and the labels pid, process (probes/process/host.py). Counters are
+read as rates over consecutive points; a drop (a reset) is skipped, not counted.
+
+Pure: observe(history) reads series and returns findings; nothing here does I/O.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from gpuwatch.agent.api import Detector, Finding, Sample
+from gpuwatch.agent.history import History
+from gpuwatch.agent.trace.render import fmt_bytes
+
+KIND = "host_bound"
+MIB = 1 << 20
+UTIL = "gpuwatch.process.gpu.utilization"
+CALLS = "gpuwatch.cuda.calls"
+GPU_MEMORY = "gpuwatch.process.gpu.memory.usage"  # which GPU a process is on, when only eBPF saw its calls
+
+# The order a finding names its causes in: the most specific first (an eviction also shows as
+# I/O pressure, a throttled process as a busy thread).
+CAUSES = ("page_cache_eviction", "swapping", "cpu_throttled", "input_thread", "memory_pressure", "io_pressure")
+ADVICE = {
+    "page_cache_eviction": "put the models on their own disk or in tmpfs, or lock them in memory (vmtouch -l, mlock)",
+    "swapping": "give the job more host memory, or lower its host memory use (smaller prefetch, fewer workers)",
+    "cpu_throttled": "raise the cgroup's CPU limit (the container's cpu limit, CPUQuota=)",
+    "input_thread": "use more data-loader workers, pinned memory and prefetching",
+    "memory_pressure": "raise the cgroup's memory limit or lower the job's host memory use",
+    "io_pressure": "move its data to faster or less shared storage, or cache it in memory",
+}
+
+
+@dataclass(frozen=True)
+class HostBoundSettings:
+    recent: float = 60.0              # seconds judged...
+    baseline: float = 300.0           # ...against the seconds before them
+    stale: float = 30.0               # a process without GPU work points this long has gone: no finding
+    min_recent_points: int = 3        # at a 10 s interval: half of the recent minute
+    min_baseline_points: int = 6      # a minute of baseline at least
+    fall_ratio: float = 0.6           # recent median under this x the baseline's: the GPU work fell
+    min_busy_util: float = 0.3        # a baseline below this cannot fall far enough to tell
+    idle_util: float = 0.1            # an absolute floor: under this after a busy baseline is a fall too
+    busy_util: float = 0.5            # ...busy: a baseline median at least this
+    healthy_util: float = 0.8         # a GPU this busy now does not wait on its host, whatever else holds
+    low_util: float = 0.5             # input_thread with no fall: utilisation under this all window long
+    alive_util: float = 0.05          # ...but still running kernels (recent median at least this)
+    min_call_rate: float = 10.0       # CUDA calls/s: a baseline under this says nothing about a fall
+    resident_before: float = 0.8      # a file this resident in the baseline (fraction of its size)...
+    resident_now: float = 0.5         # ...and this little now was evicted
+    min_major_faults: float = 50.0    # major faults/s recently: pages read back from disk
+    major_fault_rise: float = 2.0     # ...and at least this x the baseline's rate
+    thread_busy: float = 0.9          # of one core: a saturated thread (recent median)
+    throttled_rate: float = 0.1       # s/s throttled by the CPU quota
+    throttled_periods_rate: float = 5.0  # periods/s throttled: more than half of the default 100 ms periods
+    pressure_rate: float = 0.1        # s/s stalled (PSI some) on memory or I/O
+    min_swap_growth: float = 64 * MIB # swapped out over the recent window
+    probe_interval: float = 10.0      # seconds a node reader's rate stands for when it has no point before
+
+
+def counter_rate(points: Sequence[tuple[float, float]], t0: float, t1: float) -> float | None:
+    """A counter's rate over (t0, t1] from consecutive points, a drop (a reset) skipped with its
+    interval; None with no interval to judge."""
+    total = span = 0.0
+    for (ta, a), (tb, b) in zip(points, points[1:]):
+        if tb <= t0 or tb > t1 or tb <= ta or b < a:
+            continue
+        total += b - a
+        span += tb - ta
+    return total / span if span > 0 else None
+
+
+def _values(points: Sequence[tuple[float, float]], t0: float, t1: float) -> list[float]:
+    return [v for t, v in points if t0 < t <= t1]
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.0f} %"
+
+
+def _count(x: float) -> str:
+    return f"{x / 1000:.0f}k" if x >= 10_000 else f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
+@dataclass(frozen=True)
+class GpuWork:
+    signal: str          # "utilization" or "cuda_calls"
+    before: float        # baseline median utilisation, or calls/s
+    now: float
+    fell: bool
+    steady_low: bool     # utilisation under low_util all window long, still running kernels
+
+
+class HostBoundDetector(Detector):
+    name = "host_bound"
+    interval = 10.0
+
+    def __init__(self, settings: HostBoundSettings | None = None) -> None:
+        self.s = settings or HostBoundSettings()
+
+    # --- reading the history ----------------------------------------------------------------
+
+    @staticmethod
+    def _by_pid(history: History, metric: str, since: float) -> dict[str, list[tuple[Mapping[str, str], list]]]:
+        """pid -> [(labels, points)] of a per-process host series (resource "")."""
+        out: dict[str, list] = {}
+        for (_, _, labels), pts in history.series(metric, "", since=since):
+            lab = dict(labels)
+            if lab.get("pid") and pts:
+                out.setdefault(lab["pid"], []).append((lab, pts))
+        return out
+
+    def _gpu_work(self, util: list | None, calls: list | None, now: float) -> GpuWork | None:
+        s = self.s
+        r0, b0 = now - s.recent, now - s.recent - s.baseline
+        if util:
+            recent, base = _values(util, r0, now), _values(util, b0, r0)
+            if len(recent) < s.min_recent_points or len(base) < s.min_baseline_points:
+                return None
+            before, cur = statistics.median(base), statistics.median(recent)
+            fell = before >= s.min_busy_util and (cur < s.fall_ratio * before
+                                                  or (before >= s.busy_util and cur < s.idle_util))
+            steady = max(recent + base) < s.low_util and cur >= s.alive_util
+            return GpuWork("utilization", before, cur, fell, steady)
+        if calls:
+            # the calls of every api, summed per point time (one eBPF collection writes them all)
+            summed: dict[float, float] = {}
+            for pts in calls:
+                for t, v in pts:
+                    summed[t] = summed.get(t, 0.0) + v
+            pts = sorted(summed.items())
+            if len(_values(pts, r0, now)) < s.min_recent_points or len(_values(pts, b0, r0)) < s.min_baseline_points:
+                return None
+            before, cur = counter_rate(pts, b0, r0), counter_rate(pts, r0, now)
+            if before is None or cur is None:
+                return None
+            fell = before >= s.min_call_rate and cur < s.fall_ratio * before
+            return GpuWork("cuda_calls", before, cur, fell, False)
+        return None
+
+    # --- the causes ---------------------------------------------------------------------------
+
+    def _eviction(self, pid: str, host: dict, now: float, major: tuple[float | None, float | None]) -> dict | None:
+        s = self.s
+        r0, b0 = now - s.recent, now - s.recent - s.baseline
+        recent_faults, base_faults = major
+        if recent_faults is None or recent_faults < s.min_major_faults:
+            return None
+        if base_faults is not None and recent_faults < s.major_fault_rise * base_faults:
+            return None
+        sizes = {lab.get("file"): pts[-1][1] for lab, pts in host["size"].get(pid, [])}
+        worst = None
+        for lab, pts in host["resident"].get(pid, []):
+            size = sizes.get(lab.get("file"))
+            base = _values(pts, b0, r0)
+            if not size or size <= 0 or not base or pts[-1][0] <= r0:
+                continue
+            before, cur = min(1.0, max(base) / size), min(1.0, pts[-1][1] / size)
+            lost = (before - cur) * size
+            if before >= s.resident_before and cur <= s.resident_now and (worst is None or lost > worst["lost_bytes"]):
+                worst = {"file": lab.get("file", ""), "resident_before": before, "resident_now": cur,
+                         "file_bytes": size, "lost_bytes": lost, "major_faults_per_second": recent_faults}
+        if worst is None:
+            return None
+        # The likely evictor: the node's top reader over the same window, not the process itself.
+        readers = []
+        for lab, pts in (item for items in host["readers"].values() for item in items):
+            if lab.get("pid") == pid:
+                continue
+            read, prev = 0.0, None
+            for t, v in pts:
+                if r0 < t <= now and v > 0:
+                    read += v * (t - prev if prev is not None and t > prev else s.probe_interval)
+                prev = t
+            if read > 0:
+                readers.append((read, lab.get("pid", ""), lab.get("process", "")))
+        if readers:
+            read, rpid, rname = max(readers)
+            worst["evictor"] = {"pid": rpid, "process": rname, "read_bytes": read}
+        return worst
+
+    def _causes(self, pid: str, host: dict, work: GpuWork, now: float) -> dict[str, dict]:
+        s = self.s
+        r0, b0 = now - s.recent, now - s.recent - s.baseline
+        found: dict[str, dict] = {}
+
+        def rate(metric: str, want: Mapping[str, str] | None = None, t0: float = r0, t1: float = now) -> float | None:
+            rates = [counter_rate(pts, t0, t1) for lab, pts in host[metric].get(pid, [])
+                     if all(lab.get(k) == v for k, v in (want or {}).items())]
+            rates = [r for r in rates if r is not None]
+            return sum(rates) if rates else None
+
+        major = (rate("faults", {"type": "major"}), rate("faults", {"type": "major"}, b0, r0))
+        if work.fell:
+            ev = self._eviction(pid, host, now, major)
+            if ev is not None:
+                found["page_cache_eviction"] = ev
+            swaps = host["swap"].get(pid, [])
+            if swaps and major[0] is not None and major[0] >= s.min_major_faults:
+                pts = swaps[0][1]
+                start = [v for t, v in pts if t <= r0] or [pts[0][1]]
+                growth = pts[-1][1] - start[-1]
+                if growth >= s.min_swap_growth:
+                    found["swapping"] = {"swap_growth_bytes": growth, "swap_bytes": pts[-1][1],
+                                         "major_faults_per_second": major[0]}
+            thr, periods = rate("throttled"), rate("periods")
+            if (thr is not None and thr >= s.throttled_rate) or (periods is not None and periods >= s.throttled_periods_rate):
+                found["cpu_throttled"] = {"throttled_seconds_per_second": thr, "throttled_periods_per_second": periods}
+            for res in ("memory", "io"):
+                stall = rate("pressure", {"resource": res, "scope": "some"})
+                if stall is not None and stall >= s.pressure_rate:
+                    found[f"{res}_pressure"] = {"stall_seconds_per_second": stall}
+        if work.fell or work.steady_low:  # the GPU waits: is a thread of the process saturated meanwhile?
+            busiest = None
+            for lab, pts in host["threads"].get(pid, []):
+                vals = _values(pts, r0, now)
+                if len(vals) >= s.min_recent_points and pts[-1][0] > now - s.stale:
+                    m = statistics.median(vals)
+                    if m >= s.thread_busy and (busiest is None or m > busiest["thread_cpu"]):
+                        busiest = {"tid": lab.get("tid", ""), "thread": lab.get("thread", ""), "thread_cpu": m}
+            if busiest is not None:
+                found["input_thread"] = busiest
+        return found
+
+    # --- judging --------------------------------------------------------------------------------
+
+    def observe(self, history: History) -> Iterable[Finding]:
+        s = self.s
+        now = max((pts[-1][0] for m in (UTIL, CALLS) for _, pts in history.series(m) if pts), default=None)
+        if now is None:
+            return []
+        since = now - s.recent - s.baseline
+        # per (gpu, pid): NVML's utilisation; per pid: eBPF's call counters (their GPU from NVML's memory)
+        util: dict[tuple[str, str], tuple[str, list]] = {}
+        for (_, gpu, labels), pts in history.series(UTIL, since=since):
+            lab = dict(labels)
+            if gpu and lab.get("pid") not in (None, "", "other") and pts:
+                util[(gpu, lab["pid"])] = (lab.get("process", ""), pts)
+        calls: dict[str, tuple[str, list]] = {}
+        for (_, _, labels), pts in history.series(CALLS, since=since):
+            lab = dict(labels)
+            if lab.get("pid") not in (None, "", "other") and pts:
+                calls.setdefault(lab["pid"], (lab.get("process", ""), []))[1].append(pts)
+        gpus_of: dict[str, set[str]] = {}
+        for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=now - s.stale):
+            pid = dict(labels).get("pid", "")
+            if gpu and pts:
+                gpus_of.setdefault(pid, set()).add(gpu)
+        targets: dict[tuple[str, str], tuple[str, list | None, list | None]] = {
+            key: (name, pts, None) for key, (name, pts) in util.items()}
+        for pid, (name, series) in calls.items():
+            for gpu in sorted(gpus_of.get(pid, ())):
+                if (gpu, pid) not in targets:
+                    targets[(gpu, pid)] = (name, None, series)
+        if not targets:
+            return []
+        host = {key: self._by_pid(history, metric, since) for key, metric in (
+            ("faults", "gpuwatch.process.paging.faults"), ("size", "gpuwatch.process.file.size"),
+            ("resident", "gpuwatch.process.file.cache.resident"), ("swap", "gpuwatch.process.memory.swap"),
+            ("throttled", "gpuwatch.process.cgroup.cpu.throttled.time"),
+            ("periods", "gpuwatch.process.cgroup.cpu.throttled.periods"),
+            ("pressure", "gpuwatch.process.cgroup.pressure.stall.time"),
+            ("threads", "gpuwatch.process.thread.cpu.utilization"))}
+        host["readers"] = self._by_pid(history, "gpuwatch.node.process.disk.read.rate", since)
+        out = []
+        for (gpu, pid), (name, upts, cpts) in sorted(targets.items()):
+            newest = max([upts[-1][0]] if upts else [p[-1][0] for p in cpts or [] if p])
+            if now - newest > s.stale:
+                continue
+            work = self._gpu_work(upts, cpts, now)
+            if work is None or (work.signal == "utilization" and work.now >= s.healthy_util):
+                continue  # too young to judge, or the GPU is busy: it does not wait on the host
+            if not (work.fell or work.steady_low):
+                continue
+            causes = self._causes(pid, host, work, now)
+            if not causes:
+                continue
+            cause = next(c for c in CAUSES if c in causes)
+            out.append(self._finding(gpu, pid, name, work, cause, causes, now))
+        return out
+
+    def _finding(self, gpu: str, pid: str, name: str, work: GpuWork, cause: str, causes: dict, now: float) -> Finding:
+        n = causes[cause]
+        who = f"{name or 'process'} (pid {pid})"
+        if cause == "page_cache_eviction":
+            what = (f"page cache eviction of {n['file']}: {_pct(n['resident_before'])} -> {_pct(n['resident_now'])} "
+                    f"resident, {_count(n['major_faults_per_second'])} major faults/s")
+            if "evictor" in n:
+                e = n["evictor"]
+                what += (f"; {e['process'] or 'a process'} (pid {e['pid']}) read {fmt_bytes(e['read_bytes'])} "
+                         f"in the same minute")
+        elif cause == "swapping":
+            what = (f"swapping: {fmt_bytes(n['swap_growth_bytes'])} more swapped out in the last minute "
+                    f"({fmt_bytes(n['swap_bytes'])} in all), {_count(n['major_faults_per_second'])} major faults/s")
+        elif cause == "cpu_throttled":
+            thr, per = n["throttled_seconds_per_second"], n["throttled_periods_per_second"]
+            what = "CPU quota throttling: " + ", ".join(
+                x for x in ((f"{thr:.2f} s/s throttled" if thr is not None else ""),
+                            (f"{per:.0f} throttled periods/s" if per is not None else "")) if x)
+        elif cause == "input_thread":
+            what = f"thread {n['thread'] or '?'} (tid {n['tid']}) keeps {_pct(n['thread_cpu'])} of a core busy"
+        else:
+            what = f"{cause.replace('_', ' ')}: its cgroup stalls {n['stall_seconds_per_second']:.2f} s/s"
+        if work.signal == "utilization" and not work.fell:
+            gpu_text = f"GPU utilisation of {who} stays at {_pct(work.now)}"
+        elif work.signal == "utilization":
+            gpu_text = f"GPU utilisation of {who} fell {_pct(work.before)} -> {_pct(work.now)}"
+        else:
+            gpu_text = f"CUDA calls of {who} fell {_count(work.before)}/s -> {_count(work.now)}/s"
+        also = [c for c in CAUSES if c in causes and c != cause]
+        summary = f"{what}; {gpu_text} on GPU {gpu}" + (f" (also {', '.join(also)})" if also else "") \
+            + f": {ADVICE[cause]}"
+        numbers = dict(n, gpu_work_signal=work.signal, gpu_work_before=work.before, gpu_work_now=work.now)
+        return Finding(KIND, gpu, "warning", summary, {
+            "id": cause, "pid": pid, "process": name, "cause": cause, "numbers": numbers,
+            "advice": ADVICE[cause], "causes": {c: causes[c] for c in CAUSES if c in causes},
+            "window_seconds": self.s.recent, "baseline_seconds": self.s.baseline}, ts=now)
+
+    @staticmethod
+    def samples(findings: Sequence[Finding]) -> list[Sample]:
+        """The findings as metrics, for alert rules."""
+        return [Sample("gpuwatch.host_bound.suspected", 1.0, f.resource,
+                       {"pid": str(f.attrs["pid"]), "process": f.attrs["process"], "cause": f.attrs["cause"]}, f.ts)
+                for f in findings if f.kind == KIND]
+

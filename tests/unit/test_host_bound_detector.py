@@ -1,0 +1,264 @@
+"""The host_bound detector on series shaped like what the NVML, eBPF and host probes report: one
+point every 10 s for 6 minutes, the last minute judged against the five before it. The cause
+starts at AT (300 s) in each; a healthy job, a job whose files are evicted while its GPU stays
+busy and a process with no host series have no finding."""
+import pytest
+
+from gpuwatch.agent import metrics
+from gpuwatch.agent.history import History
+from gpuwatch.agent.api import Sample
+from gpuwatch.detectors.host_bound import HostBoundDetector, counter_rate
+
+GIB = 1 << 30
+GPU = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"
+PID, NAME = "4242", "python3"
+PROC = {"pid": PID, "process": NAME}
+T0 = 1_800_000_000.0
+AT = 300  # seconds: when the cause begins
+MODEL = "/models/x.safetensors"
+
+
+def after(before, then):
+    return lambda t: then if t >= AT else before
+
+
+def build(util=None, calls=None, resident=None, major=None, readers=None, thread=None, throttled=None,
+          periods=None, swap=None, stall=None, seconds=360) -> History:
+    """Each argument a function of t (seconds since start); counters are given as their running value."""
+    h = History()
+    for t in range(0, seconds + 1, 10):
+        ts = T0 + t
+        s = [Sample("gpuwatch.process.gpu.memory.usage", 20.0 * GIB, GPU, PROC, ts)]
+        if util:
+            s.append(Sample("gpuwatch.process.gpu.utilization", util(t), GPU, PROC, ts))
+        if calls:
+            for api, share in (("cuLaunchKernel", 0.9), ("cuMemcpyAsync", 0.1)):
+                s.append(Sample("gpuwatch.cuda.calls", calls(t) * share, "", dict(PROC, api=api), ts))
+        if resident:
+            f = dict(PROC, file=MODEL)
+            s += [Sample("gpuwatch.process.file.size", 6.0 * GIB, "", f, ts),
+                  Sample("gpuwatch.process.file.cache.resident", resident(t) * 6.0 * GIB, "", f, ts)]
+        if major:
+            s += [Sample("gpuwatch.process.paging.faults", major(t), "", dict(PROC, type="major"), ts),
+                  Sample("gpuwatch.process.paging.faults", 1e6 + t * 1000, "", dict(PROC, type="minor"), ts)]
+        if readers:
+            for pid, name, fn in readers:
+                s.append(Sample("gpuwatch.node.process.disk.read.rate", fn(t), "", {"pid": pid, "process": name}, ts))
+        if thread:
+            s.append(Sample("gpuwatch.process.thread.cpu.utilization", thread(t), "",
+                            dict(PROC, tid="4250", thread="pt_main_thread"), ts))
+            s.append(Sample("gpuwatch.process.thread.cpu.utilization", 0.1, "", dict(PROC, tid="4251", thread="pin"),
+                            ts))
+        for metric, fn, labels in (("gpuwatch.process.cgroup.cpu.throttled.time", throttled, {}),
+                                   ("gpuwatch.process.cgroup.cpu.throttled.periods", periods, {}),
+                                   ("gpuwatch.process.memory.swap", swap, {})):
+            if fn:
+                s.append(Sample(metric, fn(t), "", dict(PROC, **labels), ts))
+        if stall:
+            for res, fn in stall.items():
+                s.append(Sample("gpuwatch.process.cgroup.pressure.stall.time", fn(t), "",
+                                dict(PROC, resource=res, scope="some"), ts))
+        h.append(s)
+    return h
+
+
+def ramp(rate_before, rate_after, start=0.0):
+    """A counter rising at rate_before per second, then rate_after from AT on."""
+    return lambda t: start + rate_before * min(t, AT) + rate_after * max(0, t - AT)
+
+
+def one(history):
+    findings = list(HostBoundDetector().observe(history))
+    assert len(findings) == 1, [f.summary for f in findings]
+    f = findings[0]
+    (s,) = HostBoundDetector.samples([f])
+    assert metrics.get(s.metric).labels == ("gpu", "pid", "process", "cause")
+    assert (s.value, s.resource, dict(s.labels)) == (1.0, GPU, {"pid": PID, "process": NAME, "cause": f.attrs["cause"]})
+    assert (f.kind, f.resource, f.severity, f.attrs["pid"], f.attrs["process"]) == ("host_bound", GPU, "warning", PID,
+                                                                                   NAME)
+    return f
+
+
+def none(history):
+    assert [f.summary for f in HostBoundDetector().observe(history)] == []
+
+
+BUSY = lambda t: 0.95 if t % 20 else 0.9  # noqa: E731
+EVICTED = dict(resident=after(1.0, 0.04), major=ramp(2.0, 9000.0),
+               readers=[("812", "logrotate", after(20e6, 100e6)), (PID, NAME, after(0.0, 400e6))])
+
+
+# --- each cause ------------------------------------------------------------------------------
+
+def test_page_cache_eviction_names_the_file_the_faults_and_the_evictor():
+    f = one(build(util=after(0.92, 0.31), **EVICTED))
+    assert f.attrs["cause"] == "page_cache_eviction"
+    n = f.attrs["numbers"]
+    assert (n["file"], n["resident_before"], n["resident_now"]) == (MODEL, 1.0, pytest.approx(0.04))
+    assert n["major_faults_per_second"] == pytest.approx(9000.0)
+    # logrotate read 100 MB/s for the 6 points of the last minute; the process's own reads are not the evictor's
+    assert n["evictor"] == {"pid": "812", "process": "logrotate", "read_bytes": pytest.approx(6e9)}
+    assert (n["gpu_work_before"], n["gpu_work_now"]) == (0.92, 0.31)
+    assert f.summary == (
+        f"page cache eviction of {MODEL}: 100 % -> 4 % resident, 9.0k major faults/s; logrotate (pid 812) read "
+        f"5.6 GiB in the same minute; GPU utilisation of python3 (pid 4242) fell 92 % -> 31 % on GPU {GPU}: put the "
+        "models on their own disk or in tmpfs, or lock them in memory (vmtouch -l, mlock)")
+    assert f.attrs["advice"].startswith("put the models on their own disk")
+
+
+def test_eviction_needs_the_major_faults_to_rise_too():
+    none(build(util=after(0.92, 0.31), resident=after(1.0, 0.04), major=ramp(9000.0, 9000.0)))
+    none(build(util=after(0.92, 0.31), resident=after(1.0, 0.04)))  # no fault counter: no finding
+
+
+def test_a_saturated_thread_after_a_fall_is_input_thread():
+    f = one(build(util=after(0.9, 0.4), thread=after(0.5, 0.99)))
+    assert f.attrs["cause"] == "input_thread"
+    assert f.attrs["numbers"]["tid"] == "4250" and f.attrs["numbers"]["thread_cpu"] == pytest.approx(0.99)
+    assert "thread pt_main_thread (tid 4250) keeps 99 % of a core busy" in f.summary
+    assert "more data-loader workers, pinned memory and prefetching" in f.summary
+
+
+def test_an_input_bound_loop_is_found_without_a_fall_and_a_busy_gpu_with_a_busy_thread_is_healthy():
+    f = one(build(util=lambda t: 0.35 + (0.05 if t % 20 else 0.0), thread=lambda t: 1.0))
+    assert f.attrs["cause"] == "input_thread" and "GPU utilisation of python3 (pid 4242) stays at 38 %" in f.summary  # the median of 35 % and 40 %
+    none(build(util=BUSY, thread=lambda t: 1.0))  # the healthy job: its main thread is busy feeding a busy GPU
+    none(build(util=lambda t: 0.0, thread=lambda t: 1.0))  # no kernels at all: nothing it waits for on the GPU
+    none(build(util=lambda t: 0.35, thread=lambda t: 0.5))  # low, but no thread saturated: not this cause
+
+
+def test_cpu_quota_throttling_by_time_or_by_periods():
+    f = one(build(util=after(0.9, 0.3), throttled=ramp(0.0, 0.4, start=12.0)))
+    assert f.attrs["cause"] == "cpu_throttled"
+    assert f.attrs["numbers"]["throttled_seconds_per_second"] == pytest.approx(0.4)
+    assert "0.40 s/s throttled" in f.summary and "raise the cgroup's CPU limit" in f.summary
+    f = one(build(util=after(0.9, 0.3), periods=ramp(0.1, 8.0)))
+    assert f.attrs["cause"] == "cpu_throttled" and "8 throttled periods/s" in f.summary
+    none(build(util=after(0.9, 0.3), throttled=ramp(0.01, 0.01), periods=ramp(0.1, 0.1)))
+
+
+def test_swapping_and_pressure_stalls():
+    f = one(build(util=after(0.9, 0.2), swap=lambda t: 1.0 * GIB + max(0, t - AT) * 50e6, major=ramp(0.0, 800.0)))
+    assert f.attrs["cause"] == "swapping" and f.attrs["numbers"]["swap_growth_bytes"] == pytest.approx(3e9)
+    f = one(build(util=after(0.9, 0.2), stall={"memory": ramp(0.0, 0.3), "io": ramp(0.0, 0.02)}))
+    assert f.attrs["cause"] == "memory_pressure" and "memory pressure: its cgroup stalls 0.30 s/s" in f.summary
+    f = one(build(util=after(0.9, 0.2), stall={"io": ramp(0.0, 0.5)}))
+    assert f.attrs["cause"] == "io_pressure" and set(f.attrs["causes"]) == {"io_pressure"}
+
+
+def test_an_eviction_with_io_pressure_is_named_as_the_eviction_and_lists_the_other():
+    f = one(build(util=after(0.92, 0.31), stall={"io": ramp(0.0, 0.6)}, **EVICTED))
+    assert f.attrs["cause"] == "page_cache_eviction" and list(f.attrs["causes"]) == ["page_cache_eviction",
+                                                                                      "io_pressure"]
+    assert "(also io_pressure)" in f.summary
+
+
+def test_the_cuda_call_rate_stands_in_for_utilisation():
+    f = one(build(calls=ramp(12000.0, 3000.0), **EVICTED))
+    assert f.attrs["numbers"]["gpu_work_signal"] == "cuda_calls"
+    assert "CUDA calls of python3 (pid 4242) fell 12k/s -> 3.0k/s" in f.summary
+    none(build(calls=ramp(12000.0, 12000.0), **EVICTED))
+
+
+# --- no finding ---------------------------------------------------------------------------------
+
+def test_a_healthy_job_has_no_finding():
+    none(build(util=BUSY, thread=lambda t: 0.97, resident=lambda t: 1.0, major=ramp(1.0, 1.0),
+               throttled=ramp(0.0, 0.0), periods=ramp(0.0, 0.0), stall={"io": ramp(0.0, 0.0)},
+               readers=[("812", "logrotate", lambda t: 1e6)]))
+
+
+def test_files_evicted_while_the_gpu_stays_busy_is_no_finding():
+    none(build(util=BUSY, thread=lambda t: 1.0, **EVICTED))
+    # ... nor while it fell only a little (0.92 -> 0.85: not under 0.6 x its baseline)
+    none(build(util=after(0.92, 0.85), **EVICTED))
+
+
+def test_a_fall_with_no_host_series_is_no_finding_and_a_young_series_is_not_judged():
+    none(build(util=after(0.92, 0.1)))
+    none(build(util=lambda t: 0.2, thread=lambda t: 1.0, seconds=50))  # under a minute of baseline
+
+
+def test_a_process_that_stopped_reporting_has_no_finding():
+    h = build(util=after(0.92, 0.31), **EVICTED)
+    h.append([Sample("gpuwatch.process.gpu.utilization", 0.9, "GPU-other", {"pid": "7", "process": "x"}, T0 + 400)])
+    assert [f.attrs["pid"] for f in HostBoundDetector().observe(h)] == []
+
+
+# --- counters -------------------------------------------------------------------------------------
+
+def test_counter_rate_skips_a_reset_and_its_interval():
+    pts = [(0.0, 100.0), (10.0, 200.0), (20.0, 5.0), (30.0, 105.0), (40.0, 205.0)]
+    assert counter_rate(pts, -1.0, 40.0) == pytest.approx(10.0)  # 300 over the 30 s of rising intervals
+    assert counter_rate(pts, 15.0, 20.0) is None
+    # a restarted process's throttled time (the counter begins again at 0) is no burst of throttling
+    thr = lambda t: (0.01 * t) if t < 330 else 0.01 * (t - 330)  # noqa: E731
+    none(build(util=after(0.9, 0.3), throttled=thr))
+    f = one(build(util=after(0.9, 0.3), throttled=lambda t: ramp(0.0, 0.5)(t) if t < 330 else 0.5 * (t - 330)))
+    assert f.attrs["numbers"]["throttled_seconds_per_second"] == pytest.approx(0.5)
+
+
+# --- through the runner, to `gpuwatch findings` ----------------------------------------------------
+
+def test_a_host_bound_finding_opens_and_closes_as_events_and_renders_in_findings(capsys):
+    import subprocess
+
+    from gpuwatch.agent import cli
+    from gpuwatch.agent.api import Probe
+    from gpuwatch.agent.runner import Runner, finding_attrs
+
+    recover = 420
+
+    class Playback(Probe):
+        """The eviction case's series of a real process, one collection per 10 s; the GPU busy
+        again at `recover`."""
+        name, interval = "playback", 10.0
+
+        def __init__(self, pid):
+            self.pid, self.t = str(pid), 0
+
+        def collect(self):
+            t, self.t = self.t, self.t + 10
+            h = build(util=lambda x: 0.31 if AT <= x < recover else 0.92, resident=lambda x: 0.04 if x >= AT else 1.0,
+                      major=ramp(2.0, 9000.0), readers=EVICTED["readers"], seconds=t)
+            out = []
+            for metric in {k[0] for k in h._series}:
+                for (_, res, labels), pts in h.series(metric):
+                    lab = dict(labels)
+                    if lab.get("pid") == PID:
+                        lab["pid"] = self.pid
+                    out.append(Sample(metric, pts[-1][1], res, lab, pts[-1][0]))
+            return out
+
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        now, events = [0.0], []
+        r = Runner([Playback(child.pid)], detectors=[HostBoundDetector()], clock=lambda: now[0],
+                   wallclock=lambda: T0 + now[0], on_event=events.append)
+        seen = []
+        for t in range(0, 600, 10):
+            now[0] = float(t)
+            snap = r.tick_once()
+            if snap.findings:
+                seen.append(t)
+                shown = snap
+        assert seen and AT < seen[0] <= AT + 30 and recover <= seen[-1] < recover + 60
+        assert [s.metric for s in shown.samples if s.metric.startswith("gpuwatch.host_bound")] == [
+            "gpuwatch.host_bound.suspected"]
+    finally:
+        child.kill()
+        child.wait()
+    kinds = [e.kind for e in events if e.kind.startswith("finding.")]
+    assert kinds == ["finding.opened", "finding.closed"]
+    opened = events[[e.kind for e in events].index("finding.opened")]
+    assert opened.resource == GPU and opened.attrs["cause"] == "page_cache_eviction"
+    found = {"open": [dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in shown.findings],
+             "recent": [{"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs} for e in events
+                        if e.kind.startswith("finding.")]}
+    cli._print_findings(found, "findings")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"WARNING page cache eviction of {MODEL}: 100 % -> 4 % resident")
+    assert (f"    cause page_cache_eviction, pid {child.pid}: GPU utilisation 92 % -> 31 % over the last "
+                        "60 s") in lines  # after the summary, wrapped at 200 columns
+    recent = [ln.split()[2] for ln in lines[lines.index("recent:") + 1:] if ln.startswith("  20")]
+    assert recent == ["opened", "closed"]
