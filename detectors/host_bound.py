@@ -51,10 +51,10 @@ ADVICE = {
 
 @dataclass(frozen=True)
 class HostBoundSettings:
-    recent: float = 60.0              # seconds judged...
+    recent: float = 30.0              # seconds judged (an eviction must be named within 30 s)...
     baseline: float = 300.0           # ...against the seconds before them
     stale: float = 30.0               # a process without GPU work points this long has gone: no finding
-    min_recent_points: int = 3        # at a 10 s interval: half of the recent minute
+    min_recent_points: int = 2        # NVML's per-process utilisation comes every 10 s (nvml.slow_interval)
     min_baseline_points: int = 6      # a minute of baseline at least
     fall_ratio: float = 0.6           # recent median under this x the baseline's: the GPU work fell
     min_busy_util: float = 0.3        # a baseline below this cannot fall far enough to tell
@@ -111,7 +111,7 @@ class GpuWork:
 
 class HostBoundDetector(Detector):
     name = "host_bound"
-    interval = 10.0
+    interval = 5.0  # seconds between judgements: cheap, and a 30 s window needs a quick look
 
     def __init__(self, settings: HostBoundSettings | None = None) -> None:
         self.s = settings or HostBoundSettings()
@@ -306,9 +306,9 @@ class HostBoundDetector(Detector):
             if "evictor" in n:
                 e = n["evictor"]
                 what += (f"; {e['process'] or 'a process'} (pid {e['pid']}) read {fmt_bytes(e['read_bytes'])} "
-                         f"in the same minute")
+                         f"in the last {self.s.recent:.0f} s")
         elif cause == "swapping":
-            what = (f"swapping: {fmt_bytes(n['swap_growth_bytes'])} more swapped out in the last minute "
+            what = (f"swapping: {fmt_bytes(n['swap_growth_bytes'])} more swapped out in the last {self.s.recent:.0f} s "
                     f"({fmt_bytes(n['swap_bytes'])} in all), {_count(n['major_faults_per_second'])} major faults/s")
         elif cause == "cpu_throttled":
             thr, per = n["throttled_seconds_per_second"], n["throttled_periods_per_second"]
