@@ -81,12 +81,15 @@ def cachestat(fd: int, offset: int = 0, length: int = 0) -> CacheStat | None:
     return CacheStat(out.nr_cache, out.nr_dirty, out.nr_writeback, out.nr_evicted, out.nr_recently_evicted)
 
 
-def mincore_resident(fd: int, size: int) -> int:
+def mincore_resident(fd: int, size: int, deadline: float | None = None) -> int:
     """Pages of the file's first `size` bytes in the page cache: mincore(2) over a read-only shared
-    mapping, 1 GiB at a time (never touched, so nothing is faulted in). Raises OSError."""
+    mapping, 1 GiB at a time (never touched, so nothing is faulted in). Raises OSError, and
+    TimeoutError once time.monotonic() passes `deadline` (about 25 ms a GiB: 1 TiB takes ~25 s)."""
     vec = ctypes.create_string_buffer(_WINDOW // PAGE)
     resident = 0
     for off in range(0, max(size, 0), _WINDOW):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(errno.ETIMEDOUT, "mincore(2) ran past the collection's budget")
         length = min(_WINDOW, size - off)
         addr = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, off)
         if addr is None or addr == _MAP_FAILED:
@@ -290,7 +293,7 @@ class PageCacheProbe(Probe):
         self._files[pid] = (st.start_time, now, files)
         return files
 
-    def _residency(self, f: OpenFile) -> tuple[int, int | None, int] | None:
+    def _residency(self, f: OpenFile, deadline: float) -> tuple[int, int | None, int] | None:
         """(resident bytes, evicted bytes or None, size now) of the file; None when it is gone."""
         try:
             fd = open_file(f)
@@ -304,7 +307,7 @@ class PageCacheProbe(Probe):
                     return cs.cache * PAGE, cs.evicted * PAGE, size
                 self._cachestat = False
                 log.info("cachestat(2) is not in this kernel (before Linux 6.5): page-cache residency from mincore(2)")
-            return mincore_resident(fd, size) * PAGE, None, size
+            return mincore_resident(fd, size, deadline) * PAGE, None, size
         except OSError as e:
             self._once(f"residency:{e.errno}", "page-cache residency of %s: %s (said once)", file_label(f.path), e)
             return None
@@ -331,7 +334,7 @@ class PageCacheProbe(Probe):
                     self._once("budget", "page cache: a collection ran past %.1f s; the rest waits (said once)",
                                self.BUDGET_S)
                     return out + self._readers(ts)
-                r = self._residency(f)
+                r = self._residency(f, start + self.BUDGET_S)
                 if r is None:
                     continue
                 resident, evicted, size = r

@@ -310,3 +310,18 @@ def test_probe_end_to_end_and_exit_midway(big, caplog):
 def test_file_label_bounded_and_clean():
     assert file_label("/a\nb\x1b[31m") == "/a?b?[31m"
     assert len(file_label("/" + "x" * 1000)) == 256
+
+
+def test_mincore_windows_and_deadline(big, monkeypatch):
+    _drop(big)
+    _read(big, SIZE // 2 + 3 * MiB)  # ends inside the third 64 MiB window
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        whole = mincore_resident(fd, SIZE)
+        monkeypatch.setattr(pagecache, "_WINDOW", 64 * MiB)  # four windows, one vector
+        assert mincore_resident(fd, SIZE) == whole
+        assert abs(whole - (SIZE // 2 + 3 * MiB) // PAGE) <= 2 * MiB // PAGE
+        with pytest.raises(TimeoutError):
+            mincore_resident(fd, SIZE, deadline=time.monotonic() - 1)
+    finally:
+        os.close(fd)
