@@ -1,0 +1,327 @@
+"""Page-cache residency, the files a process maps or holds open, the node's top readers: real
+files on a disk-backed file system, real child processes, the real kernel calls."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpuwatch.probes.process import pagecache
+from gpuwatch.probes.process.pagecache import (PAGE, CacheStat, NodeReaders, PageCacheProbe, cachestat, file_label,
+                                               large_files, mincore_resident, open_file)
+
+MiB = 1 << 20
+SIZE = 256 * MiB
+PAGES = SIZE // PAGE
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="Linux only")
+
+
+def _fstype(path: str) -> str:
+    """The file system type of the mount that holds `path` (longest mount point prefix)."""
+    real, best, kind = os.path.realpath(path), "", ""
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, right = line.split(" - ", 1)
+            mnt = left.split()[4]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, right.split()[0]
+    return kind
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    for cand in ("/var/tmp", os.path.expanduser("~"), os.getcwd()):
+        if os.path.isdir(cand) and os.access(cand, os.W_OK) and _fstype(cand) not in ("tmpfs", "ramfs", ""):
+            d = os.path.join(cand, f"gpuwatch-pagecache-{os.getpid()}")
+            os.makedirs(d, exist_ok=True)
+            yield d
+            for name in os.listdir(d):
+                os.unlink(os.path.join(d, name))
+            os.rmdir(d)
+            return
+    pytest.skip("no disk-backed writable directory (/var/tmp, home, cwd are tmpfs): the page cache "
+                "of a tmpfs file is the file itself")
+
+
+def _write(path: str, size: int) -> str:
+    block = os.urandom(MiB)
+    with open(path, "wb") as f:
+        for _ in range(size // MiB):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    return path
+
+
+@pytest.fixture(scope="module")
+def big(disk_dir):
+    return _write(os.path.join(disk_dir, "big.bin"), SIZE)
+
+
+def _drop(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _read(path: str, length: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: only what is read is cached
+        off = 0
+        while off < length and (n := len(os.pread(fd, min(8 * MiB, length - off), off))):
+            off += n
+    finally:
+        os.close(fd)
+
+
+def _resident(path: str) -> tuple[int, CacheStat | None]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mincore_resident(fd, os.fstat(fd).st_size), cachestat(fd)
+    finally:
+        os.close(fd)
+
+
+
+def _child(code: str, *args: str) -> subprocess.Popen:
+    """A Python child running `code`; returns once it printed "ready"."""
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    assert line.strip() == "ready", line
+    return p
+
+
+def _stop(p: subprocess.Popen) -> None:
+    p.kill()
+    p.wait()
+
+
+MAPPER = "import mmap,sys\nf=open(sys.argv[1],'rb')\nm=mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ)\nf.close()\n" \
+         "print('ready',flush=True)\n__import__('time').sleep(600)\n"
+HOLDER = "import sys,time\nfs=[open(p,'rb') for p in sys.argv[1:]]\nprint('ready',flush=True)\ntime.sleep(600)\n"
+
+
+def test_residency_read_dropped_half(big):
+    _read(big, SIZE)
+    pages, cs = _resident(big)
+    assert pages >= PAGES - 16
+    if cs is not None:
+        assert abs(cs.cache - pages) <= 4 and cs.cache <= PAGES
+    _drop(big)
+    pages, cs = _resident(big)
+    assert pages <= 16
+    if cs is not None:
+        assert cs.cache <= 16
+    _read(big, SIZE // 2)
+    pages, cs = _resident(big)
+    assert PAGES // 2 - 16 <= pages <= PAGES // 2 + 2 * MiB // PAGE
+    if cs is not None:
+        assert abs(cs.cache - pages) <= 4
+
+
+def test_cachestat_range(big):
+    _drop(big)
+    _read(big, SIZE // 2)
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        first = cachestat(fd, 0, SIZE // 2)
+        second = cachestat(fd, SIZE // 2, SIZE // 2)
+    finally:
+        os.close(fd)
+    if first is None:
+        pytest.skip(f"cachestat(2) not in kernel {os.uname().release}")
+    assert first.cache >= PAGES // 2 - 16 and second.cache <= 2 * MiB // PAGE
+
+
+def test_cachestat_enosys_is_none_and_probe_falls_back(big, monkeypatch):
+    # A syscall number no kernel has: the real ENOSYS path, as on a kernel before 6.5.
+    monkeypatch.setattr(pagecache, "_SYSCALL_NR", 2000)
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        assert cachestat(fd) is None
+    finally:
+        os.close(fd)
+    _read(big, SIZE)
+    p = _child(HOLDER, big)
+    try:
+        probe = PageCacheProbe(lambda: {p.pid: "holder"}, 64 * MiB)
+        got = {s.metric: s.value for s in probe.collect() if s.labels.get("pid") == str(p.pid)}
+    finally:
+        _stop(p)
+    assert got["gpuwatch.process.file.size"] == SIZE
+    assert got["gpuwatch.process.file.cache.resident"] >= SIZE - 16 * PAGE
+    assert "gpuwatch.process.file.cache.evicted" not in got  # mincore knows nothing of evictions
+
+
+def _memory_cgroup(limit: int) -> tuple[str, str] | None:
+    """A fresh memory cgroup limited to `limit` bytes: (its directory, its cgroup.procs); None if none can be made."""
+    for root, knob in (("/sys/fs/cgroup", "memory.max"), ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")):
+        if not os.path.exists(os.path.join(root, "cgroup.procs")):
+            continue  # not a cgroup file system (a tmpfs holding v1 hierarchies, say)
+        d = os.path.join(root, f"gpuwatch-test-{os.getpid()}")
+        try:
+            os.mkdir(d)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(d, knob), "r+") as f:  # r+: the kernel made it, or it is not there
+                f.write(str(limit))
+            return d, os.path.join(d, "cgroup.procs")
+        except OSError:
+            os.rmdir(d)
+    return None
+
+
+def test_cachestat_counts_reclaim_evictions(big):
+    # fadvise DONTNEED leaves no shadow entries; reclaim does. A reader in a 48 MiB memory cgroup
+    # makes the kernel reclaim the file's pages as it reads them.
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        if cachestat(fd) is None:
+            pytest.skip(f"cachestat(2) not in kernel {os.uname().release}")
+        _drop(big)
+        before = cachestat(fd)
+        cg = _memory_cgroup(48 * MiB)
+        if cg is None:
+            pytest.skip("no memory cgroup can be made here (needs root and a memory controller)")
+        try:
+            code = ("import os,sys\nopen(sys.argv[2],'w').write(str(os.getpid()))\n"
+                    "f=open(sys.argv[1],'rb',buffering=0)\nwhile f.read(1<<20): pass\n")
+            subprocess.run([sys.executable, "-c", code, big, cg[1]], check=True, timeout=120)
+        finally:
+            os.rmdir(cg[0])
+        after = cachestat(fd)
+    finally:
+        os.close(fd)
+    assert before is not None and after is not None
+    assert after.evicted > before.evicted + PAGES // 4  # most of the 256 MiB did not fit in 48 MiB
+
+
+def test_large_files_mapped_open_small_and_once(big, disk_dir):
+    small = _write(os.path.join(disk_dir, "small.bin"), 4 * MiB)
+    mapper = _child(MAPPER, big)
+    holder = _child(HOLDER, big, small, big)  # the big file open twice: listed once
+    try:
+        for p in (mapper, holder):
+            files = large_files(p.pid, 64 * MiB)
+            assert [(f.path, f.size) for f in files] == [(big, SIZE)]
+        key = (os.stat(big).st_dev, os.stat(big).st_ino)
+        assert (files[0].st_dev, files[0].st_ino) == key
+        mine = [f.path for f in large_files(holder.pid, 1 * MiB) if f.path.startswith(disk_dir)]
+        assert mine == [big, small]  # largest first (the interpreter and libc are mapped too)
+        assert len(large_files(holder.pid, 1 * MiB, limit=1)) == 1
+        fd = open_file(files[0])
+        os.close(fd)
+    finally:
+        _stop(mapper)
+        _stop(holder)
+        os.unlink(small)
+    assert large_files(holder.pid, 1) == []  # gone: nothing, no error
+
+
+def test_large_files_skips_fifos_and_devices(disk_dir):
+    fifo = os.path.join(disk_dir, "fifo")
+    os.mkfifo(fifo)
+    code = "import os,sys\nfd=os.open(sys.argv[1],os.O_RDWR)\nz=open('/dev/zero','rb')\nprint('ready',flush=True)\n" \
+           "__import__('time').sleep(600)\n"
+    p = _child(code, fifo)
+    try:
+        files = large_files(p.pid, 0)
+        assert files and all(os.path.isfile(f.path) for f in files)  # the interpreter's own mapped files
+        assert not any(f.path in (fifo, "/dev/zero") for f in large_files(p.pid, 0))
+    finally:
+        _stop(p)
+        os.unlink(fifo)
+
+
+def test_deleted_but_open_file_is_measured(disk_dir):
+    path = _write(os.path.join(disk_dir, "deleted.bin"), 96 * MiB)
+    _read(path, 96 * MiB)
+    p = _child(HOLDER, path)
+    os.unlink(path)
+    try:
+        files = large_files(p.pid, 64 * MiB)
+        assert [(f.path, f.size) for f in files] == [(path + " (deleted)", 96 * MiB)]
+        probe = PageCacheProbe(lambda: {p.pid: "holder"}, 64 * MiB)
+        got = {s.metric: s for s in probe.collect() if s.labels.get("pid") == str(p.pid)}
+    finally:
+        _stop(p)
+    assert got["gpuwatch.process.file.size"].value == 96 * MiB
+    assert got["gpuwatch.process.file.cache.resident"].value >= 96 * MiB - 16 * PAGE
+    assert got["gpuwatch.process.file.size"].labels["file"] == path + " (deleted)"
+
+
+READER = ("import os,sys\nfd=os.open(sys.argv[1],os.O_RDONLY)\nprint('ready',flush=True)\n"
+          "while True:\n os.posix_fadvise(fd,0,0,os.POSIX_FADV_DONTNEED)\n off=0\n"
+          " while (n:=len(os.pread(fd,1<<20,off))): off+=n\n")
+
+
+def test_node_readers_top_reader(big):
+    readers = NodeReaders()
+    p = _child(READER, big)
+    try:
+        assert readers.sample() == []  # every pid is new: no rate yet
+        time.sleep(1.0)
+        top = readers.sample()
+    finally:
+        _stop(p)
+    mine = [r for r in top if r.pid == p.pid]
+    assert len(top) <= 5 and mine, top
+    assert 1 * MiB < mine[0].rate < 100 * (1 << 30)  # storage speed, not garbage
+    assert mine[0].comm.startswith("python")
+    assert [r.rate for r in top] == sorted((r.rate for r in top), reverse=True)
+
+
+def test_probe_end_to_end_and_exit_midway(big, caplog):
+    _read(big, SIZE)
+    p = _child(MAPPER, big)
+    probe = PageCacheProbe(lambda: {p.pid: "reader"}, 64 * MiB)
+    assert probe.name == "pagecache" and probe.interval == 10.0
+    with caplog.at_level(logging.WARNING):
+        try:
+            samples = [s for s in probe.collect() if s.labels.get("pid") == str(p.pid)]
+        finally:
+            _stop(p)
+        assert {s.metric for s in samples} >= {"gpuwatch.process.file.size", "gpuwatch.process.file.cache.resident"}
+        for s in samples:
+            assert s.labels == {"pid": str(p.pid), "process": "reader", "file": big}
+        by = {s.metric: s.value for s in samples}
+        assert by["gpuwatch.process.file.size"] == SIZE
+        assert by["gpuwatch.process.file.cache.resident"] >= SIZE - 16 * PAGE
+        fd = os.open(big, os.O_RDONLY)
+        has_cachestat = cachestat(fd) is not None
+        os.close(fd)
+        assert ("gpuwatch.process.file.cache.evicted" in by) == has_cachestat
+        # The process exited after its files were listed (the list is kept 60 s): dropped quietly.
+        after = probe.collect()
+    assert not [s for s in after if s.labels.get("pid") == str(p.pid) and s.metric.startswith("gpuwatch.process.")]
+    assert not [r for r in caplog.records if r.name == pagecache.__name__]
+
+
+def test_file_label_bounded_and_clean():
+    assert file_label("/a\nb\x1b[31m") == "/a?b?[31m"
+    assert len(file_label("/" + "x" * 1000)) == 256
+
+
+def test_mincore_windows_and_deadline(big, monkeypatch):
+    _drop(big)
+    _read(big, SIZE // 2 + 3 * MiB)  # ends inside the third 64 MiB window
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        whole = mincore_resident(fd, SIZE)
+        monkeypatch.setattr(pagecache, "_WINDOW", 64 * MiB)  # four windows, one vector
+        assert mincore_resident(fd, SIZE) == whole
+        assert abs(whole - (SIZE // 2 + 3 * MiB) // PAGE) <= 2 * MiB // PAGE
+        with pytest.raises(TimeoutError):
+            mincore_resident(fd, SIZE, deadline=time.monotonic() - 1)
+    finally:
+        os.close(fd)
