@@ -50,6 +50,39 @@ NEEDS = {
                      "information not supported, or the agent in another PID namespace)",
     "kubernetes": "GPU processes in Kubernetes pods (their cgroups name the pod; /var/log/pods names it)",
     "otlp": "OTLP export switched on (otlp.enabled)",
+    "host": "the host probe (host.enabled) and GPU processes on the node",
+    "host_files": "the host probe's page-cache readings (host.page_cache) and GPU processes that map or hold open "
+                  "files of at least host.page_cache_min_bytes",
+    "host_evicted": "the host probe's page-cache readings on Linux 6.5 or newer (cachestat(2); mincore(2) cannot "
+                    "tell evicted pages)",
+    "host_bound": "an open host_bound finding",
+    # Other exporters, scraped by the same Prometheus: their panels also say so where the data would be.
+    "node_exporter": "node_exporter scraped by this Prometheus",
+    "kube_state_metrics": "kube-state-metrics scraped by this Prometheus",
+    "vllm": "vLLM's /metrics scraped by this Prometheus (prefix caching on)",
+}
+# The needs met by scraping another exporter: a panel fed by one only shows "No data: needs ..." in place
+# of its data, so that an empty panel says what to deploy.
+EXPORTERS = {"node_exporter": "node_exporter", "kube_state_metrics": "kube-state-metrics", "vllm": "vLLM's /metrics"}
+
+
+@dataclass(frozen=True)
+class ForeignMetric:
+    """A series another exporter exports: its name is not in our registry, so it is declared here, with
+    the labels it carries (and a scrape's job, instance) and the need that says which exporter."""
+    kind: Kind
+    labels: tuple[str, ...]
+    needs: str
+
+
+FOREIGN = {
+    "node_disk_io_time_seconds_total": ForeignMetric(Kind.COUNTER, ("device",), "node_exporter"),
+    "kube_pod_status_phase": ForeignMetric(Kind.GAUGE, ("namespace", "pod", "uid", "phase"), "kube_state_metrics"),
+    # vLLM's V1 engine; its V0 engine named them with gpu_ (both carry model_name and engine)
+    "vllm:prefix_cache_hits_total": ForeignMetric(Kind.COUNTER, ("model_name", "engine"), "vllm"),
+    "vllm:prefix_cache_queries_total": ForeignMetric(Kind.COUNTER, ("model_name", "engine"), "vllm"),
+    "vllm:gpu_prefix_cache_hits_total": ForeignMetric(Kind.COUNTER, ("model_name", "engine"), "vllm"),
+    "vllm:gpu_prefix_cache_queries_total": ForeignMetric(Kind.COUNTER, ("model_name", "engine"), "vllm"),
 }
 
 LAUNCH_APIS = "cuLaunch.*|cuGraphLaunch.*"  # probes/ebpf/symbols.py: the launch group
@@ -93,6 +126,14 @@ def sel(name: str, series: str = "", **matchers: str | tuple[str, str]) -> str:
         op, value = value if isinstance(value, tuple) else ("=", value)
         pairs.append((label, op, value))
     return metric + "{" + ",".join(f'{k}{op}"{v}"' for k, op, v in pairs) + "}"
+
+
+def foreign(name: str, **matchers: str) -> str:
+    """A selector of another exporter's series, on all its targets: their instance is not the agent's."""
+    m = FOREIGN[name]
+    if unknown := set(matchers) - set(m.labels):
+        raise KeyError(f"{name} has no label {sorted(unknown)}; its labels: {m.labels}")
+    return name + ("{" + ",".join(f'{k}="{v}"' for k, v in matchers.items()) + "}" if matchers else "")
 
 
 def _counter(name: str) -> None:
@@ -843,8 +884,148 @@ def agent() -> Dashboard:
         ])
 
 
+def kv_cache_hit_ratio(window: str = "$__rate_interval") -> str:
+    """Prefix-cache hits / queries per vLLM server and model, from whichever of the two names it exports."""
+    def per_server(what: str) -> str:
+        by = "sum by (instance, model_name)"
+        return (f"{by} (rate({foreign(f'vllm:prefix_cache_{what}_total')}[{window}])) or "
+                f"{by} (rate({foreign(f'vllm:gpu_prefix_cache_{what}_total')}[{window}]))")
+    return f"({per_server('hits')}) / ({per_server('queries')})"
+
+
+# The golden signals' thresholds, the same as the alert rules' (dashboards/prometheus).
+SATURATED = 0.95  # GPU utilisation, for 5 min: GpuSaturated
+KV_HIT_LOW = 0.7  # prefix-cache hit ratio, for 10 min: KvCacheHitRatioLow
+HOT = 85  # °C, for 5 min: GpuTemperatureHigh
+DISK_BUSY = 0.9  # io_time per second, for 10 min: NodeDiskIoBusy
+
+
+def infra_health() -> Dashboard:
+    util = sel("hw.gpu.utilization", task="general")
+    temp = sel("hw.temperature", sensor="gpu")
+    disk_busy = f'rate({foreign("node_disk_io_time_seconds_total")}[$__rate_interval])'
+    pending = f'sum({foreign("kube_pod_status_phase", phase="Pending")})'
+    who = "{{instance}} {{process}} ({{pid}})"
+    by_proc = "sum by (instance, pid, process"
+    host = {"needs": "host"}
+    return Dashboard(
+        "gpuwatch-infra-health", "gpuwatch / Infra health",
+        "The five golden signals an inference team watches — GPU saturation, KV-cache hit ratio, GPU "
+        "temperature, disk I/O wait, pending pods — with the alert thresholds, gpuwatch's host-bound "
+        "findings, and the host side of each GPU process: CPU, memory, faults, disk, cgroup throttling and "
+        "pressure, and how much of its files the page cache holds.",
+        [DATASOURCE_VAR, NODE_VAR, gpu_var()],
+        [
+            Row("Golden signals"),
+            stat("GPUs saturated", Q(f"count(min_over_time({util}[5m]) >= {SATURATED}) or vector(0)"), unit="none",
+                 width=4, **ALERT_AT_1,
+                 description=f"GPUs at {SATURATED:.0%} utilisation or more for the last 5 minutes: more work "
+                             "queues than the GPU can run. Alert: GpuSaturated."),
+            stat("Lowest KV-cache hit ratio", Q(f"min({kv_cache_hit_ratio()})", needs="vllm"), **RATIO_1, width=4,
+                 base_color="red", thresholds=[(KV_HIT_LOW, "green")],
+                 description=f"The lowest prefix-cache hit ratio over the vLLM servers and models (under "
+                             f"{KV_HIT_LOW:g}: prompts are recomputed that could be reused). Alert: KvCacheHitRatioLow."),
+            stat("Hottest GPU", Q(f"max({temp})"), unit="celsius", width=4, thresholds=[(HOT, "red")],
+                 description=f"The highest GPU temperature; above {HOT} °C for 5 minutes: GpuTemperatureHigh."),
+            stat("Busiest disk", Q(f"max({disk_busy})", needs="node_exporter"), **RATIO_1, width=4,
+                 thresholds=[(DISK_BUSY, "red")],
+                 description="The largest fraction of time a disk had I/O in flight, over all node_exporter "
+                             f"targets; above {DISK_BUSY:.0%} for 10 minutes: NodeDiskIoBusy."),
+            stat("Pending pods", Q(pending, needs="kube_state_metrics"), unit="none", width=4, **ALERT_AT_1,
+                 description="Pods in phase Pending, cluster-wide; above 0 for 15 minutes: PodsPending."),
+            stat("Host-bound findings", Q(f'sum({sel("gpuwatch.host_bound.suspected")}) or vector(0)'), unit="none",
+                 width=4, **ALERT_AT_1,
+                 description="GPU processes whose GPU work fell while a host-side cause held. Alert: GpuHostBound."),
+            ts("GPU utilisation", Q(with_index(util), GPU), **RATIO_1, thresholds=[(SATURATED, "red")],
+               description=f"Fraction of the sample period a kernel was running (NVML). At {SATURATED:.0%} or more "
+                           "for 5 minutes the GPU is saturated: GpuSaturated."),
+            ts("KV-cache hit ratio", Q(kv_cache_hit_ratio(), "{{instance}} {{model_name}}", needs="vllm"), **RATIO_1,
+               base_color="red", thresholds=[(KV_HIT_LOW, "green")],
+               description="vLLM's prefix-cache hits / queries per server and model (vllm:prefix_cache_*_total, "
+                           "or vllm:gpu_prefix_cache_*_total from older servers). Under "
+                           f"{KV_HIT_LOW:g} for 10 minutes: KvCacheHitRatioLow."),
+            ts("GPU temperature", Q(with_index(temp), GPU), unit="celsius", thresholds=[(HOT, "red")],
+               description=f"GPU core temperature (NVML). Above {HOT} °C for 5 minutes: GpuTemperatureHigh."),
+            ts("Disk I/O busy", Q(disk_busy, "{{instance}} {{device}}", needs="node_exporter"), **RATIO_1,
+               thresholds=[(DISK_BUSY, "red")],
+               description="Fraction of time each disk had I/O in flight (node_exporter's "
+                           "node_disk_io_time_seconds_total per second), on every node_exporter target. Above "
+                           f"{DISK_BUSY:.0%} for 10 minutes: NodeDiskIoBusy."),
+            ts("Pods pending", Q(pending, "pending", needs="kube_state_metrics"), unit="none", min=0, width=24,
+               thresholds=[(1, "red")],
+               description="Pods in phase Pending, cluster-wide (kube-state-metrics). Above 0 for 15 minutes: "
+                           "PodsPending."),
+            Row("Host-bound findings"),
+            table("Host-bound GPU processes",
+                  Q(with_index(f'{sel("gpuwatch.host_bound.suspected")} == 1'), needs="host_bound"), width=12,
+                  hide_columns=("Value",),
+                  description="Open host_bound findings: the GPU process, and the host-side cause its GPU work "
+                              "fell with (page_cache_eviction, input_thread, cpu_throttled, swapping, "
+                              "memory_pressure, io_pressure). `gpuwatch findings` on the node has the evidence."),
+            ts("Host-bound findings over time",
+               Q(with_index(sel("gpuwatch.host_bound.suspected")), GPU + " {{process}} ({{pid}}) {{cause}}",
+                 needs="host_bound"), unit="none", min=0, max=1, stepped=True,
+               description="1 while a finding is open. Alert after 2 minutes: GpuHostBound."),
+            Row("Host side of GPU processes"),
+            ts("Process CPU", Q(sel("gpuwatch.process.cpu.utilization"), who, **host), unit="percentunit", min=0,
+               description="CPU time of each GPU process per second (100 %: one core busy; above is several)."),
+            ts("CPU time by mode",
+               Q(f'{by_proc}, mode) ({rate("gpuwatch.process.cpu.time")})', who + " {{mode}}", **host),
+               unit="percentunit", min=0, description="user and system CPU time per second."),
+            ts("Busiest threads", Q(sel("gpuwatch.process.thread.cpu.utilization"), who + " {{thread}} ({{tid}})",
+                                    **host), unit="percentunit", min=0, thresholds=[(0.9, "red")],
+               description="The busiest 3 threads of each GPU process. One near 100 % is a single thread the GPU "
+                           "waits on, such as a data loader (cause input_thread)."),
+            ts("Host memory", Q(sel("gpuwatch.process.memory.rss"), who + " resident", **host),
+               Q(sel("gpuwatch.process.memory.swap"), who + " swapped", **host), unit="bytes", min=0,
+               description="Resident and swapped-out host memory (swap in use: cause swapping)."),
+            ts("Page faults", Q(f'{by_proc}, type) ({rate("gpuwatch.process.paging.faults")})', who + " {{type}}",
+                                **host), unit="cps", min=0,
+               description="Major faults read a page from disk (an evicted file page, or swap); minor ones do not."),
+            ts("Process disk I/O", Q(f'{by_proc}, direction) ({rate("gpuwatch.process.disk.io")})',
+                                     who + " {{direction}}", **host), unit="Bps", min=0,
+               description="Bytes each GPU process read from and wrote to storage (page-cache hits excluded)."),
+            ts("Context switches", Q(f'{by_proc}, type) ({rate("gpuwatch.process.context_switches")})',
+                                     who + " {{type}}", **host), unit="cps", min=0, width=8,
+               description="Voluntary (waits) and involuntary (preempted: too few cores) switches per second."),
+            ts("Threads in D state", Q(sel("gpuwatch.process.threads.blocked"), who, **host), unit="none", min=0,
+               width=8, description="Threads in uninterruptible sleep, mostly waiting on disk."),
+            ts("CPU quota throttling",
+               Q(f'{by_proc}) ({rate("gpuwatch.process.cgroup.cpu.throttled.time")})', who + " throttled s/s",
+                 **host),
+               Q(f'{by_proc}) ({rate("gpuwatch.process.cgroup.cpu.throttled.periods")})', who + " periods/s",
+                 **host), unit="short", min=0, width=8,
+               description="Time per second the process's cgroup was held by its CPU quota, and the throttled "
+                           "periods per second (cause cpu_throttled: raise the pod's CPU limit)."),
+            ts("Pressure stall",
+               Q(f'{by_proc}, resource, scope) ({rate("gpuwatch.process.cgroup.pressure.stall.time")})',
+                 who + " {{resource}} {{scope}}", **host), unit="percentunit", min=0,
+               description="Share of time tasks of the process's cgroup stalled on cpu, io or memory (PSI; some: "
+                           "at least one task, full: all). Causes memory_pressure, io_pressure."),
+            ts("Node top readers", Q(sel("gpuwatch.node.process.disk.read.rate"), who, **host), unit="Bps", min=0,
+               description="The 5 processes of the node reading most from storage, GPU or not: who may be "
+                           "evicting a GPU process's files from the page cache."),
+            table("File page-cache residency",
+                  Q(keyed(f'{sel("gpuwatch.process.file.cache.resident")} / {sel("gpuwatch.process.file.size")}',
+                          "instance", "pid", "process", "file"), needs="host_files"),
+                  Q(keyed(sel("gpuwatch.process.file.size"), "instance", "pid", "process", "file"),
+                    needs="host_files"),
+                  Q(keyed(sel("gpuwatch.process.file.cache.evicted"), "instance", "pid", "process", "file"),
+                    needs="host_evicted"),
+                  width=24, columns={"A": ("resident", "percentunit"), "B": ("size", "bytes"),
+                                     "C": ("evicted", "bytes")},
+                  description="The large files each GPU process maps or holds open (weights, datasets): how much "
+                              "of each the page cache holds, and how much it evicted that the kernel remembers. "
+                              "Low residency with major faults: cause page_cache_eviction."),
+            ts("Page-cache residency over time",
+               Q(f'{sel("gpuwatch.process.file.cache.resident")} / {sel("gpuwatch.process.file.size")}',
+                 who + " {{file}}", needs="host_files"), **RATIO_1, width=24,
+               description="Resident bytes / size of each large file of a GPU process."),
+        ])
+
+
 def dashboards() -> list[Dashboard]:
-    return [node_overview(), gpu_detail(), gpu_memory(), cuda_api(), kernels(), baselines(), agent()]
+    return [node_overview(), gpu_detail(), gpu_memory(), cuda_api(), kernels(), baselines(), agent(), infra_health()]
 
 
 # --- Grafana JSON ----------------------------------------------------------------------------
@@ -881,6 +1062,8 @@ def _field_config(p: Panel) -> dict:
     defaults["color"] = {"mode": "thresholds" if p.kind == "stat" else "palette-classic"}
     defaults["thresholds"] = {"mode": "absolute", "steps": [{"color": p.base_color, "value": None}]
                               + [{"color": color, "value": value} for value, color in p.thresholds]}
+    if p.needs and all(q.needs in EXPORTERS for q in p.queries):
+        defaults["noValue"] = "No data: needs " + " and ".join(EXPORTERS[n] for n in p.needs)
     if p.mappings:
         defaults["mappings"] = [{"type": "value", "options": {
             value: {"index": i, "text": text} for i, (value, text) in enumerate(p.mappings.items())}}]

@@ -105,7 +105,10 @@ def test_queries_use_only_exported_metrics_and_their_labels():
             for name, labels in selectors(expr):
                 if name == "up":  # Prometheus' own, per scrape target
                     continue
-                if name not in by_name:
+                if name in gen.FOREIGN:  # another exporter's, declared with its labels in the generator
+                    if unknown := labels - set(gen.FOREIGN[name].labels) - SCRAPE_LABELS:
+                        problems.append(f"{file} {title!r}: {name} has no label {sorted(unknown)}")
+                elif name not in by_name:
                     problems.append(f"{file} {title!r}: {name} is not an exported metric")
                 elif unknown := labels - set(by_name[name][1]) - SCRAPE_LABELS:
                     problems.append(f"{file} {title!r}: {name} has no label {sorted(unknown)}")
@@ -115,10 +118,11 @@ def test_queries_use_only_exported_metrics_and_their_labels():
 def test_counters_are_read_through_rate_or_increase_and_gauges_never():
     # a histogram's series count observations: read like counters
     kinds = {name: Kind.COUNTER if m.kind is Kind.HISTOGRAM else m.kind for name, (m, _) in exposed_series().items()}
+    kinds.update({name: m.kind for name, m in gen.FOREIGN.items()})
     problems = []
     for file, dash in committed().items():
         for title, expr in queries(dash):
-            for hit in re.finditer(r"(?<![\w:])(\w+)\{", expr):
+            for hit in re.finditer(r"(?<![\w:])([\w:]+)(?:\{|\[)", expr):
                 name = hit.group(1)
                 if name not in kinds:
                     continue
