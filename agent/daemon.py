@@ -30,6 +30,7 @@ from gpuwatch.probes import cupti as cupti_probes
 from gpuwatch.probes import ebpf as ebpf_probes
 from gpuwatch.probes import nvml as nvml_probes
 from gpuwatch.probes.process.identity import identify, is_alive, owns
+from gpuwatch.probes.process.host import HostProcessProbe
 from gpuwatch.probes.process.pagecache import PageCacheProbe
 from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError, nvml_view
 
@@ -219,6 +220,9 @@ class Daemon:
         self.inprocess = InProcessReports(gpus=self._nvml_view)
         self._view: tuple = (None, {})  # (snapshot, NVML's view of it): one view per snapshot
         probes.append(InProcessProbe(self.inprocess))
+        # The host side of the GPU processes the runner's snapshot names (their pids and names).
+        if cfg.host.enabled:
+            probes.append(HostProcessProbe(self._gpu_processes, interval=cfg.host.interval))
         if cfg.host.page_cache:
             probes.append(PageCacheProbe(self._gpu_processes, cfg.host.page_cache_min_bytes))
         # The reference workload: judged runs kept in the store; unavailable without torch/triton.

@@ -1,5 +1,6 @@
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -47,8 +48,6 @@ def wait_for(cond, timeout: float, step: float = 0.02):
 def nvml_recording(tmp: Path, pids=()) -> Path:
     """The H200 recording with NVML listing `pids` (each charged 1 GiB) beside its own process (an
     edit, not recorded): the agent then verifies in-process memory those processes report."""
-    import json
-
     rec = json.loads(FIXTURE.read_text())
     for tick in rec["gpus"][0]["compute_processes"]:
         tick["value"] = tick["value"] + [{"pid": p, "used_memory": 1 << 30} for p in pids]
@@ -125,6 +124,24 @@ def group_agent(*args: str, prefix: str = "gw-"):
     finally:
         a.stop()
         shutil.rmtree(top, ignore_errors=True)
+
+
+def nvml_listing(tmp, pids, rate: float = 64 << 20, ticks: int = 600):
+    """The H200 recording (FIXTURE) with `pids` listed on its first GPU, each charged 1 GiB + `rate` bytes more
+    every tick, for `ticks` replayed seconds: real processes seen as GPU processes."""
+    rec = json.loads(FIXTURE.read_text())
+    n = rec["ticks"]
+    for calls in (rec["system"], *rec["gpus"]):
+        for op, answers in calls.items():
+            calls[op] = answers + [None] * (ticks - n)  # None: the latest answer again
+    gpu = rec["gpus"][0]
+    recorded = next(a["value"] for a in reversed(gpu["compute_processes"][:n]) if a is not None)
+    gpu["compute_processes"] = [{"value": recorded + [{"pid": pid, "used_memory": int((1 << 30) + rate * t)}
+                                                      for pid in pids]} for t in range(ticks)]
+    rec["ticks"] = ticks
+    path = tmp / "nvml-listing.json"
+    path.write_text(json.dumps(rec))
+    return path
 
 
 def series(text: str, name: str) -> dict[str, float]:

@@ -48,6 +48,10 @@ class ProcStat:
     state: str  # R, S, D, Z (zombie), X (dead), ...
     flags: int  # PF_* task flags (PF_KTHREAD: a kernel thread)
     start_time: int  # clock ticks since boot: with the PID, names the process
+    minor_faults: int = 0  # the process's (or thread's) own, not its children's
+    major_faults: int = 0
+    user_ticks: int = 0  # CPU time in clock ticks (os.sysconf("SC_CLK_TCK") a second)
+    system_ticks: int = 0
 
     @property
     def exited(self) -> bool:
@@ -65,8 +69,10 @@ def read_stat(pid: int, proc: str = "/proc") -> ProcStat | None:
         # comm may hold spaces and ")": it runs from the first "(" to the last ")".
         name = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
         fields = raw[raw.rindex(b")") + 2:].split()
-        # after "(comm) ": state(3) ppid(4) ... flags(9) ... starttime(22), 1-based as in proc(5)
-        return ProcStat(name, fields[0].decode(), int(fields[6]), int(fields[19]))
+        # after "(comm) ": state(3) ppid(4) ... flags(9) minflt(10) majflt(12) utime(14) stime(15) ...
+        # starttime(22), 1-based as in proc(5): field N is fields[N - 3]
+        return ProcStat(name, fields[0].decode(), int(fields[6]), int(fields[19]), int(fields[7]), int(fields[9]),
+                        int(fields[11]), int(fields[12]))
     except (ValueError, IndexError):
         return None
 

@@ -9,37 +9,16 @@ grey ("the allocator's pool"). A finding needs a minute of growth: this takes ab
 """
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
 from gpuwatch.agent.control import ControlError, call
-from tests.conftest import FIXTURE, Agent, series
+from tests.conftest import Agent, nvml_listing, series
 
 pytestmark = pytest.mark.root
 
 MIB = 1 << 20
-TICKS = 600  # replayed seconds: longer than the test
-
-
-def charging(tmp, pids, rate: float = 64 * MIB):
-    """The H200 recording with `pids` listed on its GPU, each charged 1 GiB + `rate` more every tick."""
-    rec = json.loads(FIXTURE.read_text())
-    n = rec["ticks"]
-    for calls in (rec["system"], *rec["gpus"]):
-        for op, answers in calls.items():
-            calls[op] = answers + [None] * (TICKS - n)  # None: the latest answer again
-    gpu = rec["gpus"][0]
-    recorded = next(a["value"] for a in reversed(gpu["compute_processes"][:n]) if a is not None)
-    gpu["compute_processes"] = [{"value": recorded + [{"pid": pid, "used_memory": int((1 << 30) + rate * t)}
-                                                      for pid in pids]} for t in range(TICKS)]
-    rec["ticks"] = TICKS
-    path = tmp / "nvml-charging.json"
-    path.write_text(json.dumps(rec))
-    return path
-
-
 def _open_leaks(agent: Agent) -> dict[str, dict]:
     try:
         found = call(str(agent.socket), "findings", {"kind": "memory_leak"})["open"]
@@ -50,7 +29,7 @@ def _open_leaks(agent: Agent) -> dict[str, dict]:
 
 def test_a_pools_leak_is_grey_and_named_and_plain_calls_are_black(tmp_path, allocs, fake_cuda):
     pooled, plain = allocs(), allocs()
-    agent = Agent(tmp_path / "agent", "--nvml-replay", str(charging(tmp_path, [pooled.pid, plain.pid])),
+    agent = Agent(tmp_path / "agent", "--nvml-replay", str(nvml_listing(tmp_path, [pooled.pid, plain.pid])),
                   "--nvml-slow-interval", "1", "--ebpf-library", fake_cuda["lib"],
                   "--ebpf-pool-libraries", "libfakepool.so=fakepool", "--no-baseline", "--no-cupti-sampling")
     try:
