@@ -2,13 +2,13 @@
 against jobs whose causes are known (tests/gpu/host_workload.py).
 
   eviction  a serving loop copies shards of an mmapped 8 GiB weights file to the GPU per request;
-            after --before seconds an "archiver" drops that file from the page cache every 2 s and
+            after --before seconds (120) an "archiver" drops that file from the page cache every 2 s and
             reads through another file from disk for --during seconds, then stops (--after seconds
             more). The agent must open a host_bound finding with cause page_cache_eviction naming
             the weights file and the archiver (its pid) within 30 s of the archiver's start; the
             loop's p50/p99 step time before, during and after is kept beside the finding.
   input     a training loop fed by one loader thread that spends 150 ms of Python per batch, with
-            a 10 ms GPU step: input_thread, naming the thread "loader", within 150 s (its GPU is low from the start: a minute
+            a ~15 ms GPU step: input_thread, naming the thread "loader", within 150 s (its GPU is low from the start: a minute
             of baseline, then the 30 s window).
   quiet     the serving loop and a GPU-heavy training loop (a light loader) undisturbed for
             --quiet seconds: no host_bound finding for either.
@@ -134,7 +134,7 @@ def case_eviction(sock, d, log, a, results, record) -> None:
 
 
 def case_input(sock, d, log, a, results, record) -> None:
-    train = job("train", log, "--loader-ms", "150", "--gemms", "4", "--seconds", "240")
+    train = job("train", log, "--loader-ms", "150", "--gemms", "8", "--seconds", "240")
     seen: list = []
     t0 = time.time()
     try:
@@ -183,7 +183,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", default="eviction,input")
-    ap.add_argument("--before", type=float, default=90.0)
+    ap.add_argument("--before", type=float, default=120.0)
     ap.add_argument("--during", type=float, default=60.0)
     ap.add_argument("--after", type=float, default=60.0)
     ap.add_argument("--quiet", type=float, default=600.0)
