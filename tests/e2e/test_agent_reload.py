@@ -22,6 +22,7 @@ CHANGES = {
     "cupti": ("group_seconds", "1.0"),
     "otlp": ("endpoint", '"http://127.0.0.1:4999"'),
     "baseline": ("interval", "3600.0"),
+    "host": ("interval", "10.0"),
     "agent": ("log_level", '"debug"'),  # last: it is applied at once, and debug is verbose
 }
 
