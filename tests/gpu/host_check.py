@@ -1,7 +1,7 @@
 """Host-side causes of slow GPU jobs, on a GPU (issue 20): the host_bound detector of a real agent
 against jobs whose causes are known (tests/gpu/host_workload.py).
 
-  eviction  a serving loop copies shards of an mmapped 8 GiB weights file to the GPU per request;
+  eviction  a serving loop copies shards of an 8 GiB weights file to the GPU per request (mapping each shard, then unmapping it);
             after --before seconds (120) an "archiver" drops that file from the page cache every 2 s and
             reads through another file from disk for --during seconds, then stops (--after seconds
             more). The agent must open a host_bound finding with cause page_cache_eviction naming

@@ -1,7 +1,8 @@
 """Jobs for tests/gpu/host_check.py: GPU work that waits on its host, and a process that makes it.
 
-  serve  --weights FILE    a serving loop: each request copies the next --shard-mib of an mmapped
-                           weights file to the GPU (as CPU-offloaded and adapter-swapping servers do)
+  serve  --weights FILE    a serving loop: each request maps the next --shard-mib of its open weights
+                           file, copies it to the GPU and unmaps it (as CPU-offloaded and
+                           adapter-swapping servers do)
                            and runs --gemms bf16 GEMMs on it; logs each step's time to --log
   train  --loader-ms MS    a training loop fed by one loader thread (named "loader") that spends MS of
                            pure-Python CPU per batch; the GPU step runs --gemms GEMMs. A large MS with
@@ -105,23 +106,28 @@ def gpu_work(n: int) -> None:
 
 
 if a.job == "serve":
+    # Each request maps its shard, copies it to the GPU and unmaps it (as adapter-swapping servers
+    # do): pages a process keeps mapped are not dropped by POSIX_FADV_DONTNEED, pages it does not
+    # map are, like pages reclaim takes. The file stays open, as a server keeps its weights open.
     fd = os.open(a.weights, os.O_RDONLY)
     size = os.fstat(fd).st_size
-    mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     shard = a.shard_mib * MIB
-    whole = torch.frombuffer(mm, dtype=torch.uint8)
     off = 0
     t0 = time.time()
     for o in range(0, size, 64 * MIB):  # warm: the whole file in the page cache, as after a load
-        whole[o:o + 64 * MIB].sum()
+        os.pread(fd, 64 * MIB, o)
     note(event="serve_start", weights=a.weights, bytes=size, warm_seconds=round(time.time() - t0, 2))
     while time.time() < end:
         s = time.perf_counter()
-        w = whole[off:off + shard].to(dev)
+        mm = mmap.mmap(fd, shard, prot=mmap.PROT_READ, offset=off)
+        host = torch.frombuffer(mm, dtype=torch.uint8)
+        w = host.to(dev)
+        del host  # the mapping's last user: it can be closed now
+        mm.close()
         gpu_work(a.gemms)
         del w
         note(event="step", seconds=time.perf_counter() - s)
-        off = (off + shard) % (size - shard + 1)
+        off = off + shard if off + 2 * shard <= size else 0  # page-aligned shards, all inside the file
     raise SystemExit(0)
 
 # train: a loader thread makes batches in pure Python; the main thread runs the GPU step on each
