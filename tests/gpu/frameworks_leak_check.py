@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 
+from agent_proc import start_agent  # tests/gpu/agent_proc.py
 from gpuwatch.agent import control
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,21 +60,6 @@ def available(fw: str) -> str:
         return ""
     last = (p.stderr.strip().splitlines() or ["?"])[-1]
     return "not installed in this python3" if "ModuleNotFoundError" in last else f"no GPU backend: {last[:200]}"
-
-
-def start_agent(work: str, port: int) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(work, "run", "control.sock")
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "", "--listen",
-                          f"127.0.0.1:{port}", "--state-dir", os.path.join(work, "state"), "--runtime-dir",
-                          os.path.join(work, "run"), "--no-ebpf", "--no-cupti-sampling", "--no-baseline"],
-                         stdout=open(os.path.join(work, "agent.log"), "w"), stderr=subprocess.STDOUT)
-    for _ in range(100):
-        try:
-            control.call(sock, "ping", timeout=1)
-            return p, sock
-        except control.ControlError:
-            time.sleep(0.2)
-    raise SystemExit(f"the agent did not answer on {sock}; see {work}/agent.log")
 
 
 def run(sock: str, fw: str, mode: str, log: str, out: str, env: dict | None = None, **opts) -> subprocess.Popen:

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from agent_proc import start_agent  # tests/gpu/agent_proc.py
 from gpuwatch.agent import control
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,21 +47,6 @@ def disk_dir() -> str:
         if fs and fs not in ("tmpfs", "ramfs", "overlayfs") and os.access(d, os.W_OK):
             return d
     raise SystemExit("no disk-backed writable directory among /var/tmp, /root and the working directory")
-
-
-def start_agent(work: str, port: int) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(work, "run", "control.sock")
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "", "--listen",
-                          f"127.0.0.1:{port}", "--state-dir", os.path.join(work, "state"), "--runtime-dir",
-                          os.path.join(work, "run"), "--no-ebpf", "--no-cupti-sampling", "--no-baseline"],
-                         stdout=open(os.path.join(work, "agent.log"), "w"), stderr=subprocess.STDOUT)
-    for _ in range(100):
-        try:
-            control.call(sock, "ping", timeout=1)
-            return p, sock
-        except control.ControlError:
-            time.sleep(0.2)
-    raise SystemExit(f"the agent did not answer on {sock}; see {work}/agent.log")
 
 
 def job(kind: str, log: str, *args: str) -> subprocess.Popen:

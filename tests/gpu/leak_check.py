@@ -22,28 +22,13 @@ import sys
 import tempfile
 import time
 
+from agent_proc import start_agent  # tests/gpu/agent_proc.py
 from gpuwatch.agent import control
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 EBPF = False  # --ebpf: the agent's eBPF probe on, the programs run on their own (no in-process agent)
-
-
-def start_agent(work: str, port: int) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(work, "run", "control.sock")
-    p = subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "", "--listen",
-                          f"127.0.0.1:{port}", "--state-dir", os.path.join(work, "state"), "--runtime-dir",
-                          os.path.join(work, "run"), *([] if EBPF else ["--no-ebpf"]), "--no-cupti-sampling",
-                          "--no-baseline"],
-                         stdout=open(os.path.join(work, "agent.log"), "w"), stderr=subprocess.STDOUT)
-    for _ in range(100):
-        try:
-            control.call(sock, "ping", timeout=1)
-            return p, sock
-        except control.ControlError:
-            time.sleep(0.2)
-    raise SystemExit(f"the agent did not answer on {sock}; see {work}/agent.log")
 
 
 def run_program(sock: str, mode: str, log: str, **opts) -> subprocess.Popen:
@@ -89,7 +74,7 @@ def main() -> int:
     os.makedirs(a.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="gw-leak-")
     log = os.path.join(a.out, "programs.jsonl")
-    agent, sock = start_agent(work, 19837)
+    agent, sock = start_agent(work, 19837, ebpf=EBPF)
     results: list[tuple[bool, str]] = []
     record: dict = {"runs": {}, "args": vars(a)}
     steady = run_program(sock, "steady", log, seconds=3600)
