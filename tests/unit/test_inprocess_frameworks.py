@@ -120,11 +120,12 @@ def test_an_uncaught_oom_is_in_the_next_report_and_each_one_is_counted_once():
     oom = wire.CuptiReport.parse(a.build_report()).oom
     assert (oom.count, oom.how, oom.device, oom.requested_bytes) == (2, "allocator", 0, 123)
     # the error PyTorch's allocator told of, reaching the top uncaught: the same OOM, with its bytes kept
-    a.uncaught(torch.cuda.OutOfMemoryError(TORCH_OOM))
+    same, later = torch.cuda.OutOfMemoryError(TORCH_OOM), torch.cuda.OutOfMemoryError(TORCH_OOM)  # both alive: two ids
+    a.uncaught(same)
     oom = wire.CuptiReport.parse(a.build_report()).oom
     assert (oom.count, oom.how, oom.requested_bytes) == (2, "allocator", 123)
     a.oom["ts"] -= inprocess.SAME_OOM_S  # one a minute later is a new OOM
-    a.uncaught(torch.cuda.OutOfMemoryError(TORCH_OOM))
+    a.uncaught(later)
     assert (a.oom_count, a.oom["how"]) == (3, "uncaught")
 
 
