@@ -251,3 +251,37 @@ def test_processes_are_kept_apart_and_new_ones_announced():
     assert book.per_process() == {1: (2, {"known": 2}), PID: (3, {"known": 3})}
     book.forget({1, 99})
     assert list(book.per_process()) == [PID]
+
+
+def test_events_about_what_was_never_seen_change_nothing_and_counts_add_up():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_DESTROY, graph=0x55))  # made and destroyed outside what we saw
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0x56, serial=3, count=9))
+    book.on_event(ev(S.GE_SET, exec=0x57, serial=3, node=0x71, function=F, count=1))
+    book.account({(PID, 0xe): (0, 17)})
+    book.account({(PID, 0xe): (0, 20)})  # cumulative, as for any exec
+    assert book.summary(PID)["unknown_content_launches"] == 20
+    # a destroyed graph's nodes are forgotten: a new graph at its address is not changed through them
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))
+    book.on_event(ev(S.GE_DESTROY, graph=0xa))
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x72, function=G))
+    book.on_event(ev(S.GE_SET, node=0x71, function=F + 1))
+    instantiate(book, 0xa, 0xf, 1)
+    book.account({(PID, 0xf): (1, 2)})
+    book.account({(PID, 0xf): (1, 3)})
+    k = book.kernels(PID)
+    assert list(k) == [(PID, G)] and k[(PID, G)]["degenerate_launches"] == 3
+    assert book.summary(PID)["partial_content_launches"] == 0
+
+
+def test_the_summary_of_all_processes_sums_them():
+    book = graphs.GraphBook()
+    for pid in (1, 2):
+        book.on_event(ev(S.GE_CREATE, graph=0xa, pid=pid))
+        book.on_event(ev(S.GE_INSTANTIATE, graph=0xa, exec=0xe, serial=1, pid=pid))
+        book.on_event(ev(S.GE_BEGIN, capture=5, pid=pid))
+    s = book.summary()
+    assert (s["graphs"], s["executable_graphs"], s["captures_in_progress"]) == (2, 2, 2)
+    assert book.captures_begun == 2
