@@ -134,3 +134,12 @@ def test_a_forged_code_object_reads_as_nothing():
     b = bytearray(b"\x00" * 4096)  # a "code object" whose pointers are zero
     import ctypes
     assert r.frame(ctypes.addressof((ctypes.c_char * 4096).from_buffer(b)), 200) is None
+
+
+def test_line_table_without_columns_matches_the_interpreter():
+    # python -X no_debug_ranges (PYTHONNODEBUGRANGES) writes the form without columns
+    prog = ("import sys; sys.path[:0] = [%r]; from tests.unit.test_pyframes import assert_lines_match\n"
+            "src = 'def f(a):\\n    b = a' + '\\n' * 70 + '    for i in range(a):\\n        b -= i\\n    return b\\n'\n"
+            "assert assert_lines_match(compile(src, '<lines>', 'exec')) > 10\n") % os.getcwd()
+    r = subprocess.run([sys.executable, "-X", "no_debug_ranges", "-c", prog], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
