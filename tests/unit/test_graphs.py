@@ -121,6 +121,13 @@ def test_bounds_hold_against_a_process_that_floods():
     for pid in range(1, graphs.MAX_PROCESSES + 3):
         book.on_event(ev(S.GE_CREATE, graph=1, pid=pid))
     assert len(book.per_process()) == graphs.MAX_PROCESSES
+    # 4242's own graph 1 had no room; 2 of the others (4242 was among them) no process
+    assert book.overflow == 10 + 1 + 2
+    for i in range(graphs.MAX_GRAPHS_PER_PROCESS):  # one exec there already: the last one is refused
+        instantiate(book, 0x10, 0x100 + i, 1)
+    assert book.overflow == 14
+    book.account({(PID, 0xbad): (0, 5)})  # made before the probe, no room to follow it
+    assert book.overflow == 15 and book.summary(PID)["launches"] == 1
 
 
 def test_short_or_unknown_events_are_ignored_and_exited_processes_forgotten():
@@ -134,3 +141,147 @@ def test_short_or_unknown_events_are_ignored_and_exited_processes_forgotten():
     assert book.summary(PID)["partial_content_launches"] == 1
     book.forget({PID})
     assert book.summary(PID) == graphs.GraphBook().summary()
+
+
+D = (8, 2, 1, 128, 2, 1)  # a node's grid and block: not degenerate
+
+
+def test_explicit_nodes_follow_set_params_clone_update_and_destroy():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F, dims=D, shared_mem=512))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x72, function=F, dims=D, shared_mem=512))
+    book.on_event(ev(S.GE_SET, node=0x71, function=G, dims=D))  # before instantiation: the graph itself
+    book.on_event(ev(S.GE_CLONE, graph=0xb, source=0xa))  # F + G, its nodes' handles unseen
+    book.on_event(ev(S.GE_SET, node=0x72, function=G, dims=D))  # 0xa only: G + G; all F nodes gone
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0xb, 0xf, 1)
+    book.account({(PID, 0xe): (1, 0), (PID, 0xf): (1, 0)})
+    assert book.kernels(PID) == {}  # no replay yet: no kernel
+    book.account({(PID, 0xe): (1, 3), (PID, 0xf): (1, 1)})
+    k = book.kernels(PID)
+    assert k[(PID, F)] == {"launches": 1, "degenerate_launches": 0, "grid": [8, 2, 1], "block": [128, 2, 1],
+                           "shared_mem_bytes": 512}
+    assert k[(PID, G)]["launches"] == 7
+    s = book.summary(PID)
+    assert (s["graphs"], s["executable_graphs"], s["partial_content_launches"]) == (2, 2, 0)
+    # the exec of 0xa takes the clone's content after 4 replays in all
+    book.on_event(ev(S.GE_UPDATE, exec=0xe, serial=1, graph=0xb, count=4))
+    book.account({(PID, 0xe): (1, 6), (PID, 0xf): (1, 1)})
+    k = book.kernels(PID)
+    assert (k[(PID, F)]["launches"], k[(PID, G)]["launches"]) == (3, 11)
+    book.on_event(ev(S.GE_DESTROY, graph=0xa))
+    book.on_event(ev(S.GE_SET, node=0x72, function=F, dims=D))  # its graph is gone: nothing to change
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xf, serial=1, count=2))
+    s = book.summary(PID)
+    assert (s["graphs"], s["executable_graphs"], s["kernel_launches"]) == (1, 1, 16)
+    # an update to a graph not known: what the exec runs from then on is unknown
+    book.on_event(ev(S.GE_UPDATE, exec=0xe, serial=1, graph=0x99, count=6))
+    book.account({(PID, 0xe): (1, 8)})
+    s = book.summary(PID)
+    assert (s["unknown_content_launches"], s["kernel_launches"], s["executable_graphs"]) == (2, 16, 0)
+
+
+def test_a_node_set_twice_and_one_of_two_alike_replaced():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    for node in (0x71, 0x72):
+        book.on_event(ev(S.GE_ADD, graph=0xa, node=node, function=F))
+    book.on_event(ev(S.GE_SET, node=0x71, function=G))
+    book.on_event(ev(S.GE_SET, node=0x71, function=F + 1))  # G's only node changed again: no G left
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 1, F + 1: 1}
+    assert book.kernels(PID)[(PID, F)]["degenerate_launches"] == 1  # the default 1x1x1 grid
+
+
+def test_a_capture_into_an_existing_graph_adds_to_it():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))
+    book.on_event(ev(S.GE_BEGIN, capture=100, graph=0xa, ts=100))
+    assert book.summary(PID)["captures_in_progress"] == 1 and book.captures_begun == 1
+    book.on_event(ev(S.GE_NODE, capture=100, function=F))
+    book.on_event(ev(S.GE_NODE, capture=100, function=G))
+    book.on_event(ev(S.GE_END, capture=100, graph=0xa, count=2, ts=110))
+    s = book.summary(PID)
+    assert (s["graphs"], s["captures_in_progress"]) == (1, 0)
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    k = book.kernels(PID)
+    assert (k[(PID, F)]["launches"], k[(PID, G)]["launches"]) == (2, 1)
+    assert book.summary(PID)["partial_content_launches"] == 0
+    # a second capture into it with a node lost makes the whole graph partial
+    book.on_event(ev(S.GE_BEGIN, capture=200, graph=0xa, ts=200))
+    book.on_event(ev(S.GE_END, capture=200, graph=0xa, count=1, ts=210))
+    instantiate(book, 0xa, 0xe, 2)
+    book.account({(PID, 0xe): (2, 1)})
+    assert book.summary(PID)["partial_content_launches"] == 1
+
+
+def test_what_was_made_before_the_probe_or_lost_is_unknown_or_partial():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_END, capture=7, graph=0xa, count=0))  # its begin lost, and empty: complete
+    book.on_event(ev(S.GE_END, capture=8, graph=0xb, count=2))  # its begin and 2 nodes lost
+    book.on_event(ev(S.GE_END, capture=9, graph=0, count=0))  # a failed capture: no graph
+    book.on_event(ev(S.GE_ADD, graph=0xc, node=0x71, function=F))  # a graph made before the probe
+    instantiate(book, 0x99, 0xd, 1)  # of a graph never seen
+    assert book.summary(PID)["graphs"] == 3
+    for i, g in enumerate((0xa, 0xb, 0xc)):
+        instantiate(book, g, 0xe0 + i, 1)
+    book.account({(PID, 0xe0): (1, 1), (PID, 0xe1): (1, 2), (PID, 0xe2): (1, 4), (PID, 0xd): (1, 8)})
+    s = book.summary(PID)
+    assert (s["launches"], s["partial_content_launches"], s["unknown_content_launches"]) == (15, 6, 8)
+    assert book.kernels(PID)[(PID, F)]["launches"] == 4
+
+
+def test_processes_are_kept_apart_and_new_ones_announced():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_PROCESS, pid=7))
+    book.on_event(ev(S.GE_PROCESS, pid=8))
+    assert book.new_processes == {7, 8} and book.summary() == graphs.GraphBook().summary()
+    for pid, n in ((1, 2), (PID, 3)):
+        book.on_event(ev(S.GE_CREATE, graph=0xa, pid=pid))
+        book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F, pid=pid, dims=D))
+        book.on_event(ev(S.GE_INSTANTIATE, graph=0xa, exec=0xe, serial=1, pid=pid))
+        book.account({(pid, 0xe): (1, n)})
+    assert book.kernels(PID) == {(PID, F): {"launches": 3, "degenerate_launches": 0, "grid": [8, 2, 1],
+                                            "block": [128, 2, 1], "shared_mem_bytes": 0}}
+    assert book.summary(PID)["kernel_launches"] == 3 and book.summary()["kernel_launches"] == 5
+    assert book.per_process() == {1: (2, {"known": 2}), PID: (3, {"known": 3})}
+    book.forget({1, 99})
+    assert list(book.per_process()) == [PID]
+
+
+def test_events_about_what_was_never_seen_change_nothing_and_counts_add_up():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_DESTROY, graph=0x55))  # made and destroyed outside what we saw
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0x56, serial=3, count=9))
+    book.on_event(ev(S.GE_SET, exec=0x57, serial=3, node=0x71, function=F, count=1))
+    book.account({(PID, 0xe): (0, 17)})
+    book.account({(PID, 0xe): (0, 20)})  # cumulative, as for any exec
+    assert book.summary(PID)["unknown_content_launches"] == 20
+    # a destroyed graph's nodes are forgotten: a new graph at its address is not changed through them
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))
+    book.on_event(ev(S.GE_DESTROY, graph=0xa))
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x72, function=G))
+    book.on_event(ev(S.GE_SET, node=0x71, function=F + 1))
+    instantiate(book, 0xa, 0xf, 1)
+    book.account({(PID, 0xf): (1, 2)})
+    book.account({(PID, 0xf): (1, 3)})
+    k = book.kernels(PID)
+    assert list(k) == [(PID, G)] and k[(PID, G)]["degenerate_launches"] == 3
+    assert book.summary(PID)["partial_content_launches"] == 0
+
+
+def test_the_summary_of_all_processes_sums_them():
+    book = graphs.GraphBook()
+    for pid in (1, 2):
+        book.on_event(ev(S.GE_CREATE, graph=0xa, pid=pid))
+        book.on_event(ev(S.GE_INSTANTIATE, graph=0xa, exec=0xe, serial=1, pid=pid))
+        book.on_event(ev(S.GE_BEGIN, capture=5, pid=pid))
+    s = book.summary()
+    assert (s["graphs"], s["executable_graphs"], s["captures_in_progress"]) == (2, 2, 2)
+    assert book.captures_begun == 2

@@ -129,3 +129,13 @@ def test_maps_pool_is_rechecked_every_10_s_and_forget_drops_a_process(tmp_path):
     c.forget([7])
     assert c.maps_pool(7) is False and c.pool_of(7, 1, 0, lambda: [0x7300_0000]) is None
     assert c.maps_pool(99) is False  # no such process: nothing mapped
+
+
+def test_mapping_bounds_and_a_path_with_spaces(tmp_path):
+    spaced = (0x7400_0000, 0x7410_0000, "r-xp", "/opt/my envs/torch/lib/libc10_cuda.so")
+    low = (0x1000, 0x2000, "r-xp", f"{SITE}/torch/lib/libc10_cuda.so")  # the lowest mapping of all
+    maps_file(tmp_path, 7, [low, LIBCUDA, spaced, APP])
+    c = Classifier(proc=str(tmp_path))
+    assert c.pool_of(7, 1, 0, lambda: [0x7000_0000, 0x7400_0010]).allocator == "pytorch"
+    assert c.pool_of(7, 2, 0, lambda: [0x7000_0000, 0x1000]).allocator == "pytorch"
+    assert c.pool_of(7, 3, 0, lambda: [0x7000_0000, 0x2000]) is None  # a mapping's end is outside it

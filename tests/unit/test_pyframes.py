@@ -60,6 +60,45 @@ def test_the_frames_of_a_thread_are_read_with_their_lines():
                       f"{here}:{line + 3} in test_the_frames_of_a_thread_are_read_with_their_lines.<locals>.outer"]
 
 
+def assert_lines_match(code) -> int:
+    units = 0
+    for start, end, line in code.co_lines():
+        for unit in range(start // 2, end // 2):
+            assert pyframes.line_of(code.co_linetable, code.co_firstlineno, unit) == line, (code, unit)
+            units += 1
+    for c in code.co_consts:
+        if hasattr(c, "co_linetable"):
+            units += assert_lines_match(c)
+    return units
+
+
+def test_line_table_matches_the_interpreter_on_far_jumps_back_steps_and_long_lines():
+    # lines 40 and 5000 apart (one- and three-byte deltas), loops and a call whose arguments come
+    # back up to its first line (negative deltas), columns past 255 and expressions over several
+    # lines (the long form), and instructions with no line
+    pad = "x" * 300
+    src = "\n".join([
+        "def far(a):",
+        "    b = a + 1" + "\n" * 40,
+        "    c = b * 2" + "\n" * 5000,
+        "    for i in range(a):",
+        "        b += i",
+        "    return (b,",
+        "            c,",
+        f"            '{pad}' + str(a))",
+        "def back(xs):",
+        "    return [x",
+        "            for x in xs",
+        "            if x]",
+        "try:",
+        "    far(1)",
+        "except Exception:",
+        "    pass",
+    ])
+    code = compile(src, "<lines>", "exec")
+    assert assert_lines_match(code) > 50
+
+
 def test_line_table_matches_the_interpreter():
     def f(x):
         y = x + 1
@@ -67,10 +106,7 @@ def test_line_table_matches_the_interpreter():
             return [y,
                     x]
         return None
-    code = f.__code__
-    for start, end, line in code.co_lines():
-        for unit in range(start // 2, end // 2):
-            assert pyframes.line_of(code.co_linetable, code.co_firstlineno, unit) == line
+    assert_lines_match(f.__code__)
     assert pyframes.line_of(b"\x01\x02", 10, 0) is None  # not a location table: no line, no crash
     assert pyframes.line_of(b"", 10, 0) is None
 
@@ -98,3 +134,12 @@ def test_a_forged_code_object_reads_as_nothing():
     b = bytearray(b"\x00" * 4096)  # a "code object" whose pointers are zero
     import ctypes
     assert r.frame(ctypes.addressof((ctypes.c_char * 4096).from_buffer(b)), 200) is None
+
+
+def test_line_table_without_columns_matches_the_interpreter():
+    # python -X no_debug_ranges (PYTHONNODEBUGRANGES) writes the form without columns
+    prog = ("import sys; sys.path[:0] = [%r]; from tests.unit.test_pyframes import assert_lines_match\n"
+            "src = 'def f(a):\\n    b = a' + '\\n' * 70 + '    for i in range(a):\\n        b -= i\\n    return b\\n'\n"
+            "assert assert_lines_match(compile(src, '<lines>', 'exec')) > 10\n") % os.getcwd()
+    r = subprocess.run([sys.executable, "-X", "no_debug_ranges", "-c", prog], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
