@@ -6,7 +6,9 @@ seconds are judged against the `baseline` seconds before them. A fall alone is n
 may have finished a phase); a host-side cause alone is none either (a job whose files are evicted
 while its GPU stays busy does not wait on them). Both at once are:
 
-  page_cache_eviction  one of its large files lost its page-cache residency and its major faults rose
+  page_cache_eviction  one of its large files lost its page-cache residency and it reads from storage
+                       again (its disk reads, or its major faults, rose: a sequential reader of an
+                       mmapped file makes few major faults, readahead brings the rest)
   swapping             its swapped-out memory grows and its major faults are high
   cpu_throttled        its cgroup's CPU quota throttles it
   input_thread         one of its threads keeps a core busy while the GPU waits (also with no fall:
@@ -67,6 +69,8 @@ class HostBoundSettings:
     resident_before: float = 0.8      # a file this resident in the baseline (fraction of its size)...
     resident_now: float = 0.5         # ...and this little now was evicted
     min_major_faults: float = 50.0    # major faults/s recently: pages read back from disk
+    min_reread_rate: float = 16 * MIB  # bytes/s read from storage recently: an evicted file read again...
+    reread_rise: float = 4.0          # ...at least this x the baseline's rate
     major_fault_rise: float = 2.0     # ...and at least this x the baseline's rate
     thread_busy: float = 0.9          # of one core: a saturated thread (recent median)
     throttled_rate: float = 0.1       # s/s throttled by the CPU quota
@@ -158,26 +162,33 @@ class HostBoundDetector(Detector):
 
     # --- the causes ---------------------------------------------------------------------------
 
-    def _eviction(self, pid: str, host: dict, now: float, major: tuple[float | None, float | None]) -> dict | None:
+    def _eviction(self, pid: str, host: dict, now: float, major: tuple[float | None, float | None],
+                  reads: tuple[float | None, float | None]) -> dict | None:
         s = self.s
         r0, b0 = now - s.recent, now - s.recent - s.baseline
         recent_faults, base_faults = major
-        if recent_faults is None or recent_faults < s.min_major_faults:
-            return None
-        if base_faults is not None and recent_faults < s.major_fault_rise * base_faults:
+        faulting = (recent_faults is not None and recent_faults >= s.min_major_faults
+                    and (base_faults is None or recent_faults >= s.major_fault_rise * base_faults))
+        recent_reads, base_reads = reads
+        rereading = (recent_reads is not None and recent_reads >= s.min_reread_rate
+                     and (base_reads is None or recent_reads >= s.reread_rise * base_reads))
+        if not (faulting or rereading):
             return None
         sizes = {lab.get("file"): pts[-1][1] for lab, pts in host["size"].get(pid, [])}
         worst = None
         for lab, pts in host["resident"].get(pid, []):
             size = sizes.get(lab.get("file"))
-            base = _values(pts, b0, r0)
-            if not size or size <= 0 or not base or pts[-1][0] <= r0:
+            base, recent = _values(pts, b0, r0), _values(pts, r0, now)
+            if not size or size <= 0 or not base or not recent:
                 continue
-            before, cur = min(1.0, max(base) / size), min(1.0, pts[-1][1] / size)
+            # the least resident it was in the window: the process refills what it reads, the evictor
+            # takes it again, and a sample lands anywhere between the two
+            before, cur = min(1.0, max(base) / size), min(1.0, min(recent) / size)
             lost = (before - cur) * size
             if before >= s.resident_before and cur <= s.resident_now and (worst is None or lost > worst["lost_bytes"]):
                 worst = {"file": lab.get("file", ""), "resident_before": before, "resident_now": cur,
-                         "file_bytes": size, "lost_bytes": lost, "major_faults_per_second": recent_faults}
+                         "file_bytes": size, "lost_bytes": lost, "major_faults_per_second": recent_faults or 0.0,
+                         "disk_read_bytes_per_second": recent_reads}
         if worst is None:
             return None
         # The likely evictor: the node's top reader over the same window, not the process itself.
@@ -209,8 +220,9 @@ class HostBoundDetector(Detector):
             return sum(rates) if rates else None
 
         major = (rate("faults", {"type": "major"}), rate("faults", {"type": "major"}, b0, r0))
+        reads = (rate("io", {"direction": "read"}), rate("io", {"direction": "read"}, b0, r0))
         if work.fell:
-            ev = self._eviction(pid, host, now, major)
+            ev = self._eviction(pid, host, now, major, reads)
             if ev is not None:
                 found["page_cache_eviction"] = ev
             swaps = host["swap"].get(pid, [])
@@ -273,7 +285,8 @@ class HostBoundDetector(Detector):
         if not targets:
             return []
         host = {key: self._by_pid(history, metric, since) for key, metric in (
-            ("faults", "gpuwatch.process.paging.faults"), ("size", "gpuwatch.process.file.size"),
+            ("faults", "gpuwatch.process.paging.faults"), ("io", "gpuwatch.process.disk.io"),
+            ("size", "gpuwatch.process.file.size"),
             ("resident", "gpuwatch.process.file.cache.resident"), ("swap", "gpuwatch.process.memory.swap"),
             ("throttled", "gpuwatch.process.cgroup.cpu.throttled.time"),
             ("periods", "gpuwatch.process.cgroup.cpu.throttled.periods"),
@@ -302,7 +315,9 @@ class HostBoundDetector(Detector):
         who = f"{name or 'process'} (pid {pid})"
         if cause == "page_cache_eviction":
             what = (f"page cache eviction of {n['file']}: {_pct(n['resident_before'])} -> {_pct(n['resident_now'])} "
-                    f"resident, {_count(n['major_faults_per_second'])} major faults/s")
+                    "resident, " + (f"reading {fmt_bytes(n['disk_read_bytes_per_second'])}/s from storage, "
+                                    if n.get("disk_read_bytes_per_second") else "")
+                    + f"{_count(n['major_faults_per_second'])} major faults/s")
             if "evictor" in n:
                 e = n["evictor"]
                 what += (f"; {e['process'] or 'a process'} (pid {e['pid']}) read {fmt_bytes(e['read_bytes'])} "

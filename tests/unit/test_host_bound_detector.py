@@ -23,7 +23,7 @@ def after(before, then):
 
 
 def build(util=None, calls=None, resident=None, major=None, readers=None, thread=None, throttled=None,
-          periods=None, swap=None, stall=None, seconds=360) -> History:
+          periods=None, swap=None, stall=None, reads=None, seconds=360) -> History:
     """Each argument a function of t (seconds since start); counters are given as their running value."""
     h = History()
     for t in range(0, seconds + 1, 10):
@@ -41,6 +41,8 @@ def build(util=None, calls=None, resident=None, major=None, readers=None, thread
         if major:
             s += [Sample("gpuwatch.process.paging.faults", major(t), "", dict(PROC, type="major"), ts),
                   Sample("gpuwatch.process.paging.faults", 1e6 + t * 1000, "", dict(PROC, type="minor"), ts)]
+        if reads:
+            s.append(Sample("gpuwatch.process.disk.io", reads(t), "", dict(PROC, direction="read"), ts))
         if readers:
             for pid, name, fn in readers:
                 s.append(Sample("gpuwatch.node.process.disk.read.rate", fn(t), "", {"pid": pid, "process": name}, ts))
@@ -104,6 +106,21 @@ def test_page_cache_eviction_names_the_file_the_faults_and_the_evictor():
         f"2.8 GiB in the last 30 s; GPU utilisation of python3 (pid 4242) fell 92 % -> 31 % on GPU {GPU}: put the "
         "models on their own disk or in tmpfs, or lock them in memory (vmtouch -l, mlock)")
     assert f.attrs["advice"].startswith("put the models on their own disk")
+
+
+def test_a_sequential_reader_of_an_mmapped_file_is_named_by_its_disk_reads():
+    """The H200 serving loop: readahead brings most pages in, so 2 major faults/s, but it reads
+    ~700 MB/s from disk again; its residency, sampled between the evictor's drops and its own
+    refills, was 100 % before and dipped to 12 % once in the window."""
+    dips = lambda t: 1.0 if t < AT else (0.12 if t == AT + 40 else 0.7)  # noqa: E731
+    f = one(build(util=after(0.55, 0.11), resident=dips, major=ramp(0.0, 2.0), reads=ramp(0.0, 700e6),
+                  readers=EVICTED["readers"]))
+    n = f.attrs["numbers"]
+    assert f.attrs["cause"] == "page_cache_eviction" and n["resident_now"] == pytest.approx(0.12)
+    assert n["disk_read_bytes_per_second"] == pytest.approx(700e6)
+    assert "resident, reading 667.6 MiB/s from storage, 2 major faults/s; logrotate (pid 812)" in f.summary
+    # the same dip with no reads and no faults: its data is not read again, no eviction to name
+    none(build(util=after(0.55, 0.11), resident=dips, major=ramp(0.0, 2.0), reads=ramp(1e6, 1e6)))
 
 
 def test_eviction_needs_the_major_faults_to_rise_too():
