@@ -62,14 +62,15 @@ class DaemonError(GpuwatchError):
 # from_config(cfg) returns its probe, or None when the config leaves it off. A new probe package
 # adds its factory here. The Daemon adds the probes that need its own objects after these (the
 # OTLP exporter's counters, the in-process reports, the reference workload with the store).
-# Per-process series whose pids are GPU processes (NVML: a context on a GPU; eBPF: CUDA calls).
-GPU_PROCESS_METRICS = frozenset({"gpuwatch.process.gpu.memory.usage", "gpuwatch.cuda.calls",
-                                 "gpuwatch.process.cuda.memory.live"})
 PROBE_FACTORIES: tuple[Callable[[Config], Probe | None], ...] = (
     nvml_probes.from_config,
     ebpf_probes.from_config,
     cupti_probes.from_config,
 )
+
+# Per-process series whose pids are GPU processes (NVML: a context on a GPU; eBPF: CUDA calls).
+GPU_PROCESS_METRICS = frozenset({"gpuwatch.process.gpu.memory.usage", "gpuwatch.cuda.calls",
+                                 "gpuwatch.process.cuda.memory.live"})
 
 
 def build_probes(cfg: Config) -> list[Probe]:
