@@ -73,3 +73,17 @@ def setup_logging(level: str = "info", fmt: str = "text", stream: TextIO | None 
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(LEVELS[level])
+
+
+class WarnOnce:
+    """log.warning a message the first time its key comes, never again: a read that fails at
+    every collection is said once, not every few seconds."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.said: set[str] = set()
+
+    def __call__(self, key: str, msg: str, *args: object) -> None:
+        if key not in self.said:
+            self.said.add(key)
+            self.logger.warning(msg, *args)

@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 import psutil
 
 from gpuwatch.agent.api import Probe, Sample
+from gpuwatch.agent.logs import WarnOnce
 from gpuwatch.probes.process.identity import read_stat, sanitise_process_name
 
 log = logging.getLogger(__name__)
@@ -113,12 +114,7 @@ class HostProcessProbe(Probe):
                  cgroup_root: str = "/sys/fs/cgroup") -> None:
         self.processes, self.interval, self.proc, self.cgroup_root = processes, interval, proc, cgroup_root
         self._state: dict[int, _State] = {}
-        self._said: set[str] = set()
-
-    def _once(self, key: str, msg: str, *args: object) -> None:
-        if key not in self._said:
-            self._said.add(key)
-            log.warning(msg, *args)
+        self._once = WarnOnce(log)  # each failing read said once
 
     def collect(self) -> list[Sample]:
         ts, now = time.time(), time.monotonic()

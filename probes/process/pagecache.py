@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from gpuwatch.agent.api import Probe, Sample
+from gpuwatch.agent.logs import WarnOnce
 from gpuwatch.probes.process.identity import read_stat, sanitise_process_name
 
 log = logging.getLogger(__name__)
@@ -274,12 +275,7 @@ class PageCacheProbe(Probe):
         self.readers = NodeReaders()
         self._files: dict[int, tuple[int, float, list[OpenFile]]] = {}  # pid -> (start time, listed at, files)
         self._cachestat = True  # until the kernel says ENOSYS
-        self._said: set[str] = set()
-
-    def _once(self, reason: str, msg: str, *args: object) -> None:
-        if reason not in self._said:
-            self._said.add(reason)
-            log.warning(msg, *args)
+        self._once = WarnOnce(log)  # each failing read said once
 
     def _files_of(self, pid: int, now: float) -> list[OpenFile]:
         st = read_stat(pid)
