@@ -23,10 +23,10 @@ def after(before, then):
 
 
 def build(util=None, calls=None, resident=None, major=None, readers=None, thread=None, throttled=None,
-          periods=None, swap=None, stall=None, reads=None, seconds=360) -> History:
+          periods=None, swap=None, stall=None, reads=None, seconds=360, start=0) -> History:
     """Each argument a function of t (seconds since start); counters are given as their running value."""
     h = History()
-    for t in range(0, seconds + 1, 10):
+    for t in range(start, seconds + 1, 10):
         ts = T0 + t
         s = [Sample("gpuwatch.process.gpu.memory.usage", 20.0 * GIB, GPU, PROC, ts)]
         if util:
@@ -123,6 +123,21 @@ def test_a_sequential_reader_of_an_mmapped_file_is_named_by_its_disk_reads():
     none(build(util=after(0.55, 0.11), resident=dips, major=ramp(0.0, 2.0), reads=ramp(1e6, 1e6)))
 
 
+def test_an_eviction_is_named_20_s_in_though_the_baseline_holds_the_servers_warm_up_read():
+    """The H200 run: the agent started 70 s before the evictor, the server had read its 8 GiB of
+    weights in at its start, inside the baseline; the eviction read 600 MiB/s from storage again.
+    Judged 20 s in, when two of the three utilisation points have fallen."""
+    warm = lambda t: 8 * GIB * min(max(t - 230, 0), 10) / 10 + 600 * 2**20 * max(0, t - AT)  # noqa: E731
+    f = one(build(util=after(0.6, 0.12), resident=after(1.0, 0.03), major=ramp(0.0, 0.0), reads=warm,
+                  readers=EVICTED["readers"], start=220, seconds=AT + 20))
+    assert f.attrs["cause"] == "page_cache_eviction"
+    assert f.attrs["numbers"]["disk_read_bytes_per_second"] == pytest.approx(400 * 2**20)  # 0, 600, 600 MiB/s
+    # A process that always reads this much is not read back by an eviction: no finding.
+    steady = lambda t: 600 * 2**20 * t  # noqa: E731
+    none(build(util=after(0.6, 0.12), resident=after(1.0, 0.03), major=ramp(0.0, 0.0), reads=steady,
+               readers=EVICTED["readers"], start=220, seconds=AT + 20))
+
+
 def test_eviction_needs_the_major_faults_to_rise_too():
     none(build(util=after(0.92, 0.31), resident=after(1.0, 0.04), major=ramp(9000.0, 9000.0)))
     none(build(util=after(0.92, 0.31), resident=after(1.0, 0.04)))  # no fault counter: no finding
@@ -137,9 +152,13 @@ def test_a_saturated_thread_after_a_fall_is_input_thread():
 
 
 def test_an_input_bound_loop_is_found_without_a_fall_and_a_busy_gpu_with_a_busy_thread_is_healthy():
-    f = one(build(util=lambda t: 0.35 + (0.05 if t % 20 else 0.0), thread=lambda t: 1.0))
-    assert f.attrs["cause"] == "input_thread" and "GPU utilisation of python3 (pid 4242) stays at 35 %" in f.summary  # the median of 35, 40 and 35 %
+    # The H200 input-bound loop: GPU at 8 %, its loader thread at 98 %.
+    f = one(build(util=lambda t: 0.08 + (0.04 if t % 20 else 0.0), thread=lambda t: 0.98))
+    assert f.attrs["cause"] == "input_thread" and "GPU utilisation of python3 (pid 4242) stays at 8 %" in f.summary  # the median of 8, 12 and 8 %
     none(build(util=BUSY, thread=lambda t: 1.0))  # the healthy job: its main thread is busy feeding a busy GPU
+    # The H200 serving loop copying pageable weights beside a training job: 35-40 %, its one thread at
+    # 100 % (the CUDA driver's copies and synchronisations spin): the GPU does not idle, no finding.
+    none(build(util=lambda t: 0.35 + (0.05 if t % 20 else 0.0), thread=lambda t: 1.0))
     none(build(util=lambda t: 0.0, thread=lambda t: 1.0))  # no kernels at all: nothing it waits for on the GPU
     none(build(util=lambda t: 0.35, thread=lambda t: 0.5))  # low, but no thread saturated: not this cause
 
