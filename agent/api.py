@@ -74,6 +74,11 @@ class ProbeUnavailable(GpuwatchError):
     """A probe cannot run here. The message must tell a person what to do about it."""
 
 
+class ProbeDisabled(ProbeUnavailable):
+    """A probe that needs an optional part that is not installed (an extra such as
+    `gpuwatch[baseline]`): off by the install, not down. The message names what to install."""
+
+
 class ProbeNotRunning(ProbeUnavailable):
     """A query to a probe that is not running now; str() (and `reason`) says why: not started
     yet, or what made its last start or collection fail."""

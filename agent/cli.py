@@ -94,6 +94,9 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
     cfg = config_mod.load(config_path, {"nvml.replay": replay})
     try:
         backend = backend_factory(cfg)()
+    except nvml_backend.RecordingError as e:
+        raise click.ClickException(str(e)) from None
+    try:
         rows = inventory(backend)
     except nvml_backend.LibraryUnavailable as e:
         raise click.ClickException(f"NVML unavailable: {e}") from None

@@ -114,8 +114,12 @@ METRICS: tuple[Metric, ...] = (
     # --- agent itself -------------------------------------------------------------------
     Metric("gpuwatch.build", "", Kind.INFO, "gpuwatch build: version and Python.", ("version", "python")),
     Metric("gpuwatch.probe.up", "", Kind.GAUGE,
-           "1 when the probe's last collection succeeded in time, 0 when it is unavailable, failing or late.",
-           ("probe",)),
+           "1 when the probe's last collection succeeded in time, 0 when it is disabled, unavailable, failing "
+           "or late (gpuwatch_probe_state says which).", ("probe",)),
+    Metric("gpuwatch.probe.state", "", Kind.GAUGE,
+           "1 for the probe's current state: starting, up, late, disabled (an optional extra it needs is "
+           "not installed: off, not down), unavailable (cannot run here now), failing (raised an error).",
+           ("probe", "state")),
     Metric("gpuwatch.probe.duration", "s", Kind.GAUGE, "Wall time of the probe's last collection.", ("probe",)),
     Metric("gpuwatch.probe.late", "", Kind.COUNTER,
            "Collections that overran the probe's deadline.", ("probe",)),

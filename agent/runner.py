@@ -13,11 +13,14 @@ import logging
 import platform
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Callable, Iterable, Sequence
 
 from gpuwatch.agent import __version__
-from gpuwatch.agent.api import Detector, Event, Exporter, Finding, Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.api import (
+    Detector, Event, Exporter, Finding, Probe, ProbeDisabled, ProbeUnavailable, Sample,
+)
 from gpuwatch.agent.history import History
 from gpuwatch.agent.oom import OomRecorder
 from gpuwatch.agent.snapshot import EMPTY, ProbeStatus, Snapshot
@@ -40,9 +43,13 @@ WALL_STEP = 60.0
 MAX_OPEN_FINDINGS = 256
 _SEVERITY = {"critical": 0, "warning": 1}
 
-# Backoff for probes that cannot start: 1 s, 2 s, 4 s ... capped.
+# Backoff for probes that cannot start or that fail: 1 s, 2 s, 4 s ... capped. A disabled probe
+# (its optional extra not installed) is looked at again only every BACKOFF_MAX: an install shows.
 BACKOFF_START = 1.0
 BACKOFF_MAX = 300.0
+PROBE_STATES = ("starting", "up", "late", "disabled", "unavailable", "failing")
+# Distinct reasons a down probe logs before it says no more until it is up again.
+MAX_REASONS_LOGGED = 16
 
 
 class _ProbeSlot:
@@ -67,6 +74,8 @@ class _ProbeSlot:
         self.stop = False
         self.thread = threading.Thread(target=self._work, name=f"probe-{probe.name}", daemon=True)
         self.result: tuple | None = None  # set by the worker, consumed by the runner
+        self.traceback = ""  # of the last collection that raised a bug, logged once per distinct error
+        self.reasons_logged: set[str] = set()  # since the probe was last up
         self.timer: Callable[[], float] = time.perf_counter  # times each collection; tests replace it
 
     def _work(self) -> None:
@@ -83,10 +92,13 @@ class _ProbeSlot:
                 samples = tuple(self.probe.collect())
                 events = self.probe.events()
                 self.result = ("ok", samples, events, self.timer() - t0)
+            except ProbeDisabled as e:
+                self.result = ("disabled", str(e), [], self.timer() - t0)
             except ProbeUnavailable as e:
                 self.result = ("unavailable", str(e), [], self.timer() - t0)
             except Exception as e:  # a probe bug must not take the daemon down
-                log.exception("probe %s failed", self.probe.name)
+                # Logged by the runner, once per distinct error: not a traceback every tick.
+                self.traceback = traceback.format_exc()
                 self.result = ("error", f"{type(e).__name__}: {e}", [], self.timer() - t0)
             self.done.set()
             self.wake.set()
@@ -282,6 +294,7 @@ class Runner:
             slot.samples_mono = now
             slot.backoff = BACKOFF_START
             slot.next_due = now + slot.probe.interval
+            slot.reasons_logged.clear()
             if st.state != "up":
                 log.info("probe %s is up", slot.probe.name)
             slot.status = _replace(st, up=True, state="up", reason="", last_duration=duration,
@@ -307,18 +320,23 @@ class Runner:
                     log.exception("probe %s shutdown failed", slot.probe.name)
                 slot.started = False
             slot.samples = ()
-            if kind == "unavailable":
-                slot.next_due = now + slot.backoff
+            state = {"disabled": "disabled", "unavailable": "unavailable"}.get(kind, "failing")
+            if kind == "disabled":
+                retry = BACKOFF_MAX
+            else:  # unavailable, or failing on a bug: each try costs the same, so both back off
                 retry = slot.backoff
                 slot.backoff = min(slot.backoff * 2, BACKOFF_MAX)
-                state = "unavailable"
-            else:
-                slot.next_due = now + slot.probe.interval
-                retry = slot.probe.interval
-                state = "failing"
-            if st.reason != payload:
-                log.warning("probe %s %s: %s (retrying in %.0f s)", slot.probe.name, state, payload, retry)
-                self._add_event(Event("probe.down", attrs={"probe": slot.probe.name, "reason": payload}))
+            slot.next_due = now + retry
+            if payload not in slot.reasons_logged and len(slot.reasons_logged) < MAX_REASONS_LOGGED:
+                slot.reasons_logged.add(payload)
+                if kind == "disabled":
+                    log.info("probe %s disabled: %s", slot.probe.name, payload)
+                else:
+                    log.warning("probe %s %s: %s (retrying in %.0f s)", slot.probe.name, state, payload, retry)
+                    if kind == "error" and slot.traceback:
+                        log.error("probe %s failed with an error gpuwatch did not expect (a bug; please "
+                                  "report it):\n%s", slot.probe.name, slot.traceback.rstrip())
+                    self._add_event(Event("probe.down", attrs={"probe": slot.probe.name, "reason": payload}))
             slot.status = _replace(st, up=False, state=state, reason=payload, last_duration=duration,
                                    errors_total=st.errors_total + (kind == "error"))
 
@@ -459,6 +477,9 @@ class Runner:
             st = slot.status
             lab = {"probe": st.name}
             yield Sample("gpuwatch.probe.up", 1.0 if st.up else 0.0, labels=lab, ts=wall)
+            for state in PROBE_STATES:
+                yield Sample("gpuwatch.probe.state", 1.0 if st.state == state else 0.0,
+                             labels={**lab, "state": state}, ts=wall)
             yield Sample("gpuwatch.probe.duration", st.last_duration, labels=lab, ts=wall)
             yield Sample("gpuwatch.probe.late", float(st.late_total), labels=lab, ts=wall)
             yield Sample("gpuwatch.probe.errors", float(st.errors_total), labels=lab, ts=wall)

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Callable
 
-from gpuwatch.agent.api import Event, Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.api import Event, Probe, ProbeDisabled, ProbeUnavailable, Sample
 from gpuwatch.detectors import health
 from gpuwatch.probes.baseline import missing
 
@@ -104,7 +104,7 @@ class BaselineProbe(Probe):
         if not self.replay and not self.python:
             problem = missing()
             if problem:
-                raise ProbeUnavailable(f"reference workload: {problem}; or set baseline.python to an "
+                raise ProbeDisabled(f"reference workload: {problem}; or set baseline.python to an "
                                        "interpreter that has them")
         for run in self._past(None, 1000):
             if run.get("uuid"):

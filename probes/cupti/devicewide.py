@@ -36,7 +36,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
-from gpuwatch.agent.api import Event, Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.api import Event, Probe, ProbeDisabled, ProbeUnavailable, Sample
 from gpuwatch.probes.cupti.arbitration import DEFAULT_YIELD_TO, Arbiter, Holder
 from gpuwatch.probes.cupti.sampler import (
     BUSY_RE, EXIT_BUSY, GROUPS, INSTALL_REMEDY, MIN_INTERVAL_MS, cupti_lib_dir,
@@ -70,6 +70,13 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
         rest = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != lib]
         env["LD_LIBRARY_PATH"] = os.pathsep.join([lib, *rest])
     return env
+
+
+def cupti_python_installed() -> bool:
+    try:
+        return importlib.util.find_spec("cupti") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def cupti_python_problem() -> str:
@@ -212,6 +219,8 @@ class CuptiSamplerProbe(Probe):
             self._fatal = ""
         if self.custom_command is None:
             problem = cupti_python_problem()
+            if problem and not cupti_python_installed():
+                raise ProbeDisabled(problem)  # the optional extra is not installed: off, not down
             if problem:
                 raise ProbeUnavailable(problem)
         env = child_env(self.base_env)

@@ -76,6 +76,11 @@ class GpuLost(NvmlError):
     """The GPU fell off the bus or stopped answering."""
 
 
+class RecordingError(GpuwatchError):
+    """A file given as an NVML recording (nvml.replay, --nvml-replay) cannot be replayed; str() says
+    which file and why."""
+
+
 class LibraryUnavailable(NvmlError):
     """NVML cannot be used at all; str() says what is wrong and what to do about it."""
 

@@ -19,6 +19,7 @@ from gpuwatch.agent.api import Event, Probe, ProbeUnavailable, Sample
 from gpuwatch.probes.nvml.backend import (
     CLOCK_DOMAINS, ECC_COUNTERS, ECC_TYPES, NVLINK_ERRORS, TEMPERATURE_THRESHOLDS, VIOLATION_POLICIES,
     Backend, GpuLost, LibraryUnavailable, NotSupported, NoValue, NvmlError, RealBackend,
+    RecordingError,
 )
 from gpuwatch.probes.nvml.events import XidWatcher
 from gpuwatch.probes.process.identity import sanitise_process_name
@@ -117,7 +118,10 @@ class NvmlProbe(Probe):
     # ---- Probe API -------------------------------------------------------------------------
     def start(self) -> None:
         self.shutdown()
-        backend = self._backend = self._backend_factory()
+        try:
+            backend = self._backend = self._backend_factory()
+        except RecordingError as e:
+            raise ProbeUnavailable(str(e)) from None
         self._unsupported = set()
         try:
             count = backend.call("device_count")

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuwatch.probes.nvml.backend import (
-    MONOTONIC_OPS, VIOLATION_POLICIES, Backend, NvmlError, RealBackend, call_key,
+    MONOTONIC_OPS, VIOLATION_POLICIES, Backend, NvmlError, RealBackend, RecordingError, call_key,
 )
 from gpuwatch.probes.nvml.events import XID_CRITICAL_ERROR
 from gpuwatch.probes.nvml.probe import NvmlProbe
@@ -216,6 +216,27 @@ class Fault:
                 and tick >= self.from_tick and (self.until_tick is None or tick < self.until_tick))
 
 
+def read_recording(path: str | Path) -> dict:
+    """The recording in `path`, checked for the shape replay relies on; RecordingError says why not
+    (a wrong file given to --nvml-replay is a person's mistake, not a bug: no traceback)."""
+    not_ours = f"{path} is not a gpuwatch NVML recording (`gpuwatch debug record-nvml` writes them)"
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except OSError as e:
+        raise RecordingError(f"cannot read the NVML recording {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RecordingError(f"{not_ours}: it is not JSON ({e})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise RecordingError(f"{not_ours}: format {found!r}, expected {FORMAT!r}")
+    shape = (("ticks", int), ("system", dict), ("gpus", list))
+    bad = [k for k, t in shape if not isinstance(data.get(k), t) or isinstance(data.get(k), bool)]
+    if bad or not all(isinstance(g, dict) for g in data["gpus"]):
+        raise RecordingError(f"{path}: a damaged NVML recording ({', '.join(bad) or 'gpus'} missing or "
+                             "of the wrong type)")
+    return data
+
+
 class ReplayBackend(Backend):
     """Serves a recording as if it were NVML.
 
@@ -235,20 +256,18 @@ class ReplayBackend(Backend):
                  inject: list[Fault] | tuple[Fault, ...] | None = None, event_wait_s: float = 0.05,
                  control: str | Path | None = None) -> None:
         super().__init__()
-        data = json.loads(Path(path).read_text())
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a {FORMAT} file (format {data.get('format')!r})")
+        data = read_recording(path)
         self.recording = data
         self._n = data["ticks"]
         self._system: dict[str, list] = data["system"]
         self._recorded: list[dict[str, list]] = data["gpus"]
         if not self._recorded:
-            raise ValueError(f"{path}: the recording has no GPUs")
+            raise RecordingError(f"{path}: the recording has no GPUs")
         self.gpu_count = gpus or len(self._recorded)
         self._processes_per_gpu = processes_per_gpu
         self._process_sources = [self._recorded_pids(calls) for calls in self._recorded]
         if processes_per_gpu and not any(self._process_sources):
-            raise ValueError(f"{path}: no processes recorded to clone processes_per_gpu from")
+            raise RecordingError(f"{path}: no processes recorded to clone processes_per_gpu from")
         self._faults = list(inject or ())
         self._event_wait_s = event_wait_s  # short waits keep a replayed XID thread quick to stop
         self._lock = threading.Lock()

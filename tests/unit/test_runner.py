@@ -8,7 +8,9 @@ import pytest
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent import oom as oom_mod
-from gpuwatch.agent.api import Detector, Event, Exporter, Finding, Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.api import (
+    Detector, Event, Exporter, Finding, Probe, ProbeDisabled, ProbeUnavailable, Sample,
+)
 from gpuwatch.agent.history import History
 from gpuwatch.agent.runner import Runner, finding_attrs, finding_key
 from gpuwatch.agent.snapshot import EMPTY, ProbeStatus
@@ -115,7 +117,8 @@ def test_unavailable_probe_is_retried_with_backoff(monkeypatch):
     assert p.starts == 3 and status(r, "flaky").up
 
 
-def test_failing_probe_counts_errors_and_keeps_daemon_serving():
+def test_failing_probe_counts_errors_and_keeps_daemon_serving(monkeypatch):
+    monkeypatch.setattr("gpuwatch.agent.runner.BACKOFF_START", 0.02)
     class Boom(Probe):
         name = "boom"
         interval = 0.02
@@ -448,7 +451,7 @@ def test_unavailable_probe_retries_after_1_2_4_s_doubling_up_to_300_s_and_afresh
         "NVML library not found: install the NVIDIA driver", "GPU is lost: reboot the node"]
 
 
-def test_failing_probe_retries_on_its_interval_counts_each_error_and_reports_it_once(caplog):
+def test_failing_probe_backs_off_counts_each_error_and_logs_each_distinct_error_once(caplog):
     c = Clocks()
     p = Scripted("boom", interval=2.0, read=raising(RuntimeError("bad answer")))
     r = clocked([p], c)
@@ -459,30 +462,79 @@ def test_failing_probe_retries_on_its_interval_counts_each_error_and_reports_it_
     assert status(r, "boom") == ProbeStatus(name="boom", up=False, reason="RuntimeError: bad answer",
                                             state="failing", last_duration=0.25, errors_total=1, interval=2.0)
     assert p.shutdowns == 1  # started, then failed: shut down so the next try starts afresh
-    at(r, c, 2.0 - EPS)
-    assert slot(r, "boom").busy_since is None
-    at(r, c, 2.0)
-    assert slot(r, "boom").busy_since == 2.0
-    returned(r, "boom")
-    at(r, c, 2.0)
-    assert status(r, "boom").errors_total == 2 and p.starts == 2 and p.shutdowns == 2
+    # A probe that fails on every try backs off as an unavailable one does: 1 s, 2 s, 4 s, 8 s.
+    t = 0.0
+    for wait in (1.0, 2.0, 4.0, 8.0):
+        at(r, c, t + wait - EPS)
+        assert slot(r, "boom").busy_since is None
+        at(r, c, t + wait)
+        assert slot(r, "boom").busy_since == t + wait
+        returned(r, "boom")
+        t += wait
+        at(r, c, t)
+    assert status(r, "boom").errors_total == 5 and p.starts == 5 and p.shutdowns == 5
     errors = {s.labels["probe"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.errors")}
-    assert errors == {"boom": 2.0}
+    assert errors == {"boom": 5.0}
     assert [e.kind for e in r.events] == ["probe.down"]  # the same reason again: no new event
-    assert logged(caplog, logging.WARNING) == ["probe boom failing: RuntimeError: bad answer (retrying in 2 s)"]
-    assert logged(caplog, logging.ERROR) == ["probe boom failed", "probe boom failed"]
-    # Errors do not grow the backoff: once unavailable, the first retry is 1 s later; not counted as an error.
-    p.read = raising(ProbeUnavailable("gone"))
-    at(r, c, 4.0)
+    # One warning and one traceback for five failures with the same error.
+    assert logged(caplog, logging.WARNING) == ["probe boom failing: RuntimeError: bad answer (retrying in 1 s)"]
+    tracebacks = logged(caplog, logging.ERROR)
+    assert len(tracebacks) == 1 and tracebacks[0].startswith("probe boom failed with an error gpuwatch did not")
+    assert "Traceback (most recent call last)" in tracebacks[0] and "RuntimeError: bad answer" in tracebacks[0]
+    # Another error is another line; then the first error again is not said again.
+    p.read = raising(KeyError("gpu"))
+    at(r, c, t + 16.0)
     returned(r, "boom")
-    at(r, c, 4.0)
-    assert status(r, "boom").errors_total == 2 and status(r, "boom").state == "unavailable"
-    assert status(r, "boom").last_duration == 0.25
-    at(r, c, 5.0 - EPS)
-    assert slot(r, "boom").busy_since is None
-    at(r, c, 5.0)
-    assert slot(r, "boom").busy_since == 5.0
+    t += 16.0
+    at(r, c, t)
+    p.read = raising(RuntimeError("bad answer"))
+    at(r, c, t + 32.0)
     returned(r, "boom")
+    t += 32.0
+    at(r, c, t)
+    assert logged(caplog, logging.WARNING) == ["probe boom failing: RuntimeError: bad answer (retrying in 1 s)",
+                                               "probe boom failing: KeyError: 'gpu' (retrying in 32 s)"]
+    assert len(logged(caplog, logging.ERROR)) == 2
+    states = {s.labels["state"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.state")}
+    assert states == {"starting": 0.0, "up": 0.0, "late": 0.0, "disabled": 0.0, "unavailable": 0.0,
+                      "failing": 1.0}
+    # Up again, then the same error: said again (once), for it is news after a recovery.
+    p.read = lambda: [Sample("hw.power", 100.0, "GPU-boom", {}, W0)]
+    at(r, c, t + 64.0)
+    returned(r, "boom")
+    t += 64.0
+    at(r, c, t)
+    assert status(r, "boom").up
+    p.read = raising(RuntimeError("bad answer"))
+    at(r, c, t + 2.0)
+    returned(r, "boom")
+    at(r, c, t + 2.0)
+    assert logged(caplog, logging.WARNING)[-1] == "probe boom failing: RuntimeError: bad answer (retrying in 1 s)"
+    assert len(logged(caplog, logging.ERROR)) == 3
+
+
+def test_a_probe_whose_extra_is_not_installed_is_disabled_not_down_said_once_and_looked_at_every_300_s(caplog):
+    caplog.set_level(logging.INFO, logger="gpuwatch.runner")
+    c = Clocks()
+    p = Scripted("baseline", interval=5.0,
+                 read=raising(ProbeDisabled("torch not importable: pip install 'gpuwatch[baseline]'")))
+    r = clocked([p], c)
+    t = 0.0
+    for _ in range(3):
+        at(r, c, t)
+        returned(r, "baseline")
+        at(r, c, t)
+        st = status(r, "baseline")
+        assert st.state == "disabled" and not st.up and st.errors_total == 0
+        assert st.reason == "torch not importable: pip install 'gpuwatch[baseline]'"
+        at(r, c, t + 300.0 - EPS)
+        assert slot(r, "baseline").busy_since is None
+        t += 300.0
+    states = {s.labels["state"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.state")}
+    assert states["disabled"] == 1.0 and sum(states.values()) == 1.0
+    assert logged(caplog, logging.INFO) == [
+        "probe baseline disabled: torch not importable: pip install 'gpuwatch[baseline]'"]
+    assert logged(caplog, logging.WARNING) == [] and list(r.events) == []  # not a probe going down
 
 
 def test_a_probe_whose_shutdown_fails_is_still_started_afresh(caplog):
@@ -523,6 +575,8 @@ def test_a_good_collection_publishes_its_samples_status_events_and_the_agents_ow
         Sample("hw.power", 100.0, "GPU-ok", {}, W0),
         Sample("gpuwatch.build", 1.0, "", {"version": __version__, "python": platform.python_version()}, wall),
         Sample("gpuwatch.probe.up", 1.0, "", lab, wall),
+        *(Sample("gpuwatch.probe.state", 1.0 if state == "up" else 0.0, "", {**lab, "state": state}, wall)
+          for state in ("starting", "up", "late", "disabled", "unavailable", "failing")),
         Sample("gpuwatch.probe.duration", 0.25, "", lab, wall),
         Sample("gpuwatch.probe.late", 0.0, "", lab, wall),
         Sample("gpuwatch.probe.errors", 0.0, "", lab, wall),
