@@ -1,6 +1,6 @@
 """The Grafana dashboards (dashboards/grafana/*.json): built in dashboards/generator/, written by
-scripts/gen_dashboards.py and
-committed as generated, importable as they are, and together they show every metric the agent exports.
+scripts/gen_dashboards.py and committed as generated, importable as they are, and together they show
+every metric the agent exports.
 Their queries run against a real Prometheus in tests/e2e/test_dashboards_prometheus.py."""
 from __future__ import annotations
 
