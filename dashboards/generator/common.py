@@ -189,7 +189,7 @@ class Query(prometheus.Dataquery):
 Q = Query  # short, for the many queries of the dashboards
 
 
-def _add(panel, queries: tuple[Query, ...], shape) -> None:
+def _add_queries(panel, queries: tuple[Query, ...], shape) -> None:
     for ref, query in zip(ascii_uppercase, queries):
         panel.with_target(shape(query.ref_id(ref)))
 
@@ -210,7 +210,7 @@ def ts(title: str, *queries: Query) -> timeseries.Panel:
              .draw_style(viz_model.GraphDrawStyle.LINE).line_interpolation(viz_model.LineInterpolation.LINEAR)
              .line_width(1).fill_opacity(0).show_points(viz_model.VisibilityMode.NEVER).span_nulls(False)
              .thresholds_style(viz.GraphThresholdsStyleConfig().mode(viz_model.GraphThresholdsStyleMode.OFF)))
-    _add(panel, queries, lambda q: q.range().legend_format(q.legend or "__auto"))
+    _add_queries(panel, queries, lambda q: q.range().legend_format(q.legend or "__auto"))
     return panel
 
 
@@ -247,7 +247,7 @@ def stat(title: str, *queries: Query) -> stat_panel.Panel:
              .justify_mode(viz_model.BigValueJustifyMode.AUTO).orientation(viz_model.VizOrientation.AUTO)
              .text_mode(viz_model.BigValueTextMode.AUTO)
              .reduce_options(viz.ReduceDataOptions().calcs(["lastNotNull"]).fields("").values(False)))
-    _add(panel, queries, lambda q: q.instant().legend_format(q.legend or "__auto"))
+    _add_queries(panel, queries, lambda q: q.instant().legend_format(q.legend or "__auto"))
     return panel
 
 
@@ -258,7 +258,7 @@ def table(title: str, *queries: Query, columns: dict[str, tuple[str, str]] | Non
     panel = (table_panel.Panel().title(title).datasource(DATASOURCE).span(12).height(8).unit("short")
              .color_scheme(grafana.FieldColor().mode(model.FieldColorModeId.PALETTE_CLASSIC)).thresholds(steps("green"))
              .cell_height(viz_model.TableCellHeight.SM).show_header(True))
-    _add(panel, queries, lambda q: q.instant().format(prometheus_model.PromQueryFormat.TABLE))
+    _add_queries(panel, queries, lambda q: q.instant().format(prometheus_model.PromQueryFormat.TABLE))
     if len(queries) > 1:
         panel.with_transformation(model.DataTransformerConfig("merge", options={}))
     hidden = {name: True for name in ("Time", "__name__", "job", *hide)}
@@ -321,8 +321,9 @@ def process_var(metric: str) -> grafana.QueryVariable:
 
 
 def build_dashboard(uid: str, title: str, description: str, variables: list, items: list) -> grafana.Dashboard:
-    """A dashboard of rows (grafana.Row) and panels, laid out in order: a panel starts a new line where
-    the last one is full (24 columns)."""
+    """A dashboard of rows (grafana.Row) and panels, laid out in order by the SDK: a new line starts
+    once a line's panels fill its 24 columns, and not before, so the widths on a line add up to 24
+    (tests/unit/test_dashboards.py fails on a panel that sticks out)."""
     board = (grafana.Dashboard(title).uid(uid).description(description).tags([TAG]).editable()
              .tooltip(model.DashboardCursorSync.CROSSHAIR).refresh("30s").time("now-1h", "now")
              .timezone("browser").week_start("").fiscal_year_start_month(0).version(1)
