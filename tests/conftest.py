@@ -26,7 +26,7 @@ if os.geteuid() == 0 and not os.path.exists("/sys/kernel/tracing/uprobe_events")
 
 
 def load_script(name: str, folder: str = "scripts"):
-    """FOLDER/NAME.py as a module (scripts/ and bench/ are not packages), e.g. the dashboard generator."""
+    """FOLDER/NAME.py as a module (scripts/ and bench/ are not packages), e.g. bench/trace_compare.py."""
     spec = importlib.util.spec_from_file_location(name, ROOT / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up while the class is built

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from gpuwatch.agent import control
-from tests.conftest import FIXTURE, load_script, nvml_recording
+from dashboards import generator
+from tests.conftest import FIXTURE, nvml_recording
 from tests.e2e.test_baseline_cli import BASELINE, gpuwatch
 from tests.e2e.test_cupti_daemon import h200_report
 from tests.e2e.test_prometheus_scrape import prometheus, wait_query  # noqa: F401 (a fixture)
@@ -26,7 +27,6 @@ from tests.rules.test_rules import RULE_FILES
 
 pytestmark = pytest.mark.prometheus
 
-gen = load_script("gen_dashboards")
 GPUS = 4
 MET_HERE = {"baseline", "inprocess"}  # the needs this test meets; the others only parse
 
@@ -93,14 +93,14 @@ def test_every_dashboard_query_and_rule_runs_on_prometheus(agent_factory, promet
     everything = {"instance": ".*", "gpu": ".*", "process": ".*", "__rate_interval": "1m", "__range": "1h"}
     one_gpu = dict(everything, instance=target, gpu=uuid)
     problems, checked, with_series = [], 0, 0
-    for d in gen.dashboards():
-        for panel in d.panels:
-            for q in panel.queries:
+    for d in generator.dashboards():
+        for panel in generator.panels(d):
+            for q in panel.targets:
                 for values in (everything, one_gpu):
                     expr = substitute(q.expr, values)
                     answer = run_query(base, expr)
                     checked += 1
-                    where = f"{d.uid} {panel.title!r} ({values['gpu']}): {expr}"
+                    where = f"{d.build().uid} {panel.title!r} ({values['gpu']}): {expr}"
                     if answer.get("status") != "success":
                         problems.append(f"{where}\n  does not run: {answer.get('error')}")
                     elif not answer["data"]["result"]:

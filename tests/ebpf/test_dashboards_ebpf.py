@@ -5,13 +5,13 @@ memory from a pool the agent is told of: each such query must return series
 (tests/e2e/test_dashboards_prometheus.py runs the rest, where they can only parse)."""
 import pytest
 
-from tests.conftest import FIXTURE, load_script
+from dashboards import generator
+from tests.conftest import FIXTURE
 from tests.e2e.test_dashboards_prometheus import run_query, substitute
 from tests.e2e.test_prometheus_scrape import prometheus, wait_query  # noqa: F401 (a fixture)
 
 pytestmark = [pytest.mark.root, pytest.mark.prometheus]
 
-gen = load_script("gen_dashboards")
 
 
 def test_every_ebpf_panel_returns_series(agent_factory, prometheus, fake_cuda, drivers, allocs):  # noqa: F811
@@ -31,16 +31,17 @@ def test_every_ebpf_panel_returns_series(agent_factory, prometheus, fake_cuda, d
                timeout=60)
     values = {"instance": ".*", "gpu": ".*", "process": ".*", "__rate_interval": "1m", "__range": "1h"}
     empty, checked = [], 0
-    for dash in gen.dashboards():
-        for panel in dash.panels:
-            for q in panel.queries:
+    for dash in generator.dashboards():
+        uid = dash.build().uid
+        for panel in generator.panels(dash):
+            for q in panel.targets:
                 if q.needs not in ("ebpf", "ebpf_pool"):
                     continue
                 expr = substitute(q.expr, values)
                 answer = run_query(base, expr)
                 checked += 1
-                assert answer.get("status") == "success", (dash.uid, panel.title, expr, answer)
+                assert answer.get("status") == "success", (uid, panel.title, expr, answer)
                 if not answer["data"]["result"]:
-                    empty.append(f"{dash.uid} {panel.title!r}: {expr}")
+                    empty.append(f"{uid} {panel.title!r}: {expr}")
     assert checked >= 10
     assert not empty, f"{len(empty)} of {checked} eBPF queries returned no series:\n" + "\n".join(empty)

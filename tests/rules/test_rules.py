@@ -14,7 +14,8 @@ import pytest
 from gpuwatch.agent.metrics import METRICS
 from gpuwatch.detectors.health import HealthSettings
 
-from tests.conftest import ROOT, load_script, need_binary
+from dashboards.generator import common
+from tests.conftest import ROOT, need_binary
 
 RULES_DIR = ROOT / "dashboards" / "prometheus"
 RULE_FILES = {  # rule file -> its unit tests
@@ -38,8 +39,8 @@ def exposed_series() -> dict:
     return out
 PROMETHEUS_METRICS = {"up"}
 # Other exporters' series (node_exporter, kube-state-metrics, vLLM), with their labels: declared once,
-# in the dashboard generator, which builds panels on them too.
-FOREIGN = load_script("gen_dashboards").FOREIGN
+# in dashboards/generator/common.py, which builds panels on them too.
+FOREIGN = common.FOREIGN
 # level:metric:operations (prometheus.io/docs/practices/rules), the metric an exported one.
 RECORD_NAME = re.compile(r"^(?P<level>[a-z_]+):(?P<metric>[a-z_][a-z0-9_]*):(?P<ops>[a-z0-9_]+)$")
 

@@ -1,0 +1,92 @@
+"""gpuwatch / Agent: the agent itself, its probes and helpers."""
+from __future__ import annotations
+
+from grafana_foundation_sdk.builders import dashboard as grafana
+from grafana_foundation_sdk.builders.dashboard import Row
+
+from .common import (
+    Q, STEPPED, build_dashboard, datasource_var, node_var, rate, sel, stat, steps, table, ts, value_texts,
+)
+
+
+def dashboard() -> grafana.Dashboard:
+    probe = "{{instance}} {{probe}}"
+    return build_dashboard(
+        "gpuwatch-agent", "gpuwatch / Agent",
+        "The gpuwatch agent itself: its build, scrapes, each probe's state, collection time, late and "
+        "failed collections, dropped events, and the eBPF and CUPTI helpers.",
+        [datasource_var(), node_var()],
+        [
+            Row("Agent"),
+            table("Build", Q(sel("gpuwatch.build")), hide=("Value",)).span(12).height(5),
+            stat("Scraped", Q('up{job=~".*gpuwatch.*",instance=~"$instance"}', "{{instance}}")).span(6).height(5)
+            .thresholds(steps("red", (1, "green"))).mappings(value_texts({"1": "up", "0": "down"}))
+            .description("Prometheus' own `up` for scrape jobs whose name contains gpuwatch (as the "
+                         "GpuwatchAgentDown alert assumes)."),
+            stat("Probes down", Q(f'sum(1 - {sel("gpuwatch.probe.up")})')).unit("none").span(6).height(5)
+            .thresholds(steps("green", (1, "red"))),
+            Row("Probes"),
+            ts("Probe up", Q(sel("gpuwatch.probe.up"), probe)).unit("none").min(0).max(1)
+            .line_interpolation(STEPPED)
+            .description("0: unavailable, failing or late (`gpuwatch status` says why). Alert: GpuwatchProbeDown."),
+            ts("Collection time", Q(sel("gpuwatch.probe.duration"), probe)).unit("s").min(0)
+            .description("Wall time of each probe's last collection."),
+            ts("Late collections", Q(f'sum by (instance, probe) ({rate("gpuwatch.probe.late")})', probe))
+            .unit("cps").span(8).description("Collections that overran their deadline (a hung NVML call, say)."),
+            ts("Collection errors", Q(f'sum by (instance, probe) ({rate("gpuwatch.probe.errors")})', probe))
+            .unit("cps").span(8),
+            ts("Events dropped", Q(f'sum by (instance, probe) ({rate("gpuwatch.probe.events.dropped")})', probe))
+            .unit("cps").span(8),
+            ts("NVML call errors",
+               Q(f'sum by (instance, error) ({rate("gpuwatch.nvml.call.errors")})',
+                 "{{instance}} {{error}}", needs="nvml_errors")).unit("cps")
+            .description("NVML calls that failed (other than not-supported), by NVML error."),
+            ts("eBPF attachments", Q(sel("gpuwatch.ebpf.attached"), "{{instance}} {{what}}", needs="ebpf"))
+            .unit("none").min(0),
+            ts("eBPF launch sampling", Q(sel("gpuwatch.ebpf.launch.sampled"), "{{instance}}", needs="ebpf"))
+            .unit("percentunit").min(0)
+            .description("Fraction of the time launches were counted (ebpf.launch_sampling); below 100 % the "
+                         "launch APIs' call counts are estimates. Every other API is exact."),
+            Row("Bounds"),
+            ts("History series", Q(sel("gpuwatch.history.series"), "{{instance}}"),
+               Q(f'sum by (instance, reason) ({rate("gpuwatch.history.series.evicted")})',
+                 "{{instance}} evicted ({{reason}}) /s")).unit("none").min(0).span(8)
+            .description("Series held for the detectors (at most 16384; a process's are forgotten 10 min after "
+                         "it ends), and the rate they are forgotten at."),
+            ts("In-process reports refused",
+               Q(f'sum by (instance, reason) ({rate("gpuwatch.cupti.reports.refused")})',
+                 "{{instance}} report {{reason}}"),
+               Q(f'sum by (instance, reason) ({rate("gpuwatch.cupti.memory.refused")})',
+                 "{{instance}} memory {{reason}}")).unit("cps").span(8)
+            .description("Reports over the bounds (16 processes per user, 256 in all, one per 0.1 s) and memory "
+                         "entries for GPUs NVML does not know or list the process on."),
+            ts("Dropped by the agent",
+               Q(f'sum by (instance) ({rate("gpuwatch.findings.dropped")})', "{{instance}} findings"),
+               Q(f'sum by (instance, probe) ({rate("gpuwatch.history.points.future")})',
+                 "{{instance}} {{probe}} points from the future")).unit("cps").span(8)
+            .description("Findings beyond the 256 open at once; points dated over a minute ahead."),
+            ts("Control socket requests",
+               Q(f'sum by (instance, method, result) ({rate("gpuwatch.control.requests")})',
+                 "{{instance}} {{method}} {{result}}")).unit("cps")
+            .description("Control socket requests by method and result. refused: bad params, not the caller's "
+                         "process, too large; busy: over the connections one user may hold (4) or all (16); "
+                         "gone: the process that opened the connection exited; idle: closed without a request."),
+            Row("CUPTI PM sampler"),
+            table("Sampler state", Q(f'{sel("gpuwatch.profiling.state")} == 1', needs="pm_sampling"),
+                  hide=("Value",)).span(8),
+            ts("Sampler restarts",
+               Q(f'sum by (instance, reason) ({rate("gpuwatch.cupti.sampler.restarts")})',
+                 "{{instance}} {{reason}}", needs="pm_sampling")).unit("cps").span(8)
+            .description("hang: silent past its timeout and killed; crash: exited unexpectedly."),
+            ts("Sampler protocol errors",
+               Q(f'sum by (instance) ({rate("gpuwatch.cupti.sampler.invalid_lines")})',
+                 "{{instance}}", needs="pm_sampling")).unit("cps").span(8)
+            .description("Lines the sampler child printed that are not its protocol (ignored)."),
+            Row("OTLP export"),
+            ts("OTLP items",
+               Q(f'sum by (instance, signal, result) ({rate("gpuwatch.otlp.items")})',
+                 "{{instance}} {{signal}} {{result}}", needs="otlp")).unit("cps").span(24)
+            .description("Data points and log records exported, failed (refused, down or too slow after retries) "
+                         "and dropped (the queue was full), from the OpenTelemetry SDK's own counters "
+                         "(docs/otlp.md)."),
+        ])
