@@ -254,6 +254,7 @@ class Daemon:
             "findings": self._findings,
             "baseline.run": self._baseline_run,
             "baseline.show": self._baseline_show,
+            "top": self._top,
         }, group=cfg.control.group or None)
         probes.append(ControlStatsProbe(self.control))  # gpuwatch_control_requests_total
         from gpuwatch.probes.ebpf.pools import names, pool_table
@@ -265,32 +266,29 @@ class Daemon:
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 
     # -- control socket handlers -----------------------------------------------------------
+    def _top_view(self) -> dict:
+        """The GPUs, their processes and the open findings of the runner's latest snapshot
+        (agent/top.py build()): `top`, and the GPU and process rows of `status`."""
+        from gpuwatch.agent import top
+
+        snap = self.runner.snapshot
+        return top.build(snap.samples, snap.findings, self.runner.history,
+                         self.baseline.verdicts() if self.baseline is not None else None)
+
+    def _top(self, params: wire.NoParams, peer: PeerCred) -> dict:
+        return {"pid": os.getpid(), **self._top_view()}
+
     def _status(self, params: wire.NoParams, peer: PeerCred) -> dict:
         snap = self.runner.snapshot
-        gpus: dict[str, dict] = {}
-        for s in snap.samples:
-            if s.metric == "gpuwatch.gpu":
-                gpus.setdefault(s.resource, {}).update(
-                    uuid=s.resource, index=int(s.labels.get("index", -1)), name=s.labels.get("name", ""))
-            elif s.metric == "gpuwatch.gpu.up":
-                gpus.setdefault(s.resource, {})["up"] = bool(s.value)
-            elif s.metric == "hw.temperature" and s.labels.get("sensor") == "gpu":
-                gpus.setdefault(s.resource, {})["temperature_celsius"] = s.value
-            elif s.metric == "hw.gpu.utilization" and s.labels.get("task") == "general":
-                gpus.setdefault(s.resource, {})["utilization"] = s.value
-            elif s.metric == "hw.power":
-                gpus.setdefault(s.resource, {})["power_watts"] = s.value
-            elif s.metric == "hw.gpu.memory.usage":
-                gpus.setdefault(s.resource, {})["memory_used_bytes"] = s.value
-            elif s.metric == "hw.gpu.memory.limit":
-                gpus.setdefault(s.resource, {})["memory_total_bytes"] = s.value
+        view = self._top_view()
         return {
             "version": __version__,
             "pid": os.getpid(),
             "uptime_seconds": round(time.time() - self.started, 1),
             "snapshot_age_seconds": round(time.time() - snap.ts, 2) if snap.ts else None,
             "probes": {name: st.as_dict() for name, st in snap.probes.items()},
-            "gpus": sorted(gpus.values(), key=lambda g: g.get("index", -1)),
+            "gpus": view["gpus"],
+            "processes": view["processes"],
             "exporters": {e.name: _exporter_info(e) for e in self.exporters},
             "state_dir": self.cfg.agent.state_dir,
             "store": {"path": self.store.path, "write_errors": self.store.write_errors} if self.store
