@@ -31,16 +31,11 @@ _NOT_THROTTLE = frozenset({"gpu_idle", "applications_clocks_setting", "display_c
 
 # -- the view ---------------------------------------------------------------------------------------
 
-def _user(pid: int, name: str, proc: str = "/proc") -> str | None:
-    """The owner of pid, where /proc's command name is the one NVML gave (a pid from a replayed
-    recording, or reused since, names another process: no user rather than the wrong one)."""
+def _user(pid: int, proc: str = "/proc") -> str | None:
+    """The owner of pid, as /proc has it (the same pid the host probe reads CPU and RSS of)."""
     try:
-        with open(f"{proc}/{pid}/comm", encoding="utf-8", errors="replace") as f:
-            comm = f.read().strip()
         uid = os.stat(f"{proc}/{pid}").st_uid
     except OSError:
-        return None
-    if name and comm[:15] != name[:15]:  # comm is cut at 15 characters
         return None
     try:
         return pwd.getpwuid(uid).pw_name
@@ -63,7 +58,7 @@ def _calls_per_second(history, now: float) -> dict[int, float]:
 
 def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=None,
           baseline: Mapping[str, Mapping] | None = None, now: float | None = None,
-          user: Callable[[int, str], str | None] = _user) -> dict:
+          user: Callable[[int], str | None] = _user) -> dict:
     """The view: {"gpus": [...], "processes": [...], "findings": [...]} (wire.TopResult's fields).
     `history` gives calls/s (None: not known); `baseline` is uuid -> the GPU's latest reference
     run ({"result", "ts"}), as the baseline probe holds it."""
@@ -72,6 +67,7 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
     procs: dict[tuple[str, int], dict] = {}
     host: dict[int, dict] = {}
     kernels: dict[int, tuple[float, str]] = {}
+    pooled: dict[int, int] = {}
 
     def gpu(uuid: str) -> dict:
         return gpus.setdefault(uuid, {"uuid": uuid, "index": -1, "name": "", "throttle": []})
@@ -102,6 +98,10 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
             gpu(s.resource)["sm_clock_max_hz"] = v
         elif m == "gpuwatch.gpu.clock_event.active" and v and lab.get("reason") not in _NOT_THROTTLE:
             gpu(s.resource)["throttle"].append(lab.get("reason", ""))
+        elif m == "gpuwatch.process.cuda.memory.pooled" and lab.get("pid", "").isdigit():
+            # eBPF's, per process (no GPU); allocator "none" is memory outside any pool: black, not grey
+            if lab.get("allocator") != "none":
+                pooled[int(lab["pid"])] = pooled.get(int(lab["pid"]), 0) + int(v)
         elif m in _PROCESS_GPU and lab.get("pid", "").isdigit():
             pid = int(lab["pid"])
             p = procs.setdefault((s.resource, pid), {"pid": pid, "name": lab.get("process", ""), "gpu": s.resource})
@@ -124,11 +124,14 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
         if "black" not in p:  # eBPF's series of a process NVML does not list on this GPU
             continue
         p["gpu_index"] = gpus.get(uuid, {}).get("index", -1)
+        p.setdefault("white", None)
+        p.setdefault("gpu_utilization", None)
         if pid not in users:
-            users[pid] = user(pid, p["name"])
+            users[pid] = user(pid)
         p["user"] = users[pid]
-        p.setdefault("grey", p.pop("pooled", None))  # eBPF's pool bytes only where no agent reports grey
-        p.pop("pooled", None)
+        if "grey" not in p:  # eBPF's pool bytes where no in-process agent reports grey, as the leak detector
+            on = sum(1 for (_, q) in procs if q == pid)
+            p["grey"] = pooled.get(pid) if on == 1 else None  # one process's pools on several GPUs: whose?
         p.update(cpu=host.get(pid, {}).get("cpu"), rss_bytes=host.get(pid, {}).get("rss"))
         p["calls_per_second"] = calls.get(pid) if history is not None else None
         p["top_kernel"] = kernels.get(pid, (0.0, None))[1]
@@ -152,7 +155,6 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
 _PROCESS_GPU = {"gpuwatch.process.gpu.memory.usage": "black",
                 "gpuwatch.process.gpu.memory.reserved": "grey",
                 "gpuwatch.process.gpu.memory.allocated": "white",
-                "gpuwatch.process.cuda.memory.pooled": "pooled",  # grey when no in-process agent reports
                 "gpuwatch.process.gpu.utilization": "gpu_utilization"}
 _PROCESS_HOST = {"gpuwatch.process.cpu.utilization": "cpu", "gpuwatch.process.memory.rss": "rss"}
 _SEVERITY = {"critical": 0, "warning": 1, "info": 2}
@@ -235,7 +237,8 @@ class Options:
 
 def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hint: bool = True) -> list:
     """The view laid out as rich Text lines, each at most `width` cells (cut, never wrapped); at
-    most `height` lines (None: as many as the view has)."""
+    most `height` lines (None: as many as the view has). From 120 columns on: bars, UUIDs, memory
+    clock and bandwidth, per-process GPU utilisation and the top kernel."""
     from rich.text import Text
 
     width = max(20, width)
@@ -258,16 +261,15 @@ def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hin
 
     # GPUs: one line each
     gpus = view.get("gpus") or []
-    name_w = 16 if wide else 6
-    bar_w = 10 if wide else 0
-    lines.append(line((f"{'GPU':>3} {'NAME':<{name_w}} {'UTIL':>{4 + bar_w + bool(bar_w)}} "
-                       f"{'MEMORY':>{10 + bar_w + bool(bar_w)}} {'TEMP':>4} {'POWER':>9} {'SM CLOCK':>9} "
-                       f"{'BASELINE':<9} THROTTLE", "bold reverse")))
+    name_w, bar_w = (16, 10) if wide else (6, 0)
+    pad = bar_w + bool(bar_w)
+    extra = f" {'MEMBW':>5} {'MEM CLK':>7} {'UUID':<40}" if wide else ""
+    lines.append(line((f"{'GPU':>3} {'NAME':<{name_w}} {'UTIL':>{4 + pad}} {'MEMORY':>{10 + pad}} {'TEMP':>4} "
+                       f"{'POWER':>9} {'SM CLOCK':>9}{extra} {'BASELINE':<9} THROTTLE", "bold reverse")))
     if not gpus:
         lines.append(line(("  no GPUs", "dim")))
     for g in gpus:
         name = (g.get("name") or "?").removeprefix("NVIDIA ")
-        util = _pct(g.get("utilization"))
         mem = f"{_bytes(g.get('memory_used_bytes'))}/{_bytes(g.get('memory_total_bytes'))}"
         mem_frac = (g["memory_used_bytes"] / g["memory_total_bytes"]
                     if g.get("memory_used_bytes") is not None and g.get("memory_total_bytes") else None)
@@ -285,35 +287,36 @@ def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hin
         parts = [(f"{g.get('index', -1):>3} ", "bold"), (f"{_cut(name, name_w):<{name_w}} ", "")]
         if bar_w:
             parts += [(_bar(g.get("utilization"), bar_w) + " ", "green")]
-        parts += [(f"{util:>4} ", "")]
+        parts += [(f"{_pct(g.get('utilization')):>4} ", "")]
         if bar_w:
             parts += [(_bar(mem_frac, bar_w) + " ", "cyan")]
-        parts += [(f"{mem:>10} ", ""), (f"{temp:>4} ", ""), (f"{power:>9} ", ""), (f"{clock:>9} ", ""),
-                  (f"{_cut(base, 9):<9} ", base_style),
+        parts += [(f"{mem:>10} ", ""), (f"{temp:>4} ", "red" if (g.get("temperature_celsius") or 0) >= 85 else ""),
+                  (f"{power:>9} ", ""), (f"{clock:>9} ", "")]
+        if wide:
+            mclk = "—" if g.get("memory_clock_hz") is None else f"{g['memory_clock_hz'] / 1e6:.0f}"
+            parts += [(f"{_pct(g.get('memory_utilization')):>5} {mclk:>7} ", ""),
+                      (f"{_cut(g.get('uuid') or '', 40):<40} ", "dim")]
+        parts += [(f"{_cut(base, 9):<9} ", base_style),
                   (throttle if up else "LOST", "yellow" if throttle != "none" or not up else "dim")]
         lines.append(line(*parts))
     lines.append(Text(""))
 
-    # processes: the rows that are left, findings below
+    # processes, then the findings at the bottom; the rows left over go to whichever needs them
     procs = select(view.get("processes") or [], opts.sort, opts.text, opts.pids)
     found = view.get("findings") or []
-    finding_rows = 0 if not found else 1 + min(len(found), 3 if height is None or height >= 30 else 2)
     if height is None:
-        proc_rows = len(procs)
-        finding_rows = 0 if not found else 1 + len(found)
+        proc_rows, finding_rows = len(procs), len(found)
     else:
-        # header line and GPU lines so far, process header, blank, findings
-        proc_rows = max(1, height - len(lines) - 1 - (1 + finding_rows if found else 0))
-    user_w, cmd_w = (10, 24) if wide else (7, 0)
-    kernel = wide
-    cols = (f"{'PID':>7} {'USER':<{user_w}} {'GPU':>3} {'WHITE':>5} {'GREY':>5} {'BLACK':>5} {'OOM IN':>6} "
-            f"{'CPU':>4} {'RSS':>5} {'CALL/S':>6} ")
-    fixed = len(cols)
+        room = height - len(lines) - 1 - (1 if found else 0)  # the process header, the findings header
+        finding_rows = min(len(found), max(min(len(found), 3), room - max(1, len(procs))))
+        proc_rows = max(1, room - finding_rows)
+    user_w = 10 if wide else 7
+    cols = f"{'PID':>7} {'USER':<{user_w}} {'GPU':>3} "
     if wide:
-        cmd_w = max(16, (width - fixed - 1) // 2)
-        cols += f"{'COMMAND':<{cmd_w}} TOP KERNEL"
-    else:
-        cols += "COMMAND"
+        cols += f"{'GPU%':>4} "
+    cols += f"{'WHITE':>5} {'GREY':>5} {'BLACK':>5} {'OOM IN':>6} {'CPU':>4} {'RSS':>5} {'CALL/S':>6} "
+    cmd_w = 28
+    cols += f"{'COMMAND':<{cmd_w}} TOP KERNEL" if wide else "COMMAND"
     lines.append(line((cols, "bold reverse")))
     shown = procs if len(procs) <= proc_rows else procs[:max(0, proc_rows - 1)]
     if not procs:
@@ -324,17 +327,18 @@ def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hin
         color = leak.get("color")
 
         def mem(c: str) -> tuple[str, str]:
-            return (f"{_bytes(p.get(c)):>5} ", "bold red" if c == color else {"white": "bright_white", "grey": "white",
-                                                                               "black": "bright_black"}[c])
+            return (f"{_bytes(p.get(c)):>5} ", "bold red" if c == color else _COLOR_STYLE[c])
         oom = ""
         if leak:
             tto = leak.get("time_to_oom_seconds")
             oom = _duration(tto) if tto is not None else "leak"
         parts = [(f"{p['pid']:>7} ", ""), (f"{_cut(p.get('user') or '—', user_w):<{user_w}} ", ""),
-                 (f"{p.get('gpu_index', -1):>3} ", ""), mem("white"), mem("grey"), mem("black"),
-                 (f"{oom:>6} ", "bold red" if leak else ""),
-                 (f"{_pct(p.get('cpu')):>4} ", ""), (f"{_bytes(p.get('rss_bytes')):>5} ", ""),
-                 (f"{_num(p.get('calls_per_second')):>6} ", "")]
+                 (f"{p.get('gpu_index', -1):>3} ", "")]
+        if wide:
+            parts += [(f"{_pct(p.get('gpu_utilization')):>4} ", "")]
+        parts += [mem("white"), mem("grey"), mem("black"), (f"{oom:>6} ", "bold red" if leak else ""),
+                  (f"{_pct(p.get('cpu')):>4} ", ""), (f"{_bytes(p.get('rss_bytes')):>5} ", ""),
+                  (f"{_num(p.get('calls_per_second')):>6} ", "")]
         name = p.get("name") or "?"
         if wide:
             parts += [(f"{_cut(name, cmd_w):<{cmd_w}} ", "bold"), (p.get("top_kernel") or "—", "dim")]
@@ -345,19 +349,27 @@ def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hin
         lines.append(line((f"  … {len(procs) - len(shown)} more (-p PID or --filter TEXT)", "dim")))
 
     if found:
-        if height is not None:  # findings at the bottom of the screen
-            while len(lines) < height - finding_rows:
+        if height is not None:  # at the bottom of the screen
+            while len(lines) < height - finding_rows - 1:
                 lines.append(Text(""))
         lines.append(line((f"OPEN FINDINGS ({len(found)})", "bold reverse")))
-        room = finding_rows - 1
-        for i, f in enumerate(found[:room]):
-            if i == room - 1 and len(found) > room:
+        # the GPU's index where the summary names its UUID: the UUID is on the GPU's line
+        index = {g.get("uuid"): g.get("index") for g in gpus if g.get("uuid")}
+        for i, f in enumerate(found[:finding_rows]):
+            if i == finding_rows - 1 and len(found) > finding_rows:
                 lines.append(line((f"  … {len(found) - i} more: gpuwatch findings", "dim")))
                 break
+            summary = f.get("summary", "")
+            if not wide:
+                for uuid, n in index.items():
+                    summary = summary.replace(f"GPU {uuid}", f"GPU {n}")
             sev = f.get("severity", "")
             lines.append(line((f"{sev.upper()[:4]:<4} ", "bold red" if sev == "critical" else "yellow"),
-                              (f"{f.get('kind', '')} ", "bold"), (f.get("summary", ""), "")))
+                              (f"{f.get('kind', '')} ", "bold"), (summary, "")))
     return lines if height is None else lines[:height]
+
+
+_COLOR_STYLE = {"white": "bright_white", "grey": "white", "black": "bright_black"}
 
 
 def plain(lines: Sequence) -> str:
