@@ -202,15 +202,17 @@ def _pct(v: float | None) -> str:
 
 
 def _duration(s: float | None) -> str:
+    """A time to OOM in at most 5 cells: 45s, 17m, 1h57, 3d04."""
     if s is None:
         return "—"
+    s = max(0, int(s))
     if s < 60:
-        return f"{s:.0f}s"
+        return f"{s}s"
     if s < 3600:
-        return f"{s / 60:.0f}m"
-    if s < 86400 * 2:
-        return f"{s / 3600:.0f}h"
-    return f"{s / 86400:.0f}d"
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}"
+    return f"{min(s // 86400, 999)}d{s % 86400 // 3600:02d}" if s < 100 * 86400 else f"{min(s // 86400, 99999)}d"
 
 
 def _cut(text: str, n: int) -> str:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gpuwatch.agent import control, wire
+from gpuwatch.agent import control, top, wire
 from tests.conftest import FIXTURE, wait_for
 
 CLI = [sys.executable, "-m", "gpuwatch.agent.cli"]
@@ -59,7 +59,7 @@ def _ready(agent, pids, findings=2):
     """The agent's view once NVML lists `pids`, the host probe has their CPU and `findings` are open."""
     agent.metrics()  # serving
     def view():
-        v = _top_json(agent)
+        v = control.call(str(agent.socket), "top", {})
         by_pid = {p["pid"]: p for p in v["processes"]}
         ok = all(p in by_pid and by_pid[p]["cpu"] is not None for p in pids) and len(v["findings"]) >= findings
         return v if ok else None
@@ -119,7 +119,8 @@ def test_top_once_json_filter_and_sort(agent_factory, tmp_path, children):
     idle, busy = children
     agent = agent_factory("--nvml-replay", str(_recording(tmp_path, {idle: 3 * GIB, busy: GIB})), "--no-ebpf",
                           "--host-interval", "1")
-    v = _ready(agent, children)
+    _ready(agent, children)
+    v = _top_json(agent)
     wire.TopResult.parse(v)  # what the CLI printed is the typed result
     assert v["pid"] == agent.proc.pid
     (g,) = v["gpus"]
@@ -153,7 +154,7 @@ def test_top_standalone_on_the_replay():
     lines = out.stdout.splitlines()
     assert lines[0].startswith("gpuwatch top ") and f"NVML replay {FIXTURE}" in lines[0]
     assert re.match(r"  0 H200 .* \d+% .* 2\.7G/140G .*\d+C .*/700W .*\d+/1980 ", lines[2]), lines[2]
-    assert any(re.match(r"\s+425 —\s+0\s+—\s+—\s+2\.7G ", line) for line in lines), out.stdout
+    assert any(re.match(r"\s+425 —\s+0\s+61%\s+—\s+—\s+2\.7G ", line) for line in lines), out.stdout
     view = json.loads(gpuwatch("top", "--nvml-replay", str(FIXTURE), "--json").stdout)
     assert [(p["pid"], p["name"], p["black"]) for p in view["processes"]] == [(425, "python3", 2929721344)]
     assert view["gpus"][0]["uuid"] == "GPU-0af39ec1-025b-b990-3dc9-475f5d35d110" and view["findings"] == []
@@ -216,7 +217,7 @@ def test_top_in_a_terminal(agent_factory, tmp_path, children, width, height):
         procs = [int(r.split()[0]) for r in rows if re.match(r"\s+\d+ \S+\s+0 ", r)]
         assert procs == [idle, 425, busy]  # by GPU memory: 3 GiB, 2.7 GiB, 1 GiB
         user = getpass.getuser()[:7 if width < 120 else 10]
-        assert re.match(rf"\s+{busy} {re.escape(user)}\s+0\s+—\s+—\s+1\.0G\s+\d+%", rows[rows.index(
+        assert re.match(rf"\s+{busy} {re.escape(user)}\s+0\s+(—\s+)?—\s+—\s+1\.0G\s+\d+%", rows[rows.index(
             next(r for r in rows if r.split()[:1] == [str(busy)]))]), rows
         # the findings at the bottom of the screen, worst first
         at = next(i for i, r in enumerate(rows) if r.startswith("OPEN FINDINGS (2)"))
@@ -243,3 +244,43 @@ def test_top_in_a_terminal(agent_factory, tmp_path, children, width, height):
 def _unwrapped(term: Tmux) -> bool:
     """No line of the pane is the continuation of a wrapped one: joining wrapped lines changes nothing."""
     return term.lines() == term.lines(join=True)
+
+
+def test_top_shows_the_three_colors_and_the_leak_forecast(agent_factory, tmp_path):
+    """A job whose tensors leak 20 MiB/s, as its in-process agent reports them (tests/e2e/test_findings_cli.py's
+    LEAKER): once the leak finding opens, top shows its white and grey bytes, the leaking color and the time
+    to OOM, and status its Leak column."""
+    from tests.e2e.test_findings_cli import LEAKER
+    from tests.conftest import nvml_recording
+
+    uuid = json.loads(FIXTURE.read_text())["gpus"][0]["uuid"][0]["value"]
+    sock = tmp_path / "a0" / "run" / "control.sock"
+    job = subprocess.Popen([sys.executable, "-c", LEAKER, str(sock), uuid], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(job.stdout.readline())
+        agent = agent_factory("--nvml-replay", str(nvml_recording(tmp_path, [pid])), "--no-ebpf")
+        agent.metrics()
+        job.stdin.write("go\n")
+        job.stdin.flush()
+
+        def leaking():
+            procs = control.call(str(agent.socket), "top", {})["processes"]
+            return next((p for p in procs if p["pid"] == pid and p["leak"]), None)
+
+        p = wait_for(leaking, 90, 0.5)  # a 60 s window is the shortest the detector judges
+        assert p, control.call(str(agent.socket), "top", {})
+        assert p["leak"]["color"] == "white" and p["leak"]["time_to_oom_seconds"] > 0
+        assert p["white"] == p["grey"] >= GIB and p["black"] == GIB  # the job reports reserved = allocated
+        out = gpuwatch("top", "--socket", str(agent.socket), "--once", "-p", str(pid))
+        (row,) = [line for line in out.stdout.splitlines() if line.split()[:1] == [str(pid)]]
+        tto = p["leak"]["time_to_oom_seconds"]
+        assert re.match(rf" +{pid} \S+ +0 +— +\d\.\dG +\d\.\dG +1\.0G +\d+[smhd]", row), row
+        shown = re.search(r"G +(\S+) +\d+% ", row).group(1)
+        assert shown in {top._duration(tto + d) for d in (-60, 0, 60)}, (row, tto)  # as the agent said, a minute on
+        text = gpuwatch("status", "--socket", str(agent.socket)).stdout
+        (line,) = [x for x in text.splitlines() if re.match(rf"\s+0\s+{pid}\s", x)]
+        assert re.search(r"white \+\d+ MiB/min, OOM in \d+\.\d min$", line), line
+    finally:
+        job.kill()
+        job.wait()

@@ -133,3 +133,9 @@ def test_a_long_process_list_is_cut_with_a_count():
     shown = sum(1 for line in lines if re.match(r" +1\d{3} ", line))
     assert more == f"  … {40 - shown} more (-p PID or --filter TEXT)"
     assert lines[-3] == "OPEN FINDINGS (2)"  # the findings keep their rows
+
+
+@pytest.mark.parametrize("seconds,shown", [(None, "—"), (-3, "0s"), (59.9, "59s"), (60, "1m"), (7017, "1h56"),
+                                           (86400 * 3 + 3600 * 4, "3d04"), (86400 * 500, "500d")])
+def test_time_to_oom_fits_its_column(seconds, shown):
+    assert top._duration(seconds) == shown and len(shown) <= 6
