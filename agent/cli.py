@@ -343,7 +343,7 @@ def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool
     ran = [r for r in results if "uuid" in r]
     for r in results:
         if "uuid" not in r:
-            console.print(f"GPU {r['gpu']}: {r['result']}: {r.get('reason', '')}")
+            console.print(f"GPU {r['gpu']}: {r['result']}: {r.get('reason', '')}", markup=False)  # a reason may hold [brackets]
     if ran:
         console.print(baseline_view.table(ran))
     if any(r.get("result") in ("failed", "wrong", "slower", "below_sku") for r in results):

@@ -16,7 +16,7 @@ import os
 import pwd
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from gpuwatch.agent.api import Finding, Sample
 

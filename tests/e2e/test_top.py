@@ -148,6 +148,30 @@ def test_top_once_json_filter_and_sort(agent_factory, tmp_path, children):
     assert "OPEN FINDINGS (2)" in text and "CRIT ecc_uncorrected GPU" in text
 
 
+def test_top_piped_prints_a_frame_each_interval_until_interrupted():
+    import signal
+
+    proc = subprocess.Popen([*CLI, "top", "--nvml-replay", str(FIXTURE), "--interval", "0.2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        frames, lines = 0, []
+        for line in proc.stdout:
+            lines.append(line)
+            frames += line.startswith("gpuwatch top ")
+            if frames == 3:
+                break
+        assert frames == 3, "".join(lines) + proc.stderr.read()
+        assert sum(1 for x in lines if x.startswith("  0 H200 ")) == 2  # the third frame is still coming
+        assert all("\x1b" not in x for x in lines)  # plain: no colors or cursor moves
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(5) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_top_standalone_on_the_replay():
     out = gpuwatch("top", "--nvml-replay", str(FIXTURE), "--once")
     assert out.returncode == 0, out.stderr
@@ -203,7 +227,8 @@ def test_top_in_a_terminal(agent_factory, tmp_path, children, width, height):
                           "--host-interval", "1")
     _ready(agent, children)
     cmd = " ".join([*CLI, "top", "--socket", str(agent.socket)])
-    term = Tmux(tmp_path, width, height, f"cd {os.getcwd()} && {cmd}")
+    # a second top after the first ends: Ctrl-C must end that one as q did
+    term = Tmux(tmp_path, width, height, f"cd {os.getcwd()} && {cmd}; echo QUIT $?; {cmd}")
     try:
         rows = _screen(term, lambda r: len(r) > 4 and "OPEN FINDINGS" in "\n".join(r))
         print("\n".join(rows))
@@ -235,8 +260,11 @@ def test_top_in_a_terminal(agent_factory, tmp_path, children, width, height):
         # q quits within a second
         term.keys("q")
         t0 = time.monotonic()
-        done = wait_for(lambda: any(r == "EXITED 0" for r in term.lines()), 1.0, 0.05)
+        done = wait_for(lambda: any(r == "QUIT 0" for r in term.lines()), 1.0, 0.05)
         assert done, f"still running {time.monotonic() - t0:.1f} s after q:\n" + "\n".join(term.lines())
+        _screen(term, lambda r: r[0].startswith("gpuwatch top "))
+        term.keys("C-c")
+        assert wait_for(lambda: any(r == "EXITED 0" for r in term.lines()), 2.0, 0.05), "\n".join(term.lines())
     finally:
         term.close()
 
