@@ -51,6 +51,7 @@ LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 # compiles and attaches) before answering that it is busy: well within the client's timeout.
 TRACE_EXACT_S = 60.0  # launches counted exactly this long after each trace.snapshot
 TRACE_LOCK_WAIT = 3.0
+TOP_KERNELS_EVERY = 2.0  # seconds between eBPF reads of the processes' top kernels for `top`
 OOMS_SHOWN = 20  # the latest OOM events `gpuwatch findings` and `gpuwatch leaks` list
 
 
@@ -220,6 +221,7 @@ class Daemon:
         # only reads what processes send.
         self.inprocess = InProcessReports(gpus=self._nvml_view)
         self._view: tuple = (None, {})  # (snapshot, NVML's view of it): one view per snapshot
+        self._kernels_read: tuple[float, dict] = (float("-inf"), {})  # (when, eBPF's top kernels) for `top`
         probes.append(InProcessProbe(self.inprocess))
         # The host side of the GPU processes the runner's snapshot names (their pids and names).
         if cfg.host.enabled:
@@ -273,7 +275,22 @@ class Daemon:
 
         snap = self.runner.snapshot
         return top.build(snap.samples, snap.findings, self.runner.history,
-                         self.baseline.verdicts() if self.baseline is not None else None)
+                         self.baseline.verdicts() if self.baseline is not None else None,
+                         kernels=self._top_kernels())
+
+    def _top_kernels(self) -> dict[int, str]:
+        """eBPF's busiest kernel of each process, read at most every TOP_KERNELS_EVERY s however many
+        `top`s poll ({} while the probe does not run or is busy: a view, not worth waiting for)."""
+        if self.ebpf is None:
+            return {}
+        at, kernels = self._kernels_read
+        if time.monotonic() - at >= TOP_KERNELS_EVERY:
+            try:
+                kernels = self.ebpf.top_kernels(timeout=0.2)
+            except (ProbeBusy, ProbeNotRunning):
+                kernels = {}
+            self._kernels_read = (time.monotonic(), kernels)
+        return kernels
 
     def _top(self, params: wire.NoParams, peer: PeerCred) -> dict:
         return {"pid": os.getpid(), **self._top_view()}

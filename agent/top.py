@@ -58,15 +58,16 @@ def _calls_per_second(history, now: float) -> dict[int, float]:
 
 def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=None,
           baseline: Mapping[str, Mapping] | None = None, now: float | None = None,
-          user: Callable[[int], str | None] = _user) -> dict:
+          user: Callable[[int], str | None] = _user, kernels: Mapping[int, str] | None = None) -> dict:
     """The view: {"gpus": [...], "processes": [...], "findings": [...]} (wire.TopResult's fields).
     `history` gives calls/s (None: not known); `baseline` is uuid -> the GPU's latest reference
-    run ({"result", "ts"}), as the baseline probe holds it."""
+    run ({"result", "ts"}), as the baseline probe holds it; `kernels` pid -> eBPF's most launched
+    kernel, shown where CUPTI (by GPU time, the better measure) has none."""
     now = time.time() if now is None else now
     gpus: dict[str, dict] = {}
     procs: dict[tuple[str, int], dict] = {}
     host: dict[int, dict] = {}
-    kernels: dict[int, tuple[float, str]] = {}
+    cupti_kernels: dict[int, tuple[float, str]] = {}
     pooled: dict[int, int] = {}
 
     def gpu(uuid: str) -> dict:
@@ -113,8 +114,8 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
             host.setdefault(int(lab["pid"]), {})[_PROCESS_HOST[m]] = v
         elif m == "gpuwatch.process.kernel.duration" and lab.get("pid", "").isdigit():
             pid = int(lab["pid"])
-            if lab.get("kernel") != "other" and v > kernels.get(pid, (-1.0, ""))[0]:
-                kernels[pid] = (v, lab.get("kernel", ""))
+            if lab.get("kernel") != "other" and v > cupti_kernels.get(pid, (-1.0, ""))[0]:
+                cupti_kernels[pid] = (v, lab.get("kernel", ""))
     calls = _calls_per_second(history, now) if history is not None else {}
     leaks = {(f.resource, int(f.attrs["pid"])): f for f in findings
              if f.kind == "memory_leak" and str(f.attrs.get("pid", "")).isdigit()}
@@ -134,7 +135,7 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
             p["grey"] = pooled.get(pid) if on == 1 else None  # one process's pools on several GPUs: whose?
         p.update(cpu=host.get(pid, {}).get("cpu"), rss_bytes=host.get(pid, {}).get("rss"))
         p["calls_per_second"] = calls.get(pid) if history is not None else None
-        p["top_kernel"] = kernels.get(pid, (0.0, None))[1]
+        p["top_kernel"] = cupti_kernels[pid][1] if pid in cupti_kernels else (kernels or {}).get(pid)
         f = leaks.get((uuid, pid))
         p["leak"] = None if f is None else {
             "color": f.attrs.get("color", ""), "rate_bytes_per_second": f.attrs.get("rate_bytes_per_second", 0.0),

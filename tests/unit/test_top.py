@@ -139,3 +139,9 @@ def test_a_long_process_list_is_cut_with_a_count():
                                            (86400 * 3 + 3600 * 4, "3d04"), (86400 * 500, "500d")])
 def test_time_to_oom_fits_its_column(seconds, shown):
     assert top._duration(seconds) == shown and len(shown) <= 6
+
+
+def test_the_top_kernel_is_cuptis_by_gpu_time_else_ebpfs_by_launches():
+    v = top.build(_samples(), [], None, now=NOW, user=lambda pid: None, kernels={77: "add_kernel(float*, int)",
+                                                                               4242: "launched_most"})
+    assert {p["pid"]: p["top_kernel"] for p in v["processes"]} == {4242: "ampere_bf16_gemm", 77: "add_kernel(float*, int)"}
