@@ -599,8 +599,11 @@ def top(config_path: str | None, socket_path: str | None, standalone: bool, repl
     and the clock-event (throttle) reasons active. Per process: user, GPU memory in the leak
     detector's three colors (white: tensors, grey: the allocator's pool, black: what the driver
     charges) with the time to OOM when a leak is open, host CPU and RSS, CUDA calls/s (eBPF) and
-    its top kernel (CUPTI, `gpuwatch run`). From the running agent, or --standalone on NVML.
-    Plain lines, one frame each interval, when stdout is not a terminal.
+    its top kernel (CUPTI from `gpuwatch run`, else eBPF). From the running agent, or --standalone on
+    NVML. Plain lines, one frame each interval, when stdout is not a terminal.
+
+    Keys: q quits; m, c, p, n sort by GPU memory, CPU, pid, calls/s; / filters the processes as you
+    type (Enter keeps the filter, Esc clears it).
     """
     from gpuwatch.agent import top as top_mod
     from gpuwatch.agent.control import ControlError

@@ -256,7 +256,7 @@ def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hin
         return t
 
     when = time.strftime("%H:%M:%S", time.localtime(view.get("ts") or time.time()))
-    hint = "  q quit · sort m c p n" if keys_hint else ""
+    hint = "  q quit · m c p n / keys" if keys_hint else ""  # the keys: `gpuwatch top --help`
     head = f"gpuwatch top  {when}  {opts.source}  sort {opts.sort}"
     if opts.text or opts.pids:
         head += "  filter " + " ".join([repr(opts.text)] * bool(opts.text) + [f"pid {p}" for p in opts.pids])
@@ -442,7 +442,9 @@ def _keys(fd: int, timeout: float) -> str:
 
 def live(source, opts: Options, interval: float = INTERVAL, console=None) -> None:
     """Full screen, refreshed every `interval` s until q or Ctrl-C. Keys: q quit; m c p n sort by
-    memory, CPU, pid, calls/s. The keyboard is read in cbreak mode (no Enter needed), restored on exit."""
+    memory, CPU, pid, calls/s; / filter (the processes whose command or user holds what is typed,
+    as it is typed; Enter keeps it, Esc clears it). The keyboard is read in cbreak mode (no Enter
+    needed for a key), restored on exit."""
     import sys
     import termios
     import tty
@@ -453,6 +455,7 @@ def live(source, opts: Options, interval: float = INTERVAL, console=None) -> Non
     console = console or Console()
     fd = sys.stdin.fileno() if sys.stdin.isatty() else None
     saved = termios.tcgetattr(fd) if fd is not None else None
+    typing = False  # after "/": keys are the filter's text until Enter or Esc
     try:
         if fd is not None:
             tty.setcbreak(fd)
@@ -460,17 +463,28 @@ def live(source, opts: Options, interval: float = INTERVAL, console=None) -> Non
             view = source.fetch()
             while True:
                 opts.source = source.label
-                w, h = console.size
-                screen.update(Group(*frame(view, w, h, opts, keys_hint=fd is not None)), refresh=True)
+                screen.update(Group(*frame(view, *console.size, opts, keys_hint=fd is not None)), refresh=True)
                 deadline = time.monotonic() + interval
                 while (left := deadline - time.monotonic()) > 0:
                     typed = _keys(fd, left) if fd is not None else (time.sleep(left) or "")
                     for k in typed:
-                        if k in ("q", "Q", "\x03"):
+                        if typing:
+                            if k in ("\r", "\n"):
+                                typing = False
+                            elif k == "\x1b":
+                                typing, opts.text = False, None
+                            elif k in ("\x7f", "\b"):
+                                opts.text = (opts.text or "")[:-1] or None
+                            elif k.isprintable():
+                                opts.text = ((opts.text or "") + k)[:64]
+                        elif k in ("q", "Q"):
                             return
-                        if k in SORT_KEYS:
+                        elif k in SORT_KEYS:
                             opts.sort = SORT_KEYS[k]
-                            screen.update(Group(*frame(view, *console.size, opts)), refresh=True)
+                        elif k == "/":
+                            typing, opts.text = True, None
+                    if typed:
+                        screen.update(Group(*frame(view, *console.size, opts)), refresh=True)
                 view = source.fetch()
     except KeyboardInterrupt:
         return

@@ -236,7 +236,7 @@ def test_top_in_a_terminal(agent_factory, tmp_path, children, width, height):
         assert _unwrapped(term), "a line wrapped:\n" + "\n".join(term.lines())
         assert all(len(r) <= width for r in rows)
         assert rows[0].startswith("gpuwatch top ") and f"agent pid {agent.proc.pid}" in rows[0]
-        assert rows[0].endswith("q quit · sort m c p n") and "sort memory" in rows[0]
+        assert rows[0].endswith("  q quit · m c p n / keys") and "sort memory" in rows[0]
         assert rows[1].startswith("GPU NAME") and rows[2].startswith("  0 H200 ") and " 85C " in rows[2]
         assert "sw_power_cap" in rows[2]
         procs = [int(r.split()[0]) for r in rows if re.match(r"\s+\d+ \S+\s+0 ", r)]
@@ -257,8 +257,12 @@ def test_top_in_a_terminal(agent_factory, tmp_path, children, width, height):
         term.keys("c")
         rows = _screen(term, lambda r: "sort cpu" in r[0])
         assert [int(r.split()[0]) for r in rows if re.match(r"\s+\d+ \S+\s+0 ", r)][0] == busy
+        # / filters as it is typed: the recording's own process, by its name
+        term.keys("/", "python")
+        rows = _screen(term, lambda r: "filter 'python'" in r[0])
+        assert [int(r.split()[0]) for r in rows if re.match(r"\s+\d+ \S+\s+0 ", r)] == [425]
+        term.keys("Enter", "q")  # Enter ends the typing: q quits again
         # q quits within a second
-        term.keys("q")
         t0 = time.monotonic()
         done = wait_for(lambda: any(r == "QUIT 0" for r in term.lines()), 1.0, 0.05)
         assert done, f"still running {time.monotonic() - t0:.1f} s after q:\n" + "\n".join(term.lines())
