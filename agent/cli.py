@@ -111,7 +111,10 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
     _print_gpus(rows)
 
 
-def _print_gpus(rows: list[dict]) -> None:
+def _print_gpus(rows: list[dict], processes: list[dict] | None = None) -> None:
+    """The GPUs, then the processes on them: `processes` (the agent's, from status) or each row's own
+    (NVML's inventory). Every name is text, not markup: a process may call itself "[red]x"."""
+    from rich.markup import escape
     from rich.table import Table
 
     console = _console()
@@ -121,17 +124,29 @@ def _print_gpus(rows: list[dict]) -> None:
     t = Table(box=None, pad_edge=False)
     for col in ("GPU", "Name", "UUID", "Temp", "Power", "Memory", "Util"):
         t.add_column(col, justify="right" if col in ("GPU", "Temp", "Power", "Util") else "left")
+    colors = processes is not None  # the agent knows the leak detector's colors
     procs = Table(box=None, pad_edge=False)
-    for col in ("GPU", "PID", "Process", "Memory"):
-        procs.add_column(col, justify="right" if col != "Process" else "left")
+    for col in ("GPU", "PID", "User", "Process", "Memory", "White", "Grey", "Leak")[:8 if colors else 5]:
+        if colors or col != "User":
+            procs.add_column(col, justify="left" if col in ("Process", "User", "Leak") else "right")
+    index = {g.get("uuid"): g.get("index", "?") for g in rows}
     for g in rows:
-        t.add_row(str(g.get("index", "?")), g.get("name", "?"), g.get("uuid", "?"),
+        t.add_row(str(g.get("index", "?")), escape(g.get("name") or "?"), escape(g.get("uuid") or "?"),
                   _fmt(g.get("temperature_celsius"), "{:.0f} °C"), _fmt(g.get("power_watts"), "{:.0f} W"),
                   _mem(g.get("memory_used_bytes"), g.get("memory_total_bytes")),
                   _fmt(g.get("utilization"), "{:.0%}"))
-        for p in g.get("processes", []):
-            procs.add_row(str(g.get("index", "?")), str(p.get("pid")), p.get("name", "?"),
-                          _mem(p.get("memory_bytes"), None))
+        if not colors:
+            for p in g.get("processes", []):
+                procs.add_row(str(g.get("index", "?")), str(p.get("pid")), escape(p.get("name") or "?"),
+                              _mem(p.get("memory_bytes"), None))
+    for p in processes or []:
+        leak = p.get("leak")
+        tto = (leak or {}).get("time_to_oom_seconds")
+        procs.add_row(str(index.get(p.get("gpu"), p.get("gpu_index", "?"))), str(p.get("pid")), escape(p.get("user") or "—"),
+                      escape(p.get("name") or "?"), _mem(p.get("black"), None), _mem(p.get("white"), None),
+                      _mem(p.get("grey"), None),
+                      "" if not leak else escape(f"{leak['color']} +{leak['rate_bytes_per_second'] * 60 / 2**20:.0f} MiB/min"
+                                                 + (f", OOM in {tto / 60:.1f} min" if tto is not None else "")))
     console.print(t)
     if procs.row_count:
         console.print()
@@ -331,7 +346,7 @@ def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool
     ran = [r for r in results if "uuid" in r]
     for r in results:
         if "uuid" not in r:
-            console.print(f"GPU {r['gpu']}: {r['result']}: {r.get('reason', '')}")
+            console.print(f"GPU {r['gpu']}: {r['result']}: {r.get('reason', '')}", markup=False)  # a reason may hold [brackets]
     if ran:
         console.print(baseline_view.table(ran))
     if any(r.get("result") in ("failed", "wrong", "slower", "below_sku") for r in results):
@@ -367,43 +382,66 @@ def baseline_show(config_path: str | None, socket_path: str | None, as_json: boo
 
 
 def _print_status(st: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
+    # Everything the agent says is text, not markup: a reason such as "pip install 'gpuwatch[baseline]'"
+    # keeps its brackets.
     console = _console()
-    console.print(f"gpuwatch {st['version']}  pid {st['pid']}  up {st['uptime_seconds']:.0f} s  "
+    console.print(f"gpuwatch {escape(st['version'])}  pid {st['pid']}  up {st['uptime_seconds']:.0f} s  "
                   f"snapshot age {st.get('snapshot_age_seconds')} s")
     for name, info in st.get("exporters", {}).items():
         web = f"  ({info['scheme']}, web config {info['web_config']})" if info.get("web_config") else ""
-        console.print(f"{name}: {info.get('listen', '')}{web}")
+        console.print(escape(f"{name}: {info.get('listen', '')}{web}"))
     t = Table(box=None, pad_edge=False)
     for col in ("Probe", "State", "Last (ms)", "Late", "Errors", "Reason"):
         t.add_column(col)
     for name, p in sorted(st.get("probes", {}).items()):
         state = p["state"]
         color = "green" if state == "up" else "yellow" if state in ("starting", "late") else "red"
-        t.add_row(name, f"[{color}]{state}[/{color}]", f"{p['last_duration'] * 1e3:.1f}",
-                  str(p["late_total"]), str(p["errors_total"]), p.get("reason", ""))
+        t.add_row(escape(name), f"[{color}]{escape(state)}[/{color}]", f"{p['last_duration'] * 1e3:.1f}",
+                  str(p["late_total"]), str(p["errors_total"]), escape(p.get("reason", "")))
     console.print(t)
     if st.get("gpus"):
         console.print()
-        _print_gpus(st["gpus"])
+        _print_gpus(st["gpus"], st.get("processes") or [])
     agents = st.get("inprocess_agents") or []
     if agents:
-        from rich.markup import escape
         console.print()
         t = Table(box=None, pad_edge=False, title="in-process agents (gpuwatch run)", title_justify="left")
         for col in ("PID", "Process", "CUPTI", "Activity", "Records", "Dropped", "Report age (s)"):
             t.add_column(col)
         for a in agents:
             state = a["state"] + (f": {a['reason']}" if a.get("reason") else "")
-            t.add_row(str(a["pid"]), escape(a["process"]), escape(state), a.get("mode") or "off", str(a["records"]),
-                      str(a["dropped"]), f"{a['report_age_seconds']:.1f}")
+            t.add_row(str(a["pid"]), escape(a["process"]), escape(state), escape(a.get("mode") or "off"),
+                      str(a["records"]), str(a["dropped"]), f"{a['report_age_seconds']:.1f}")
         console.print(t)
+    events = st.get("recent_events") or []
+    console.print()
+    if events:
+        console.print("recent events:")
+        for e in events[-10:]:
+            attrs = ", ".join(f"{k}={v}" for k, v in sorted((e.get("attrs") or {}).items())
+                              if k in _EVENT_ATTRS)
+            console.print(escape(f"  {_when(e['ts'])}  {e['kind']}  {e.get('resource') or ''}"
+                                 + (f"  {attrs}" if attrs else "")), soft_wrap=True)
+    else:
+        console.print("no recent events")
     store = st.get("store", {})
     if store.get("error"):
-        console.print(f"[red]store unavailable, nothing is kept across restarts: {store['error']}[/red]")
+        console.print(f"[red]store unavailable, nothing is kept across restarts: {escape(store['error'])}[/red]")
     elif store.get("write_errors"):
         console.print(f"[red]store write errors: {store['write_errors']} (see the agent's log)[/red]")
+
+
+# What a recent event's line shows of its attributes (the rest: --json, `gpuwatch findings`)
+_EVENT_ATTRS = ("probe", "summary", "severity", "result", "reason", "xid", "pid", "process", "error")
+
+
+def top_sorts() -> tuple[str, ...]:
+    from gpuwatch.agent.top import SORTS
+
+    return SORTS
 
 
 def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
@@ -537,6 +575,75 @@ def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, int
                             interval=interval, kernels=kernels.lower() if kernels else None,
                             duty_cycle=duty_cycle, quiet=quiet)
     run_mod.exec_command(command, env)
+
+
+@main.command(context_settings=CONTEXT)
+@config_option
+@click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
+              help="Control socket of the running agent (default: from the config).")
+@click.option("--standalone", is_flag=True, help="Read NVML here instead of asking the agent (GPU memory "
+                                                 "by the driver's count only; no calls/s, kernels or findings).")
+@click.option("--nvml-replay", "replay", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Standalone, on a recorded NVML file instead of this machine's GPUs (as `gpus`).")
+@click.option("--sort", type=click.Choice(top_sorts(), case_sensitive=False), default="memory", show_default=True,
+              help="Order of the processes (in the live view: keys m, c, p, n).")
+@click.option("--filter", "text", metavar="TEXT", help="Only processes whose command or user contains TEXT.")
+@click.option("-p", "--pid", "pids", type=click.IntRange(1), multiple=True, metavar="PID",
+              help="Only this process (repeatable).")
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), callback=_not_nan,
+              metavar="SECONDS", help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one frame and exit (plain text when not a terminal).")
+@click.option("--json", "as_json", is_flag=True, help="Print the view once as JSON for scripts.")
+def top(config_path: str | None, socket_path: str | None, standalone: bool, replay: str | None, sort: str,
+        text: str | None, pids: tuple[int, ...], interval: float, once: bool, as_json: bool) -> None:
+    """Live view of the GPUs, their processes and the open findings (q or Ctrl-C quits).
+
+    Per GPU: utilisation, memory, temperature, power, SM clock, the last reference-workload verdict
+    and the clock-event (throttle) reasons active. Per process: user, GPU memory in the leak
+    detector's three colors (white: tensors, grey: the allocator's pool, black: what the driver
+    charges) with the time to OOM when a leak is open, host CPU and RSS, CUDA calls/s (eBPF) and
+    its top kernel (CUPTI from `gpuwatch run`, else eBPF). From the running agent, or --standalone on
+    NVML. Plain lines, one frame each interval, when stdout is not a terminal.
+
+    Keys: q quits; m, c, p, n sort by GPU memory, CPU, pid, calls/s; / filters the processes as you
+    type (Enter keeps the filter, Esc clears it).
+    """
+    from gpuwatch.agent import top as top_mod
+    from gpuwatch.agent.control import ControlError
+
+    if replay or standalone:
+        from gpuwatch.agent.api import ProbeUnavailable
+        from gpuwatch.probes.nvml import backend_factory
+
+        cfg = config_mod.load(config_path, {"nvml.replay": replay} if replay else {})
+        try:
+            source = top_mod.Standalone(backend_factory(cfg), f"NVML replay {replay}" if replay else "NVML")
+        except ProbeUnavailable as e:
+            raise click.ClickException(f"NVML unavailable: {e}") from None
+    else:
+        source = top_mod.AgentSource(socket_path or config_mod.load(config_path, {}).control.socket)
+    opts = top_mod.Options(sort=sort.lower(), text=text, pids=pids)
+    try:
+        try:
+            view = source.fetch()
+        except ControlError as e:
+            raise click.ClickException(f"{e}; or `gpuwatch top --standalone` to read NVML without the agent") from None
+        if as_json:
+            _echo_json(view)
+        elif once or not sys.stdout.isatty():
+            console = _console()
+            opts.source = source.label
+            lines = top_mod.frame(view, console.width, None if not sys.stdout.isatty() else console.height, opts,
+                                  keys_hint=False)
+            if once:
+                for line in lines:
+                    console.print(line, soft_wrap=False, crop=True)
+            else:
+                top_mod.lines_forever(source, opts, interval, console.width, click.echo)
+        else:
+            top_mod.live(source, opts, interval)
+    finally:
+        source.close()
 
 
 @main.group(context_settings=CONTEXT)

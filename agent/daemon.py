@@ -51,6 +51,7 @@ LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 # compiles and attaches) before answering that it is busy: well within the client's timeout.
 TRACE_EXACT_S = 60.0  # launches counted exactly this long after each trace.snapshot
 TRACE_LOCK_WAIT = 3.0
+TOP_KERNELS_EVERY = 2.0  # seconds between eBPF reads of the processes' top kernels for `top`
 OOMS_SHOWN = 20  # the latest OOM events `gpuwatch findings` and `gpuwatch leaks` list
 
 
@@ -220,6 +221,7 @@ class Daemon:
         # only reads what processes send.
         self.inprocess = InProcessReports(gpus=self._nvml_view)
         self._view: tuple = (None, {})  # (snapshot, NVML's view of it): one view per snapshot
+        self._kernels_read: tuple[float, dict] = (float("-inf"), {})  # (when, eBPF's top kernels) for `top`
         probes.append(InProcessProbe(self.inprocess))
         # The host side of the GPU processes the runner's snapshot names (their pids and names).
         if cfg.host.enabled:
@@ -254,6 +256,7 @@ class Daemon:
             "findings": self._findings,
             "baseline.run": self._baseline_run,
             "baseline.show": self._baseline_show,
+            "top": self._top,
         }, group=cfg.control.group or None)
         probes.append(ControlStatsProbe(self.control))  # gpuwatch_control_requests_total
         from gpuwatch.probes.ebpf.pools import names, pool_table
@@ -265,32 +268,44 @@ class Daemon:
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 
     # -- control socket handlers -----------------------------------------------------------
+    def _top_view(self) -> dict:
+        """The GPUs, their processes and the open findings of the runner's latest snapshot
+        (agent/top.py build()): `top`, and the GPU and process rows of `status`."""
+        from gpuwatch.agent import top
+
+        snap = self.runner.snapshot
+        return top.build(snap.samples, snap.findings, self.runner.history,
+                         self.baseline.verdicts() if self.baseline is not None else None,
+                         kernels=self._top_kernels())
+
+    def _top_kernels(self) -> dict[int, str]:
+        """eBPF's busiest kernel of each process, read at most every TOP_KERNELS_EVERY s however many
+        `top`s poll ({} while the probe does not run or is busy: a view, not worth waiting for)."""
+        if self.ebpf is None:
+            return {}
+        at, kernels = self._kernels_read
+        if time.monotonic() - at >= TOP_KERNELS_EVERY:
+            try:
+                kernels = self.ebpf.top_kernels(timeout=0.2)
+            except (ProbeBusy, ProbeNotRunning):
+                kernels = {}
+            self._kernels_read = (time.monotonic(), kernels)
+        return kernels
+
+    def _top(self, params: wire.NoParams, peer: PeerCred) -> dict:
+        return {"pid": os.getpid(), **self._top_view()}
+
     def _status(self, params: wire.NoParams, peer: PeerCred) -> dict:
         snap = self.runner.snapshot
-        gpus: dict[str, dict] = {}
-        for s in snap.samples:
-            if s.metric == "gpuwatch.gpu":
-                gpus.setdefault(s.resource, {}).update(
-                    uuid=s.resource, index=int(s.labels.get("index", -1)), name=s.labels.get("name", ""))
-            elif s.metric == "gpuwatch.gpu.up":
-                gpus.setdefault(s.resource, {})["up"] = bool(s.value)
-            elif s.metric == "hw.temperature" and s.labels.get("sensor") == "gpu":
-                gpus.setdefault(s.resource, {})["temperature_celsius"] = s.value
-            elif s.metric == "hw.gpu.utilization" and s.labels.get("task") == "general":
-                gpus.setdefault(s.resource, {})["utilization"] = s.value
-            elif s.metric == "hw.power":
-                gpus.setdefault(s.resource, {})["power_watts"] = s.value
-            elif s.metric == "hw.gpu.memory.usage":
-                gpus.setdefault(s.resource, {})["memory_used_bytes"] = s.value
-            elif s.metric == "hw.gpu.memory.limit":
-                gpus.setdefault(s.resource, {})["memory_total_bytes"] = s.value
+        view = self._top_view()
         return {
             "version": __version__,
             "pid": os.getpid(),
             "uptime_seconds": round(time.time() - self.started, 1),
             "snapshot_age_seconds": round(time.time() - snap.ts, 2) if snap.ts else None,
             "probes": {name: st.as_dict() for name, st in snap.probes.items()},
-            "gpus": sorted(gpus.values(), key=lambda g: g.get("index", -1)),
+            "gpus": view["gpus"],
+            "processes": view["processes"],
             "exporters": {e.name: _exporter_info(e) for e in self.exporters},
             "state_dir": self.cfg.agent.state_dir,
             "store": {"path": self.store.path, "write_errors": self.store.write_errors} if self.store

@@ -435,6 +435,7 @@ METHODS: dict[str, type[Message]] = {
     "findings": FindingsParams,
     "baseline.run": BaselineRunParams,
     "baseline.show": BaselineShowParams,
+    "top": NoParams,
 }
 
 
@@ -493,6 +494,76 @@ class EventResult(Result):
 
 
 @dataclass(frozen=True)
+class TopLeakResult(Result):
+    """An open memory_leak finding's forecast for one process on one GPU."""
+
+    color: str = wire(Str(16, clean=True), "")
+    rate_bytes_per_second: float = wire(Float(-MAX_BYTES, MAX_BYTES), 0.0)
+    time_to_oom_seconds: float | None = wire(Opt(Float(0.0, 1e12)), None)
+    severity: str = wire(Str(16, clean=True), "")
+
+
+@dataclass(frozen=True)
+class ProcessResult(Result):
+    """A process on a GPU (agent/top.py build()): its memory there in the leak detector's three
+    colors (white: tensors, grey: the allocator's pool, black: what the driver charges; None where
+    nothing reports it) and its host side."""
+
+    pid: int = wire(Int(0, PID_MAX))
+    name: str = wire(Str(64, clean=True), "")
+    user: str | None = wire(Opt(Str(64, clean=True)), None)
+    gpu: str = wire(Str(96, clean=True), "")
+    gpu_index: int = wire(Int(-1, MAX_GPUS - 1), -1)
+    black: int | None = wire(Opt(Int(0, MAX_BYTES)), None)
+    grey: int | None = wire(Opt(Int(0, MAX_BYTES)), None)
+    white: int | None = wire(Opt(Int(0, MAX_BYTES)), None)
+    gpu_utilization: float | None = wire(Opt(Float(0.0, 1.0)), None)
+    cpu: float | None = wire(Opt(Float(0.0, 1e5)), None)
+    rss_bytes: float | None = wire(Opt(Float(0.0, 2.0**63)), None)
+    calls_per_second: float | None = wire(Opt(Float(0.0, 1e12)), None)
+    top_kernel: str | None = wire(Opt(Str(512, clean=True)), None)
+    leak: TopLeakResult | None = wire(Opt(Obj(TopLeakResult)), None)
+
+
+@dataclass(frozen=True)
+class BaselineVerdictResult(Result):
+    result: str = wire(Str(32, clean=True), "")
+    ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+
+
+@dataclass(frozen=True)
+class TopGpuResult(GpuStatusResult):
+    memory_utilization: float | None = wire(Opt(Float(0.0, 1.0)), None)
+    power_limit_watts: float | None = wire(Opt(Float(0.0, 1e6)), None)
+    sm_clock_hz: float | None = wire(Opt(Float(0.0, 1e12)), None)
+    sm_clock_max_hz: float | None = wire(Opt(Float(0.0, 1e12)), None)
+    memory_clock_hz: float | None = wire(Opt(Float(0.0, 1e12)), None)
+    throttle: tuple = wire(ListOf(Str(64, clean=True), 64), ())
+    baseline: BaselineVerdictResult | None = wire(Opt(Obj(BaselineVerdictResult)), None)
+
+
+@dataclass(frozen=True)
+class TopFindingResult(Result):
+    kind: str = wire(Str(64, clean=True), "")
+    severity: str = wire(Str(16, clean=True), "")
+    resource: str = wire(Str(256, clean=True), "")
+    summary: str = wire(Str(1024, clean=True), "")
+    ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+
+
+@dataclass(frozen=True)
+class TopResult(Result):
+    """`top`: what `gpuwatch top` shows (agent/top.py build())."""
+
+    name: ClassVar[str] = "result"
+    pid: int = wire(Int(1, PID_MAX))
+    ts: float = wire(Float(0.0, UNIX_TIME_MAX))
+    gpus: tuple = wire(ListOf(Obj(TopGpuResult), MAX_GPUS), ())
+    processes: tuple = wire(ListOf(Obj(ProcessResult), 4096), ())
+    findings: tuple = wire(ListOf(Obj(TopFindingResult), 1024), ())
+
+
+@dataclass(frozen=True)
 class StatusResult(Result):
     """`status`. The in-process agents' entries are shown as they are (probes/cupti/reports.py
     says what they hold)."""
@@ -509,6 +580,7 @@ class StatusResult(Result):
     store: StoreResult = wire(Obj(StoreResult), StoreResult())
     inprocess_agents: tuple = wire(ListOf(Json(), 1024), ())
     recent_events: tuple = wire(ListOf(Obj(EventResult), 100), ())
+    processes: tuple = wire(ListOf(Obj(ProcessResult), 4096), ())
 
 
 @dataclass(frozen=True)
@@ -608,5 +680,6 @@ class TraceSummary(Message):
 # method -> the wire type of its result, where there is one
 RESULTS: dict[str, type[Message]] = {
     "status": StatusResult,
+    "top": TopResult,
     "trace.snapshot": TraceSnapshotResult,
 }

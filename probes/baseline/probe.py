@@ -125,6 +125,12 @@ class BaselineProbe(Probe):
             out += samples_of(run, now)
         return out
 
+    def verdicts(self) -> dict[str, dict]:
+        """GPU UUID -> {"result", "ts"} of its latest judged run (what `gpuwatch top` shows)."""
+        with self._lock:
+            return {uuid: {"result": run.get("result", ""), "ts": run.get("ts", 0.0)}
+                    for uuid, run in self._latest.items()}
+
     def events(self) -> list[Event]:
         with self._lock:
             ev, self._events = self._events, []

@@ -590,6 +590,22 @@ class EbpfCudaProbe(Probe):
                 self._exact_launches(ld, exact_launches)
             return ProcessQuery(self._snapshot(ld, pid), {lib.path: lib.file for lib in ld.libraries.values()})
 
+    def top_kernels(self, timeout: float | None = None) -> dict[int, str]:
+        """pid -> the name of its kernel with the most launches (direct ones: graphs are not
+        followed), demangled where the name is whole; kernels whose handle predates the probe have
+        no name and are skipped. For `gpuwatch top`, a cheap read: no stacks, no driver names."""
+        with self._running(timeout) as ld:
+            names, direct = ld.names(None), ld.kernels(None)
+        best: dict[int, tuple[int, str]] = {}
+        for (p, handle), k in direct.items():
+            raw, truncated = names.get((p, NAME_FUNCTION, handle)) or names.get((p, NAME_KERNEL, handle)) \
+                or (None, False)
+            if raw is not None and k["launches"] > best.get(p, (0, ""))[0]:
+                best[p] = (k["launches"], _name_text(raw, truncated))
+        whole = [n for _, n in best.values() if not n.endswith("…")]
+        demangled = driver_names_.demangle(whole) if whole else {}
+        return {p: demangled.get(n, n) for p, (_, n) in best.items()}
+
     @property
     def loader(self) -> _loader.Loader | None:
         """The loader itself, without the lock: for tests in one thread."""

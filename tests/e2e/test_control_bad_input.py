@@ -18,7 +18,7 @@ from gpuwatch.agent.control import ControlError, call
 from tests.conftest import FIXTURE
 
 METHODS = ["ping", "status", "trace.snapshot", "cupti.report", "cupti.process", "findings", "baseline.run",
-           "baseline.show"]
+           "baseline.show", "top"]
 
 
 @pytest.fixture(scope="module")
