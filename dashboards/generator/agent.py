@@ -5,7 +5,7 @@ from grafana_foundation_sdk.builders import dashboard as grafana
 from grafana_foundation_sdk.builders.dashboard import Row
 
 from .common import (
-    Q, STEPPED, build_dashboard, datasource_var, node_var, rate, sel, stat, steps, table, ts, value_texts,
+    DOWN_STATES, Q, STEPPED, build_dashboard, datasource_var, node_var, rate, sel, stat, steps, table, ts, value_texts,
 )
 
 
@@ -23,14 +23,18 @@ def dashboard() -> grafana.Dashboard:
             .thresholds(steps("red", (1, "green"))).mappings(value_texts({"1": "up", "0": "down"}))
             .description("Prometheus' own `up` for scrape jobs whose name contains gpuwatch (as the "
                          "GpuwatchAgentDown alert assumes)."),
-            stat("Probes down", Q(f'sum(1 - {sel("gpuwatch.probe.up")})')).unit("none").span(6).height(5)
+            stat("Probes down", Q(f'sum({sel("gpuwatch.probe.state", state=("=~", DOWN_STATES))}) or vector(0)')).unit("none").span(6).height(5)
             .thresholds(steps("green", (1, "red"))),
             Row("Probes"),
             ts("Probe up", Q(sel("gpuwatch.probe.up"), probe)).unit("none").min(0).max(1)
             .line_interpolation(STEPPED)
-            .description("0: unavailable, failing or late (`gpuwatch status` says why). Alert: GpuwatchProbeDown."),
+            .description("0: disabled, unavailable, failing or late (`gpuwatch status` says why). Alert: "
+                         "GpuwatchProbeDown (not for disabled)."),
             ts("Collection time", Q(sel("gpuwatch.probe.duration"), probe)).unit("s").min(0)
             .description("Wall time of each probe's last collection."),
+            table("Probe states", Q(f'{sel("gpuwatch.probe.state")} == 1'), hide=("Value",)).span(24).height(6)
+            .description("Each probe's state now: up, starting, late, disabled (an optional extra it needs is not "
+                         "installed: off, not down), unavailable or failing."),
             ts("Late collections", Q(f'sum by (instance, probe) ({rate("gpuwatch.probe.late")})', probe))
             .unit("cps").span(8).description("Collections that overran their deadline (a hung NVML call, say)."),
             ts("Collection errors", Q(f'sum by (instance, probe) ({rate("gpuwatch.probe.errors")})', probe))

@@ -15,6 +15,10 @@ from grafana_foundation_sdk.models import prometheus as prometheus_model
 from gpuwatch.agent.metrics import Kind, get
 from gpuwatch.probes.ebpf.symbols import LAUNCH_APIS
 
+# gpuwatch_probe_state's states that are a probe down (disabled is off by the install, not down),
+# as the GpuwatchProbeDown rule has them.
+DOWN_STATES = "unavailable|failing|late"
+
 DATASOURCE = model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 TAG = "gpuwatch"
 

@@ -5,7 +5,7 @@ from grafana_foundation_sdk.builders import dashboard as grafana
 from grafana_foundation_sdk.builders.dashboard import Row
 
 from .common import (
-    GPU, Q, STEPPED, build_dashboard, dashed, datasource_var, gpu_var, increase, node_var, rate, sel, stat, steps,
+    GPU, DOWN_STATES, Q, STEPPED, build_dashboard, dashed, datasource_var, gpu_var, increase, node_var, rate, sel, stat, steps,
     table, ts, value_texts, with_index,
 )
 
@@ -42,10 +42,11 @@ def dashboard() -> grafana.Dashboard:
             stat("XIDs in range", Q(f'sum({increase("gpuwatch.gpu.xid")}) or vector(0)')).unit("none")
             .thresholds(steps("green", (1, "red")))
             .description("Critical XID events the agents counted in the time range. Alert: GpuXidError."),
-            stat("Probes down", Q(f'sum(1 - {sel("gpuwatch.probe.up")})')).unit("none")
+            stat("Probes down", Q(f'sum({sel("gpuwatch.probe.state", state=("=~", DOWN_STATES))}) or vector(0)')).unit("none")
             .thresholds(steps("green", (1, "red")))
             .description("gpuwatch probes that are unavailable, failing or late; their metrics are missing "
-                         "or stale. `gpuwatch status` on the node says why."),
+                         "or stale. `gpuwatch status` on the node says why. A disabled probe (its optional "
+                         "extra not installed) is not counted."),
             table("GPU identities",
                   Q(f'{sel("gpuwatch.gpu")} * on(instance, gpu) group_left() {sel("gpuwatch.gpu.up")}'),
                   columns={"A": ("state", "none")}).span(24).height(6)

@@ -123,7 +123,10 @@ def test_residency_read_dropped_half(big):
         assert cs.cache <= 16
     _read(big, SIZE // 2)
     pages, cs = _resident(big)
-    assert PAGES // 2 - 16 <= pages <= PAGES // 2 + 2 * MiB // PAGE
+    # Under memory pressure (CI beside other jobs) reclaim may take a few hundred pages back at
+    # once; cachestat counts them as evicted, and they are the only slack given.
+    reclaimed = cs.evicted if cs is not None else 0
+    assert PAGES // 2 - 16 - reclaimed <= pages <= PAGES // 2 + 2 * MiB // PAGE
     if cs is not None:
         assert abs(cs.cache - pages) <= 4
 
@@ -139,7 +142,8 @@ def test_cachestat_range(big):
         os.close(fd)
     if first is None:
         pytest.skip(f"cachestat(2) not in kernel {os.uname().release}")
-    assert first.cache >= PAGES // 2 - 16 and second.cache <= 2 * MiB // PAGE
+    # pages reclaim took back under memory pressure are counted as evicted: the only slack given
+    assert first.cache + first.evicted >= PAGES // 2 - 16 and second.cache <= 2 * MiB // PAGE
 
 
 def test_cachestat_enosys_is_none_and_probe_falls_back(big, monkeypatch):
