@@ -303,11 +303,14 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                 err.print(f"summary written to {summary_json}", highlight=False)
             except OSError as e:
                 err.print(f"[red]could not write {summary_json}: {e.strerror or e}[/red]")
+        undelivered = None
         if otlp is not None and events is not None:
-            _send_spans(outputs.events_reader() if output else raw_events, otlp, final, target, events, err,
-                        keep=bool(output))
+            undelivered = _send_spans(outputs.events_reader() if output else raw_events, otlp, final, target,
+                                      events, err, keep=bool(output))
         if output and events is not None:
             _write_output(outputs, final, target, events, err)
+        if undelivered:
+            raise TraceError(undelivered)  # the trace ran, but what --otlp was for did not happen
         return summary
     finally:
         outputs.close()

@@ -467,3 +467,29 @@ def test_summary_of_a_process_still_calling_is_one_instant(fake_cuda, drivers, t
 
 
 LOOP_APIS = ("cuLaunchKernel", "cuMemAlloc_v2", "cuMemFree_v2", "cuStreamSynchronize")
+
+
+def test_otlp_with_no_receiver_fails_in_one_line_saying_where(fake_cuda, drivers, tmp_path):
+    from tests.conftest import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    config = tmp_path / "gpuwatch.toml"
+    config.write_text(f'[otlp]\nendpoint = "{endpoint}"\nprotocol = "grpc"\ntimeout = 1\n')
+    d = drivers()
+    out = tmp_path / "summary.json"
+    t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--otlp", "--config", str(config),
+              "--summary-json", str(out), "--interval", "0.5", "--duration", "2")
+    t.wait_attached()
+    d.go()
+    assert t.wait(90) == 1, t.output
+    total = sum(c for c, _e, _b in EXPECTED.values())
+    errors = [line for line in t.err if line.startswith("Error: ")]
+    assert len(errors) == 1, t.stderr
+    assert errors[0].startswith(f"Error: --otlp: none of the {total + 1} spans reached the OTLP receiver at "
+                                f"{endpoint} (grpc, the config's [otlp] section): "), errors
+    assert "UNAVAILABLE" in errors[0], errors  # why, in the receiver's words
+    # nothing from the OpenTelemetry library itself, however many batches failed
+    assert "opentelemetry" not in t.stderr and "Transient error" not in t.stderr, t.stderr
+    assert "Traceback" not in t.stderr
+    summary = read_summary(str(out))  # the summary is there all the same
+    assert sum(a["calls"] for a in summary["apis"].values()) == total and summary["events"]["recorded"] == total
