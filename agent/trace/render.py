@@ -237,41 +237,45 @@ def _fit(markup: str, **style) -> Any:
     return t
 
 
-def _live_api_table(snapshot: dict, r: dict[str, float], rows: int):
-    """The API table of the live view in `rows` rows (its header included): names cut with "…"
-    rather than wrapped, the busiest calls first, "… N more" when they do not all fit."""
-    from rich.table import Table
-    t = Table(box=None, pad_edge=False, header_style="bold", expand=False)
-    t.add_column("API", no_wrap=True, overflow="ellipsis", min_width=12, ratio=1)
-    for c in ("calls/s", "calls", "errors", "mean", "p99"):
-        t.add_column(c, justify="right", no_wrap=True, overflow="ellipsis")
-    items = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))
-    shown = items if len(items) <= rows - 1 else items[:max(0, rows - 2)]
-    for name, a in shown:
-        hist = a.get("histogram") or {}
-        t.add_row(name, f"{r.get(name, 0.0):.0f}", str(a.get("calls", 0)), errors_cell(a),
-                  fmt_seconds(a.get("mean_latency_s")) if has_latency(a) else "—",
-                  fmt_seconds(percentile(hist, 0.99), upper=True) if hist else "—")
-    if len(shown) < len(items):
-        t.add_row(f"… {len(items) - len(shown)} more", *[""] * 5)
-    return t
-
-
-def _live_kernel_table(kernels: list[dict], kr: dict, rows: int):
-    """The kernel table of the live view in `rows` rows (header included); names cut with "…"."""
+def _live_table(first: str, cols: tuple[str, ...], rows: list[list], more: int, width: int | None):
+    """A live-view table: one line a row. The numbers keep their width; the first column (a name)
+    gets what is left of `width` and is cut with "…"; "… N more" closes it when rows were left out."""
+    from rich.cells import cell_len
     from rich.table import Table
     from rich.text import Text
     t = Table(box=None, pad_edge=False, header_style="bold", expand=False)
-    t.add_column("kernel", no_wrap=True, overflow="ellipsis", min_width=12, ratio=1)
-    for c in ("launches/s", "launches", "grid", "block"):
-        t.add_column(c, justify="right", no_wrap=True, overflow="ellipsis")
-    shown = kernels if len(kernels) <= rows - 1 else kernels[:max(0, rows - 2)]
-    for k in shown:
-        t.add_row(Text(kernel_label(k)), f"{kr.get(k.get('handle'), 0.0):.0f}", str(k.get("launches", 0)),
-                  fmt_dims(k.get("grid")), fmt_dims(k.get("block")))
-    if len(shown) < len(kernels):
-        t.add_row(f"… {len(kernels) - len(shown)} more", *[""] * 4)
+    widths = [max([cell_len(c)] + [cell_len(Text.from_markup(r[i + 1]).plain) for r in rows])
+              for i, c in enumerate(cols)]
+    name_max = None if width is None else max(8, width - sum(widths) - 2 * len(cols))
+    t.add_column(first, no_wrap=True, overflow="ellipsis", max_width=name_max)
+    for c, w in zip(cols, widths):
+        t.add_column(c, justify="right", no_wrap=True, min_width=w)
+    for r in rows:
+        t.add_row(Text(r[0]), *r[1:])  # a name is the process's choice: never read as markup
+    if more:
+        t.add_row(f"… {more} more", *[""] * len(cols))
     return t
+
+
+def _live_api_table(snapshot: dict, r: dict[str, float], rows: int, width: int | None):
+    """The API table of the live view in `rows` rows (its header included), busiest first."""
+    items = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))
+    shown = items if len(items) <= rows - 1 else items[:max(0, rows - 2)]
+    body = []
+    for name, a in shown:
+        hist = a.get("histogram") or {}
+        body.append([name, f"{r.get(name, 0.0):.0f}", str(a.get("calls", 0)), errors_cell(a),
+                     fmt_seconds(a.get("mean_latency_s")) if has_latency(a) else "—",
+                     fmt_seconds(percentile(hist, 0.99), upper=True) if hist else "—"])
+    return _live_table("API", ("calls/s", "calls", "errors", "mean", "p99"), body, len(items) - len(shown), width)
+
+
+def _live_kernel_table(kernels: list[dict], kr: dict, rows: int, width: int | None):
+    """The kernel table of the live view in `rows` rows (header included), busiest first."""
+    shown = kernels if len(kernels) <= rows - 1 else kernels[:max(0, rows - 2)]
+    body = [[kernel_label(k), f"{kr.get(k.get('handle'), 0.0):.0f}", str(k.get("launches", 0)),
+             fmt_dims(k.get("grid")), fmt_dims(k.get("block"))] for k in shown]
+    return _live_table("kernel", ("launches/s", "launches", "grid", "block"), body, len(kernels) - len(shown), width)
 
 
 LIVE_FOOTER = "q or Ctrl-C: stop · p99: upper edge of a power-of-two latency bucket"
@@ -279,16 +283,18 @@ LIVE_GPU_HINT = " · GPU kernel times: gpuwatch run -- CMD"
 
 
 def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float, *, pid: int, process: str,
-                uprobes: int, duration: float | None, height: int | None = None):
+                uprobes: int, duration: float | None, height: int | None = None, width: int | None = None):
     """The rich renderable for the live terminal view: every line cut to the terminal's width,
-    never wrapped, and at most `height` lines (the terminal's; None: no limit): the header, the
+    never wrapped (`width`: the terminal's, for the tables' name columns), and at most `height`
+    lines (the terminal's; None: no limit): the header, the
     busiest APIs and kernels, the memory line, then what room is left for stacks and the GPU
     side, and one footer line."""
     from rich.console import Group
     calls, errors = totals(snapshot)
     of = f"/{duration:g}" if duration else ""
     from rich.markup import escape
-    head = (f"[bold]trace PID {pid}[/bold] ({escape(process)}) · {elapsed:.0f}{of} s · {calls} calls, "
+    name = process if len(process) <= 16 else process[:15] + "…"  # the counts after it stay in view
+    head = (f"[bold]trace PID {pid}[/bold] ({escape(name)}) · {elapsed:.0f}{of} s · {calls} calls, "
             f"{errors} errors · {uprobes} uprobes")
     ks = _kernels(snapshot)
     apis = snapshot.get("apis", {})
@@ -335,9 +341,9 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
         api_rows, kernel_rows = min(api_rows, TOP_APIS + 1), min(kernel_rows, TOP_KERNELS + 1)
     parts: list[Any] = [_fit(head)]
     if api_rows > 1:
-        parts.append(_live_api_table(snapshot, rates(snapshot, previous, dt), api_rows))
+        parts.append(_live_api_table(snapshot, rates(snapshot, previous, dt), api_rows, width))
     if kernel_rows > 1:
-        parts.append(_live_kernel_table(ks, kernel_rates(snapshot, previous, dt), kernel_rows))
+        parts.append(_live_kernel_table(ks, kernel_rates(snapshot, previous, dt), kernel_rows, width))
     parts.append(_fit(mem_line))
     parts += [_fit(line) for line in extra]
     parts.append(_fit(LIVE_FOOTER + (LIVE_GPU_HINT if gpu is None else ""), style="dim"))

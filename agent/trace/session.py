@@ -386,7 +386,8 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
                 dt, elapsed = now - last_t, now - t0
                 if live is not None:
                     live.update(render_live(snap, previous, dt, elapsed, pid=pid, process=target.process,
-                                            uprobes=uprobes, duration=duration, height=out.size.height),
+                                            uprobes=uprobes, duration=duration, height=out.size.height,
+                                            width=out.size.width),
                                 refresh=True)
                 else:
                     print(render_line(snap, previous, dt, elapsed), flush=True)

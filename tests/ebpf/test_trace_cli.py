@@ -487,7 +487,8 @@ def test_otlp_with_no_receiver_fails_in_one_line_saying_where(fake_cuda, drivers
     assert len(errors) == 1, t.stderr
     assert errors[0].startswith(f"Error: --otlp: none of the {total + 1} spans reached the OTLP receiver at "
                                 f"{endpoint} (grpc, the config's [otlp] section): "), errors
-    assert "UNAVAILABLE" in errors[0], errors  # why, in the receiver's words
+    # why, in gRPC's words (a loaded machine may hit the 1 s deadline before the refusal)
+    assert "StatusCode.UNAVAILABLE" in errors[0] or "StatusCode.DEADLINE_EXCEEDED" in errors[0], errors
     # nothing from the OpenTelemetry library itself, however many batches failed
     assert "opentelemetry" not in t.stderr and "Transient error" not in t.stderr, t.stderr
     assert "Traceback" not in t.stderr
