@@ -479,8 +479,8 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
     Live view, refreshed every second: calls/s, calls, errors, bytes and latency (mean, and p50/p99
     as the upper edge of a power-of-two bucket) per CUDA driver API; top kernels by launches with
     grid and block and names; live device bytes, allocations and frees, and the call stacks holding
-    the most; dropped events. Plain lines instead when stdout is not a terminal. Ctrl-C, --duration
-    or the process exiting ends it with a summary. --output records every call (one event each, in
+    the most; dropped events. Plain lines instead when stdout is not a terminal. q or Ctrl-C,
+    --duration or the process exiting ends it with a summary. --output records every call (one event each, in
     a ring buffer) and writes a Chrome/Perfetto trace at the end; --otlp sends them as spans.
 
     As root (eBPF uprobes) it attaches to the process itself. As an ordinary user it traces your
@@ -488,7 +488,8 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
     allowed to use: control.group), counting from when the trace starts (--output and --library
     need root).
 
-    Exit status: 0 when the trace ran (whatever ended it), 1 when it could not start, 2 for usage.
+    Exit status: 0 when the trace ran (whatever ended it), 1 when it could not start or --otlp
+    delivered none of its spans, 2 for usage.
     """
     from gpuwatch.agent.trace.session import run_trace
 

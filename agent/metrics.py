@@ -412,6 +412,12 @@ METRICS: tuple[Metric, ...] = (
            "OTLP export, from the OpenTelemetry SDK's own counters: signal=metrics (data points) or logs "
            "(events); result=exported, failed (the receiver refused, was down or too slow, after retries) or "
            "dropped_queue_full (the log queue was full: the receiver could not keep up).", ("signal", "result")),
+    Metric("gpuwatch.otlp.up", "", Kind.GAUGE,
+           "1 when the last OTLP export of metrics (one every otlp.interval) reached the receiver, 0 when it "
+           "failed (refused, down or too slow, after retries); absent before the first export. The agent logs "
+           "one line when it goes down, with why, and one when it is back."),
+    Metric("gpuwatch.otlp.export.failures", "", Kind.COUNTER,
+           "OTLP exports (batches) that failed after retries, by signal (metrics, logs).", ("signal",)),
     # --- reference workload (probes/baseline) and its judgement (detectors/health) ------------
     # Values of each GPU's latest run; a GPU that never ran the workload has none.
     Metric("gpuwatch.baseline.gemm.throughput", "{flop}/s", Kind.GAUGE,

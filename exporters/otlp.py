@@ -170,7 +170,7 @@ def _sdk_pieces(protocol: str, endpoint: str, headers: Mapping[str, str], certif
               meter_provider=self_meters)
     made = {"metrics": (OTLPMetricExporter, "/v1/metrics"), "logs": (OTLPLogExporter, "/v1/logs"),
             "spans": (OTLPSpanExporter, "/v1/traces")}
-    return [_failures_with_status_counted(made[sig][0](endpoint=base + made[sig][1], **kw)) for sig in signals]
+    return [_failures_with_status_counted(made[sig][0](endpoint=base + made[sig][1], **kw), sig) for sig in signals]
 
 
 HISTOGRAMS = [m for m in registry.METRICS if m.kind is registry.Kind.HISTOGRAM]
@@ -229,7 +229,7 @@ class HttpStatusError(Exception):
     """An OTLP/HTTP export that ended in an error status (after the SDK's retries)."""
 
 
-def _failures_with_status_counted(exporter):
+def _failures_with_status_counted(exporter, signal: str = ""):
     """The SDK (1.45) counts an export that ended in an HTTP error status — 429 or 503 after its
     retries, 400 — as exported: the result has the status but no exception, and only an exception
     makes its own counter say error.type. Such a result gets an exception here, so that
@@ -242,14 +242,85 @@ def _failures_with_status_counted(exporter):
     def counted(data):
         result = export(data)
         if not getattr(result, "success", True) and getattr(result, "error", 0) is None:
+            status = f"HTTP {result.status_code} {result.reason or ''}".strip()
+            exporter_logs().note(signal or None, f"the receiver answered {status}")  # the SDK logs no reason
             try:
-                result = dataclasses.replace(result, error=HttpStatusError(
-                    f"HTTP {result.status_code} {result.reason or ''}".strip()))
+                result = dataclasses.replace(result, error=HttpStatusError(status))
             except (TypeError, ValueError):
                 pass
         return result
 
     client.export = counted
+    return exporter
+
+
+class ExporterLogs(logging.Handler):
+    """Where the OpenTelemetry exporters' own log records go instead of the log: a WARNING and an
+    ERROR per failed export (a receiver down for an hour: thousands of lines). The newest says why
+    the last export failed (`reason`); gpuwatch says it once per change of state (OtlpExporter),
+    or in one line at the end of a trace. Each record stays at DEBUG on gpuwatch.otlp."""
+
+    GENERIC = "due to timeout, max retries or shutdown"  # HTTP's last word: the retry before says why
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.reasons: dict[str | None, str] = {}  # signal (None: not known) -> the newest reason
+
+    def note(self, signal: str | None, text: str) -> None:
+        self.reasons[signal] = text if len(text) <= 300 else text[:299] + "…"
+
+    def reason(self, signal: str) -> str | None:
+        return self.reasons.get(signal) or self.reasons.get(None)
+
+    def forget(self, signal: str) -> None:
+        self.reasons.pop(signal, None)
+
+    @staticmethod
+    def _signal(record: logging.LogRecord, text: str) -> str | None:
+        where = record.name + " " + text  # the HTTP exporters log on their own modules; gRPC's names it
+        for signal, words in (("metrics", ("metric",)), ("logs", ("_log_exporter", " logs ")),
+                              ("spans", ("trace_exporter", " traces ", " spans "))):
+            if any(w in where for w in words):
+                return signal
+        return None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage().splitlines()[0].strip()
+        except Exception:  # noqa: BLE001 - a record that cannot be formatted says nothing
+            return
+        if self.GENERIC not in text:
+            self.note(self._signal(record, text), text)
+        log.debug("OpenTelemetry: %s", text)
+
+
+def exporter_logs() -> ExporterLogs:
+    """The one ExporterLogs of this process, on the OpenTelemetry exporters' logger (which then no
+    longer hands their records to the root logger)."""
+    lg = logging.getLogger("opentelemetry.exporter.otlp")
+    for h in lg.handlers:
+        if isinstance(h, ExporterLogs):
+            return h
+    h = ExporterLogs()
+    lg.addHandler(h)
+    lg.propagate = False
+    return h
+
+
+def _watched(exporter, signal: str, result) -> Any:
+    """The exporter, its export() results also told to result(signal, ok) (an exception: not ok)."""
+    export = exporter.export
+
+    def watched(*args, **kwargs):
+        try:
+            r = export(*args, **kwargs)
+        except Exception:
+            result(signal, False)
+            raise
+        result(signal, getattr(r, "name", "") == "SUCCESS")
+        return r
+
+    exporter.export = watched
     return exporter
 
 
@@ -289,6 +360,11 @@ class OtlpExporter(Exporter):
         self._lock = threading.Lock()
         self._meters = self._logs = self._self_metrics = self._self_reader = None
         self._logger = None
+        # The state of the export, per signal: True when its last export reached the receiver,
+        # False when it failed, absent before the first; failed exports per signal.
+        self._up: dict[str, bool] = {}
+        self.failures = {"metrics": 0, "logs": 0}
+        self._reasons: ExporterLogs | None = None
 
     def start(self) -> None:
         from opentelemetry.sdk._logs import LoggerProvider
@@ -297,10 +373,14 @@ class OtlpExporter(Exporter):
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         resource = _resource()
+        self._reasons = exporter_logs()
         self._self_metrics, self._self_reader = _self_meters()  # exported, failed, dropped: OtlpStatsProbe
         metric_exporter, log_exporter = _sdk_pieces(self.protocol, self.endpoint, self.headers, self.certificate,
                                                     self.insecure, self.timeout, self._self_metrics, ("metrics", "logs"))
-        reader = PeriodicExportingMetricReader(_with_histograms(metric_exporter, resource, self._histograms),
+        _watched(log_exporter, "logs", self._exported)
+        metric_exporter = _watched(_with_histograms(metric_exporter, resource, self._histograms), "metrics",
+                                   self._exported)
+        reader = PeriodicExportingMetricReader(metric_exporter,
                                                export_interval_millis=self.interval * 1000,
                                                export_timeout_millis=self.timeout * 1000)
         self._meters = MeterProvider(metric_readers=[reader], resource=resource)
@@ -316,6 +396,30 @@ class OtlpExporter(Exporter):
             export_timeout_millis=self.timeout * 1000, meter_provider=self._self_metrics))
         self._logger = self._logs.get_logger("gpuwatch", __version__)
         log.info("exporting OTLP (%s) to %s every %g s", self.protocol, self.endpoint, self.interval)
+
+    def _exported(self, signal: str, ok: bool) -> None:
+        """One export's result: one log line when the signal's state changes (down, with why; up
+        again), none for each failure of a receiver that stays down."""
+        with self._lock:
+            was = self._up.get(signal)
+            self._up[signal] = ok
+            if not ok:
+                self.failures[signal] = self.failures.get(signal, 0) + 1
+        if self._reasons is not None and ok:
+            self._reasons.forget(signal)  # a later failure's reason is its own
+        if not ok and was is not False:
+            reason = (self._reasons.reason(signal) if self._reasons is not None else None) or "the export failed"
+            log.warning("OTLP export of %s to %s (%s) is down: %s (said again only when it is back up; "
+                        "gpuwatch_otlp_up, gpuwatch_otlp_export_failures_total)", signal, self.endpoint,
+                        self.protocol, reason)
+        elif ok and was is False:
+            log.info("OTLP export of %s to %s (%s) is up again", signal, self.endpoint, self.protocol)
+
+    @property
+    def up(self) -> bool | None:
+        """Whether the last export of metrics (every interval, so it follows the receiver) reached
+        the receiver; None before the first."""
+        return self._up.get("metrics")
 
     def _samples(self, metric: str) -> tuple[list[Sample], dict[str, str]]:
         snap = self._snapshot
@@ -394,7 +498,8 @@ class OtlpExporter(Exporter):
 
 
 class OtlpStatsProbe(Probe):
-    """What the OTLP exporter managed: gpuwatch_otlp_items_total{signal,result}."""
+    """What the OTLP exporter managed: gpuwatch_otlp_items_total{signal,result}, whether it is up
+    (gpuwatch_otlp_up, once the first export is done) and its failed exports per signal."""
 
     name = "otlp"
     interval = 5.0
@@ -403,8 +508,14 @@ class OtlpStatsProbe(Probe):
         self.exporter = exporter
 
     def collect(self) -> list[Sample]:
-        return [Sample("gpuwatch.otlp.items", v, "", {"signal": sig, "result": res})
-                for (sig, res), v in sorted(self.exporter.stats().items())]
+        out = [Sample("gpuwatch.otlp.items", v, "", {"signal": sig, "result": res})
+               for (sig, res), v in sorted(self.exporter.stats().items())]
+        out += [Sample("gpuwatch.otlp.export.failures", float(n), "", {"signal": sig})
+                for sig, n in sorted(self.exporter.failures.items())]
+        up = self.exporter.up
+        if up is not None:
+            out.append(Sample("gpuwatch.otlp.up", 1.0 if up else 0.0, ""))
+        return out
 
 
 def export_calls_as_spans(raw_path: str, *, pid: int, process: str, protocol: str = "grpc", endpoint: str = "",
@@ -414,7 +525,8 @@ def export_calls_as_spans(raw_path: str, *, pid: int, process: str, protocol: st
     """`gpuwatch trace --pid --otlp`: every recorded CUDA call (probes/ebpf/events.py records) as a
     span under one span for the trace, timestamps moved from the monotonic clock the kernel stamped
     them with to wall time. Flushed every `flush_every` spans, so the queue stays bounded and only a
-    receiver that cannot keep up loses spans (counted). Returns {"exported", "failed", "dropped"}."""
+    receiver that cannot keep up loses spans (counted). Returns {"exported", "failed", "dropped",
+    "error": why the last failed export failed, or None}."""
     import time
 
     from opentelemetry.sdk.trace import TracerProvider
@@ -425,6 +537,8 @@ def export_calls_as_spans(raw_path: str, *, pid: int, process: str, protocol: st
     from gpuwatch.probes.ebpf.symbols import API_NAMES, curesult_name
 
     endpoint = endpoint or DEFAULT_ENDPOINTS[protocol]
+    reasons = exporter_logs()  # the SDK's line per failed batch: the reason of the last one is returned
+    reasons.forget("spans")
     to_wall = time.time_ns() - time.monotonic_ns()  # bpf_ktime_get_ns() is CLOCK_MONOTONIC
     self_meters, self_reader = _self_meters()
     (span_exporter,) = _sdk_pieces(protocol, endpoint, headers or {}, certificate, insecure, timeout, self_meters,
@@ -439,7 +553,7 @@ def export_calls_as_spans(raw_path: str, *, pid: int, process: str, protocol: st
     first = next(records, None)
     if first is None:
         provider.shutdown()
-        return {"exported": 0, "failed": 0, "dropped": 0}
+        return {"exported": 0, "failed": 0, "dropped": 0, "error": None}
     root = tracer.start_span(f"gpuwatch trace {pid}", start_time=first[0] + to_wall,
                              attributes={"process.pid": pid, "process.executable.name": process})
     parent = set_span_in_context(root)
@@ -469,5 +583,6 @@ def export_calls_as_spans(raw_path: str, *, pid: int, process: str, protocol: st
     provider.shutdown()
     counts = sdk_counts(self_reader)
     return {"exported": counts.get(("spans", "exported"), 0), "failed": counts.get(("spans", "failed"), 0),
-            "dropped": sum(v for (sig, res), v in counts.items() if sig == "spans" and res.startswith("dropped"))}
+            "dropped": sum(v for (sig, res), v in counts.items() if sig == "spans" and res.startswith("dropped")),
+            "error": reasons.reason("spans")}
 

@@ -99,9 +99,9 @@ class Received:
 
 
 class HttpReceiver(Received):
-    """POST /v1/metrics and /v1/logs, application/x-protobuf."""
+    """POST /v1/metrics and /v1/logs, application/x-protobuf; on `port` (0: any free one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         super().__init__()
         receiver = self
 
@@ -148,7 +148,8 @@ class HttpReceiver(Received):
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        ThreadingHTTPServer.allow_reuse_address = True  # a port an agent tried before (down, then up)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -159,9 +160,9 @@ class HttpReceiver(Received):
 
 
 class GrpcReceiver(Received):
-    """opentelemetry.proto.collector.{metrics,logs}.v1 services on an insecure port."""
+    """opentelemetry.proto.collector.{metrics,logs}.v1 services on an insecure port (0: any free one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         super().__init__()
         import grpc
 
@@ -196,7 +197,7 @@ class GrpcReceiver(Received):
         metrics_grpc.add_MetricsServiceServicer_to_server(Metrics(), self.server)
         logs_grpc.add_LogsServiceServicer_to_server(Logs(), self.server)
         trace_grpc.add_TraceServiceServicer_to_server(Traces(), self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         self.server.start()
         self.endpoint = f"http://127.0.0.1:{port}"
 

@@ -112,8 +112,9 @@ def _kernel_names(final: dict) -> dict[int, str]:
     return {int(k["handle"], 16): k["name"] for k in final.get("kernels", []) if k.get("name")}
 
 
-def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, err, keep: bool) -> None:
-    """The recorded calls as OTLP spans, to the [otlp] section's receiver."""
+def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, err, keep: bool) -> str | None:
+    """The recorded calls as OTLP spans, to the [otlp] section's receiver. Returns the error to
+    exit with when none of them was delivered (where it tried, and why), else None."""
     from gpuwatch.exporters.otlp import DEFAULT_ENDPOINTS, export_calls_as_spans, parse_headers
 
     endpoint = otlp.endpoint or DEFAULT_ENDPOINTS[otlp.protocol]
@@ -125,7 +126,7 @@ def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, 
                                      kernel_names=_kernel_names(final))
     except OSError as e:
         err.print(f"[red]could not read the recorded calls: {e.strerror or e}[/red]")
-        return
+        return None
     finally:
         if not keep:
             try:
@@ -134,9 +135,13 @@ def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, 
             except OSError:
                 pass
     lost = sent["failed"] + sent["dropped"]
+    if lost and not sent["exported"]:
+        return (f"--otlp: none of the {lost:.0f} spans reached the OTLP receiver at {endpoint} ({otlp.protocol}, "
+                f"the config's [otlp] section): {sent.get('error') or 'the receiver refused or was down'}")
     err.print(f"spans: {sent['exported']:.0f} exported (the calls and one for the trace)"
               + (f", [red]{lost:.0f} not delivered[/red] (the receiver "
               "refused, was down or could not keep up)" if lost else ""), highlight=False)
+    return None
 
 
 def _kernel_stacks(final: dict) -> dict[int, list[str]]:

@@ -121,10 +121,12 @@ def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
     from rich.table import Table
     t = Table(box=None, pad_edge=False, header_style="bold")
     from rich.text import Text
-    cols = ["kernel (name or handle)"] + (["launches/s"] if kr is not None else []) + \
+    cols = ["kernel"] + (["launches/s"] if kr is not None else []) + \
         ["launches", "in graphs", "grid", "block", "shared mem", "1-block launches"]
     for c in cols:
-        t.add_column(c, justify="left" if c.startswith("kernel") else "right")
+        # the name is cut with "…" rather than wrapped: a row stays one line
+        t.add_column(c, justify="left" if c.startswith("kernel") else "right", no_wrap=c == "kernel",
+                     overflow="ellipsis", min_width=12 if c == "kernel" else None)
     for k in kernels[:limit]:
         # Text, not a str: a name is the traced process's choice and must not be read as rich markup
         row = [Text(kernel_label(k))] + ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
@@ -227,29 +229,124 @@ def _memory_text(mem: dict, dropped: int) -> str:
             f"{mem.get('frees', 0)} frees · dropped events: {d}")
 
 
-def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float, *, pid: int, process: str,
-                uprobes: int, duration: float | None):
-    """The rich renderable for the live terminal view."""
-    from rich.console import Group
+def _fit(markup: str, **style) -> Any:
+    """One line that never wraps: cut with "…" at the terminal's edge."""
     from rich.text import Text
+    t = Text.from_markup(markup, **style)
+    t.no_wrap, t.overflow = True, "ellipsis"
+    return t
+
+
+def _live_table(first: str, cols: tuple[str, ...], rows: list[list], more: int, width: int | None):
+    """A live-view table: one line a row. The numbers keep their width; the first column (a name)
+    gets what is left of `width` and is cut with "…"; "… N more" closes it when rows were left out."""
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
+    t = Table(box=None, pad_edge=False, header_style="bold", expand=False)
+    widths = [max([cell_len(c)] + [cell_len(Text.from_markup(r[i + 1]).plain) for r in rows])
+              for i, c in enumerate(cols)]
+    name_max = None if width is None else max(8, width - sum(widths) - 2 * len(cols))
+    t.add_column(first, no_wrap=True, overflow="ellipsis", max_width=name_max)
+    for c, w in zip(cols, widths):
+        t.add_column(c, justify="right", no_wrap=True, min_width=w)
+    for r in rows:
+        t.add_row(Text(r[0]), *r[1:])  # a name is the process's choice: never read as markup
+    if more:
+        t.add_row(f"… {more} more", *[""] * len(cols))
+    return t
+
+
+def _live_api_table(snapshot: dict, r: dict[str, float], rows: int, width: int | None):
+    """The API table of the live view in `rows` rows (its header included), busiest first."""
+    items = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))
+    shown = items if len(items) <= rows - 1 else items[:max(0, rows - 2)]
+    body = []
+    for name, a in shown:
+        hist = a.get("histogram") or {}
+        body.append([name, f"{r.get(name, 0.0):.0f}", str(a.get("calls", 0)), errors_cell(a),
+                     fmt_seconds(a.get("mean_latency_s")) if has_latency(a) else "—",
+                     fmt_seconds(percentile(hist, 0.99), upper=True) if hist else "—"])
+    return _live_table("API", ("calls/s", "calls", "errors", "mean", "p99"), body, len(items) - len(shown), width)
+
+
+def _live_kernel_table(kernels: list[dict], kr: dict, rows: int, width: int | None):
+    """The kernel table of the live view in `rows` rows (header included), busiest first."""
+    shown = kernels if len(kernels) <= rows - 1 else kernels[:max(0, rows - 2)]
+    body = [[kernel_label(k), f"{kr.get(k.get('handle'), 0.0):.0f}", str(k.get("launches", 0)),
+             fmt_dims(k.get("grid")), fmt_dims(k.get("block"))] for k in shown]
+    return _live_table("kernel", ("launches/s", "launches", "grid", "block"), body, len(kernels) - len(shown), width)
+
+
+LIVE_FOOTER = "q or Ctrl-C: stop · p99: upper edge of a power-of-two latency bucket"
+LIVE_GPU_HINT = " · GPU kernel times: gpuwatch run -- CMD"
+
+
+def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float, *, pid: int, process: str,
+                uprobes: int, duration: float | None, height: int | None = None, width: int | None = None):
+    """The rich renderable for the live terminal view: every line cut to the terminal's width,
+    never wrapped (`width`: the terminal's, for the tables' name columns), and at most `height`
+    lines (the terminal's; None: no limit): the header, the
+    busiest APIs and kernels, the memory line, then what room is left for stacks and the GPU
+    side, and one footer line."""
+    from rich.console import Group
     calls, errors = totals(snapshot)
-    left = f" of {duration:g} s" if duration else ""
-    head = (f"[bold]gpuwatch trace[/bold] PID {pid} ({process}) · {elapsed:.0f} s{left} · {calls} calls, "
-            f"{errors} errors · {uprobes} uprobes · Ctrl-C to stop")
-    parts: list[Any] = [Text.from_markup(head), Text(""),
-                        _api_table(snapshot, rates(snapshot, previous, dt), TOP_APIS)]
+    of = f"/{duration:g}" if duration else ""
+    from rich.markup import escape
+    name = process if len(process) <= 16 else process[:15] + "…"  # the counts after it stay in view
+    head = (f"[bold]trace PID {pid}[/bold] ({escape(name)}) · {elapsed:.0f}{of} s · {calls} calls, "
+            f"{errors} errors · {uprobes} uprobes")
     ks = _kernels(snapshot)
-    if ks:
-        parts += [Text(""), _kernel_table(ks, kernel_rates(snapshot, previous, dt), TOP_KERNELS)]
+    apis = snapshot.get("apis", {})
+    gpu = snapshot.get("gpu")
+    mem_line = _memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0))
+    # Optional lines, most useful first, each taken only while it fits.
+    extra: list[str] = []
     if graphs_text(snapshot.get("graphs")):
-        parts.append(Text.from_markup(graphs_text(snapshot.get("graphs"))))
-    if launch_stacks_text(ks):
-        parts.append(Text.from_markup(launch_stacks_text(ks)))
-    parts += [Text(""), Text.from_markup(_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0)))]
-    if _stacks_text(snapshot.get("stacks") or []):
-        parts.append(Text.from_markup(_stacks_text(snapshot["stacks"])))
-    parts += _gpu_parts(snapshot.get("gpu"))
-    parts.append(Text(LATENCY_NOTE, style="dim"))
+        extra.append(graphs_text(snapshot.get("graphs")))
+    extra += [line for line in _stacks_text(snapshot.get("stacks") or []).splitlines()]
+    extra += [line for line in launch_stacks_text(ks).splitlines()]
+    if gpu is not None:
+        extra.append(_gpu_text(gpu))
+        from rich.markup import escape
+        for k in (gpu.get("kernels") or [])[:TOP_STACKS]:
+            extra.append(f"  {escape(str(k.get('display_name') or k.get('name', '')))} · {k.get('launches', 0)} "
+                         f"launches · {fmt_seconds(k.get('gpu_seconds'))} on the GPU")
+    room = None if height is None else max(0, height - 3)  # header, memory, footer
+    api_rows = len(apis) + 1 if apis else 0
+    kernel_rows = len(ks) + 1 if ks else 0
+    if room is not None:
+        # at least a few APIs and kernels, then the optional lines, then the rest of both tables
+        api_rows = min(api_rows, min(len(apis), 5) + 1 if apis else 0, room)
+        kernel_rows = min(kernel_rows, min(len(ks), 3) + 1 if ks else 0, room - api_rows)
+        if kernel_rows == 1:
+            kernel_rows = 0  # a header without a row says nothing
+        left = room - api_rows - kernel_rows
+        taken = []
+        for line in extra:
+            if left <= 0:
+                break
+            taken.append(line)
+            left -= 1
+        if len(taken) == 1 and taken[0].endswith(":"):
+            taken, left = [], left + 1  # a section title without its lines
+        extra = taken
+        more_api = min(len(apis) + 1 - api_rows, min(left, TOP_APIS + 1 - api_rows)) if apis else 0
+        api_rows += max(0, more_api)
+        left -= max(0, more_api)
+        if ks:
+            more_k = min(len(ks) + 1 - kernel_rows, left, TOP_KERNELS + 1 - kernel_rows)
+            kernel_rows += max(0, more_k) if kernel_rows + max(0, more_k) > 1 else 0
+    else:
+        api_rows, kernel_rows = min(api_rows, TOP_APIS + 1), min(kernel_rows, TOP_KERNELS + 1)
+    parts: list[Any] = [_fit(head)]
+    if api_rows > 1:
+        parts.append(_live_api_table(snapshot, rates(snapshot, previous, dt), api_rows, width))
+    if kernel_rows > 1:
+        parts.append(_live_kernel_table(ks, kernel_rates(snapshot, previous, dt), kernel_rows, width))
+    parts.append(_fit(mem_line))
+    parts += [_fit(line) for line in extra]
+    parts.append(_fit(LIVE_FOOTER + (LIVE_GPU_HINT if gpu is None else ""), style="dim"))
     return Group(*parts)
 
 
@@ -263,21 +360,31 @@ def _gpu_parts(gpu: dict | None) -> list:
     return parts
 
 
+def ended_text(summary: dict) -> str:
+    """Why and when the trace ended, as a sentence: "ended after 5.0 s (--duration)"."""
+    after, ended = f"after {summary['duration_seconds']:.1f} s", summary["ended"]
+    return {"duration": f"ended {after} (--duration)",
+            "process exited": f"ended: process {summary['pid']} exited, {after}",
+            "interrupted": f"ended: interrupted (Ctrl-C or SIGTERM) {after}",
+            "quit": f"ended: q pressed {after}"}.get(ended, f"ended: {ended}, {after}")
+
+
 def render_summary(summary: dict):
     """The rich renderable printed when the trace ends."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.text import Text
     snap = {"apis": {name: dict(a, histogram={}, seconds=a.get("mean_latency_s") or 0.0)
                      for name, a in summary["apis"].items()}}
     calls, errors = totals(snap)
-    head = (f"[bold]trace of PID {summary['pid']} ({summary['process']}) ended: {summary['ended']}[/bold] "
-            f"after {summary['duration_seconds']:.1f} s · {calls} calls, {errors} errors")
+    head = (f"[bold]trace of PID {summary['pid']} ({escape(summary['process'])}) "
+            f"{ended_text(summary)}[/bold] · {calls} calls, {errors} errors")
     parts: list[Any] = [Text.from_markup(head), Text("")]
     if summary["apis"]:
         from rich.table import Table
         t = Table(box=None, pad_edge=False, header_style="bold")
         for c in ("API", "calls", "errors", "bytes", "mean", "p50", "p99"):
-            t.add_column(c, justify="left" if c == "API" else "right")
+            t.add_column(c, justify="left" if c == "API" else "right", no_wrap=c == "API", overflow="ellipsis")
         for name, a in sorted(summary["apis"].items(), key=lambda kv: (-kv[1]["calls"], kv[0])):
             t.add_row(name, str(a["calls"]), errors_cell(a),
                       fmt_bytes(a["bytes"]) if a["bytes"] else "—", fmt_seconds(a["mean_latency_s"]),

@@ -262,7 +262,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         err.print(f"tracing PID {pid} ({target.process})" + (" through the gpuwatch agent" if agent else "")
                   + f": {n_sym} CUDA driver functions, {uprobes} uprobes on "
                   f"{', '.join(lib['path'] for lib in libs)} (ready in {time.monotonic() - t_compile:.1f} s)"
-                  + (f" for {duration:g} s" if duration else "") + "; Ctrl-C to stop", highlight=False)
+                  + (f" for {duration:g} s" if duration else "") + ("; q or Ctrl-C to stop" if live_tty else "; Ctrl-C to stop"), highlight=False)
 
         ended, t0, verified = _loop(probe, target, duration, interval, out, live_tty, uprobes)
         elapsed = time.monotonic() - t0
@@ -271,7 +271,13 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         if main_thread:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        events = probe.stop_events() if raw_events else None  # first: the last events are in the snapshot
+        # One instant for every table: the probe stops counting at once (its uprobes stay until the
+        # detach below), so the API, kernel, memory and stack tables and the recorded events all
+        # read the same calls, however fast the process goes on calling.
+        freeze = getattr(probe, "freeze", None)
+        if freeze is not None and agent is None:
+            freeze()
+        events = probe.stop_events() if raw_events else None  # the last events are in the snapshot
         # PID reused: the kernel counts by PID, so a snapshot now would add the new process's calls to
         # the traced one's. Then the counts end at the last refresh known to be the traced process's.
         reused = ended == "process exited" and pid_reused(pid, target.start_time)
@@ -297,11 +303,14 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                 err.print(f"summary written to {summary_json}", highlight=False)
             except OSError as e:
                 err.print(f"[red]could not write {summary_json}: {e.strerror or e}[/red]")
+        undelivered = None
         if otlp is not None and events is not None:
-            _send_spans(outputs.events_reader() if output else raw_events, otlp, final, target, events, err,
-                        keep=bool(output))
+            undelivered = _send_spans(outputs.events_reader() if output else raw_events, otlp, final, target,
+                                      events, err, keep=bool(output))
         if output and events is not None:
             _write_output(outputs, final, target, events, err)
+        if undelivered:
+            raise TraceError(undelivered)  # the trace ran, but what --otlp was for did not happen
         return summary
     finally:
         outputs.close()
@@ -356,9 +365,10 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
     last_t = t0
     snap: dict | None = None
     live = None
+    keys = _Keys() if live_tty else None
     if live_tty:
         from rich.live import Live
-        live = Live(console=out, auto_refresh=False, transient=True)
+        live = Live(console=out, auto_refresh=False, transient=True, vertical_overflow="crop")
         live.start()
     try:
         next_tick = t0 + interval
@@ -376,7 +386,9 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
                 dt, elapsed = now - last_t, now - t0
                 if live is not None:
                     live.update(render_live(snap, previous, dt, elapsed, pid=pid, process=target.process,
-                                            uprobes=uprobes, duration=duration), refresh=True)
+                                            uprobes=uprobes, duration=duration, height=out.size.height,
+                                            width=out.size.width),
+                                refresh=True)
                 else:
                     print(render_line(snap, previous, dt, elapsed), flush=True)
                 previous, last_t = snap, now
@@ -384,9 +396,58 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
                 if next_tick <= now:
                     next_tick = now + interval
             wake = min(next_tick, deadline if deadline is not None else next_tick, now + step)
-            time.sleep(max(0.0, wake - time.monotonic()))
+            if keys is not None:
+                if keys.wait_for_q(max(0.0, wake - time.monotonic())):
+                    return "quit", t0, snap
+            else:
+                time.sleep(max(0.0, wake - time.monotonic()))
     except (KeyboardInterrupt, _Stop):
         return "interrupted", t0, snap
     finally:
         if live is not None:
             live.stop()
+        if keys is not None:
+            keys.close()
+
+
+class _Keys:
+    """Keys typed at the live view: the terminal in cbreak mode (keys one at a time, not echoed;
+    Ctrl-C still raises SIGINT), put back as it was by close(). Nothing when stdin is no terminal."""
+
+    def __init__(self) -> None:
+        import termios
+        import tty
+        self.fd: int | None = None
+        self.saved = None
+        try:
+            fd = sys.stdin.fileno()
+            if os.isatty(fd):
+                self.saved = termios.tcgetattr(fd)
+                tty.setcbreak(fd)
+                self.fd = fd
+        except (OSError, ValueError, termios.error):
+            self.fd = None
+
+    def wait_for_q(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds; True when q (or Q) was typed meanwhile."""
+        if self.fd is None:
+            time.sleep(timeout)
+            return False
+        import select
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            typed = os.read(self.fd, 64)
+        except OSError:
+            return False
+        return b"q" in typed.lower()
+
+    def close(self) -> None:
+        if self.fd is not None and self.saved is not None:
+            import termios
+            try:
+                termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+            except (OSError, termios.error):
+                pass
+            self.fd = None

@@ -40,7 +40,7 @@ FORMAT = 1  # of the object; a change makes old cache files misses
 CHILD_TIMEOUT = 120.0  # seconds: compiling takes 1-6 s on the machines measured
 LD_IMM64, PSEUDO_MAP_FD = 0x18, 1
 CACHE_ENV = "GPUWATCH_BPF_CACHE"  # a directory, or "off"
-MAP_NAMES = (*symbols.HASH_MAPS, "stacks", "events", "graph_events", "name_buf", "lstack_buf", "dropped")
+MAP_NAMES = (*symbols.HASH_MAPS, "stacks", "events", "graph_events", "name_buf", "lstack_buf", "dropped", "frozen")
 MAP_FIELDS = ("type", "key_size", "value_size", "max_entries", "flags")
 MAX_PROGRAM_BYTES = 1 << 20
 
@@ -231,7 +231,10 @@ def symbolise(pid: int, addrs: list[int], timeout: float = 30.0) -> list[str]:
 def _child(args: list[str], stdin: bytes, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "gpuwatch.probes.ebpf.bcc_child", *args]
     try:
-        p = subprocess.run(cmd, input=stdin, capture_output=True, timeout=timeout, check=False)
+        # its own session: a Ctrl-C at the terminal goes to the trace (which then ends cleanly),
+        # not to a child that would die with a traceback in the middle of its answer
+        p = subprocess.run(cmd, input=stdin, capture_output=True, timeout=timeout, check=False,
+                           start_new_session=True)
     except subprocess.TimeoutExpired:
         raise ProbeUnavailable(f"bcc did not finish `{args[0]}` within {timeout:g} s") from None
     if p.returncode != 0:

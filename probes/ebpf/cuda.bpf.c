@@ -25,6 +25,16 @@ BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // (streams and events of captures too), 10 executable graphs' launches, 11 launch stacks. (A full histogram map loses
 // buckets silently.) Python sizes its reads from the map: keep GW_DROPPED_KINDS in step.
 BPF_ARRAY(dropped, u64, GW_DROPPED_KINDS);
+// frozen[0] != 0: every program returns at once, so the maps stop changing in one step (one map
+// write) and a reader sees every count as of that instant, never one map ahead of another (the
+// end of `gpuwatch trace`). Never set by the agent.
+BPF_ARRAY(frozen, u32, 1);
+
+static __always_inline int gw_frozen(void) {
+    u32 zero = 0;
+    u32 *f = frozen.lookup(&zero);
+    return f && *f;
+}
 
 static __always_inline void gw_drop(int what) {
     dropped.atomic_increment(what);

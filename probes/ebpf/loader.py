@@ -201,6 +201,8 @@ def function_offsets(path: str) -> dict[str, int]:
 LINKS, PERF_EVENTS = "links", "perf_events"
 ATTACH_MODES = ("auto", LINKS, PERF_EVENTS)
 LINKS_SINCE = (6, 6)  # BPF_TRACE_UPROBE_MULTI
+_SYS_MEMBARRIER = {"x86_64": 324, "aarch64": 283}.get(platform.machine(), -1)  # -1: refused (ENOSYS)
+_MEMBARRIER_CMD_GLOBAL = 1  # synchronize_rcu()
 LAUNCH_GAPS = 4096  # launch-probe off times remembered (a 10 s duty cycle: 11 hours)
 
 
@@ -500,6 +502,19 @@ class Loader:
         self._fds.clear()
         atexit.unregister(self._at_exit)  # lets the Loader be garbage-collected
         log.info("detached %d uprobes (%s) in %.3f s", n, self.method.replace("_", "-"), time.perf_counter() - t0)
+
+    def freeze(self) -> None:
+        """Stop every program from counting, all at once (frozen[0] = 1): from here on the maps hold
+        the counts of one instant, so that reads of several maps agree (the end of a trace). The
+        uprobes stay attached (detaching one by one would stop some counts before others)."""
+        u32 = symbols.ctype("u32")
+        self.maps["frozen"].update(u32(0), u32(1))
+        # A program that read frozen == 0 just before may still be adding: uprobe programs run
+        # under rcu_read_lock, so one RCU grace period (membarrier GLOBAL's synchronize_rcu) sees
+        # every one of them through. Where membarrier is refused, a few ms do it in practice.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(_SYS_MEMBARRIER, _MEMBARRIER_CMD_GLOBAL, 0, 0) != 0:
+            time.sleep(0.05)
 
     # -- maps ----------------------------------------------------------------------------------
     def stats(self) -> dict[tuple[int, str], tuple[int, int, int, int]]:

@@ -622,6 +622,12 @@ class EbpfCudaProbe(Probe):
         return [{"path": lib.path, "attached": list(lib.attached), "skipped": list(lib.skipped),
                  "uprobes": lib.uprobes} for lib in ld.libraries.values()]
 
+    def freeze(self) -> None:
+        """Stop counting, all at once (Loader.freeze): every later snapshot reads the same instant,
+        each map as of the same moment. For the end of a trace; only shutdown() follows."""
+        with self._running(None) as ld:
+            ld.freeze()
+
     def snapshot(self, pid: int | None = None, wait_symbols: bool = True) -> dict:
         """What the maps hold now, for one process or (pid=None) all processes still running.
 
@@ -669,8 +675,13 @@ class EbpfCudaProbe(Probe):
             a["mean_latency_s"] = a["seconds"] / a["calls"] if a["calls"] else 0.0
             a["histogram"] = dict(sorted(hist.get(api, {}).items()))
             a["timed"] = api not in self.untimed
-        live = ld.live_bytes()
-        live_bytes = live.get(pid, 0) if pid is not None else sum(live.values())
+        if pid is not None:
+            # one read of the live allocations for the memory line and the stacks table, so the two agree
+            by_stack = ld.live_by_stack(pid)
+            live_bytes = sum(b for b, _n in by_stack.values())
+            live_allocations = sum(n for _b, n in by_stack.values())
+        else:
+            live_bytes, live_allocations = sum(ld.live_bytes().values()), ld.live_allocations()
         graph_kernels, graph_summary = {}, graphs_.GraphBook().summary()
         if self._graphs is not None:
             self._graphs.account(ld.execs)
@@ -679,13 +690,13 @@ class EbpfCudaProbe(Probe):
         return {
             "pid": pid,
             "apis": dict(sorted(apis.items())),
-            "memory": {"live_bytes": live_bytes, "live_allocations": ld.live_allocations(pid),
+            "memory": {"live_bytes": live_bytes, "live_allocations": live_allocations,
                        "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
             "kernels": self._kernels(ld, pid, graph_kernels, wait_symbols),
             **({"python_frames": self._python.get(pid) or "read"} if pid is not None else {}),
             "graphs": graph_summary,
-            "stacks": self._stacks(ld, pid, wait=wait_symbols) if pid is not None else [],
+            "stacks": self._stacks(ld, pid, wait=wait_symbols, by_stack=by_stack) if pid is not None else [],
             "dropped_events": ld.dropped(),
             "dropped_by_kind": ld.dropped_by_kind(),
             **({"events": self._recorder.counts()} if self._recorder is not None else {}),
@@ -744,11 +755,12 @@ class EbpfCudaProbe(Probe):
             return self._stacks(ld, pid, top, allocator=allocator)
 
     def _stacks(self, ld: _loader.Loader, pid: int, top: int = TOP_STACKS, wait: bool = True,
-                allocator: str | None = None) -> list[dict]:
+                allocator: str | None = None, by_stack: dict | None = None) -> list[dict]:
         """The user stacks holding the most live bytes: [{"bytes", "allocations", "allocator", "frames"}],
-        "allocator" the pool that made them or pools.OUTSIDE."""
+        "allocator" the pool that made them or pools.OUTSIDE. by_stack: ld.live_by_stack(pid), read already."""
+        live = ld.live_by_stack(pid) if by_stack is None else by_stack
         by_stack = []
-        for (sid, caller), (b, n) in ld.live_by_stack(pid).items():
+        for (sid, caller), (b, n) in live.items():
             pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller))  # noqa: B023
             label = pool.allocator if pool is not None else pools_.OUTSIDE
             if allocator is None or label == allocator or (allocator == "*" and pool is not None):

@@ -397,7 +397,7 @@ HASH_MAPS: dict[str, tuple[str, str, str]] = {
 }
 STACK_DEPTH = 127  # PERF_MAX_STACK_DEPTH: a stack map's value is this many u64 addresses
 MAP_TYPES: dict[str, tuple[str, str]] = {**{k: (v[0], v[1]) for k, v in HASH_MAPS.items()},
-                                         "dropped": ("u32", "u64"), "stacks": ("u32", f"u64[{STACK_DEPTH}]"),
+                                         "dropped": ("u32", "u64"), "frozen": ("u32", "u32"), "stacks": ("u32", f"u64[{STACK_DEPTH}]"),
                                          "lstack_buf": ("u32", "gw_launch_stack_key")}
 
 # The attach cookie of every probe (bpf_get_attach_cookie): the API's index in HOOKS, and flags.
@@ -483,6 +483,7 @@ def render_programs() -> str:
                 for op, apis in ops.items() if op != OP_COUNT]
     return (
         "int gw_entry(struct pt_regs *ctx) {\n"
+        "    if (gw_frozen())\n        return 0;\n"
         "    u64 cookie = bpf_get_attach_cookie(ctx);\n"
         "    u32 api = cookie & GW_COOKIE_API;\n"
         "    struct gw_call c = {};\n"
@@ -492,6 +493,7 @@ def render_programs() -> str:
         "    if (cookie & GW_COOKIE_TIMED)\n        return gw_enter(ctx, api, &c);\n"
         "    return gw_count(ctx, api, c.bytes);\n}\n\n"
         "int gw_return(struct pt_regs *ctx) {\n"
+        "    if (gw_frozen())\n        return 0;\n"
         "    u64 cookie = bpf_get_attach_cookie(ctx);\n"
         "    u32 api = cookie & GW_COOKIE_API;\n"
         "    u32 op = GW_OP_COUNT;\n"

@@ -379,6 +379,22 @@ static void edge(void) {
     cuMemAlloc_v2(&d, 20480);
 }
 
+/* "loop": on "go", prints "done" and then calls without end (until killed), each iteration the
+ * same five calls in this order: two allocations (4096 bytes, freed below; 8192 bytes, kept),
+ * a launch of A, the free, a stream synchronisation. A trace that ends meanwhile must report a
+ * prefix of that sequence in every table (LOOP_* in test_trace_cli.py). */
+static void loop(void) {
+    for (;;) {
+        CUdeviceptr a, b;
+        cuMemAlloc_v2(&a, 4096);
+        cuMemAlloc_v2(&b, 8192);
+        cuLaunchKernel(KERNEL_A, 1056, 1, 1, 256, 1, 1, 0, STREAM(1), 0, 0);
+        cuMemFree_v2(a);
+        cuStreamSynchronize(STREAM(1));
+        usleep(20);  /* tens of thousands of kept allocations a second, not millions */
+    }
+}
+
 int main(int argc, char **argv) {
     char line[64];
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -394,6 +410,11 @@ int main(int argc, char **argv) {
     printf("ready %d\n", (int)getpid());
     if (!fgets(line, sizeof line, stdin))
         return 1;
+    if (argc > 1 && strcmp(argv[1], "loop") == 0) {
+        cuModuleGetFunction(&KERNEL_A, 0, "_Z10add_kernelPfi");
+        printf("done\n");
+        loop();
+    }
     if (edges)
         edge();
     else if (graphs)

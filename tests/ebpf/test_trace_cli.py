@@ -136,7 +136,7 @@ def test_duration_summary_counts_exact(fake_cuda, drivers, tmp_path):
     # stdout is a pipe: one plain line per refresh, then the summary
     lines = [line for line in t.out if line.startswith("[")]
     assert len(lines) >= 4 and f"calls {sum(c for c, _, _ in EXPECTED.values())} " in lines[-1]
-    assert "ended: duration" in t.stdout and "cuMemAlloc_v2" in t.stdout and "power-of-two" in t.stdout
+    assert f"ended after {summary['duration_seconds']:.1f} s (--duration)" in t.stdout and "cuMemAlloc_v2" in t.stdout and "power-of-two" in t.stdout
     assert "Traceback" not in t.stderr and f"summary written to {out}" in t.stderr
     assert d.finish() == 0  # the traced process was not disturbed
 
@@ -155,7 +155,7 @@ def test_process_exit_ends_trace_with_summary(fake_cuda, drivers, tmp_path):
     assert summary["ended"] == "process exited"
     assert summary["duration_seconds"] < 30
     _assert_exact(summary, d.pid)
-    assert "ended: process exited" in t.stdout and "Traceback" not in t.stderr
+    assert f"ended: process {d.pid} exited, after " in t.stdout and "Traceback" not in t.stderr
     print(f"exit to end of trace (incl. detaching): {time.monotonic() - t0:.1f} s")
 
 
@@ -177,7 +177,7 @@ def test_ctrl_c_ends_trace_with_summary(fake_cuda, drivers, tmp_path):
     summary = read_summary(str(out))
     assert summary["ended"] == "interrupted"
     _assert_exact(summary, d.pid)
-    assert "ended: interrupted" in t.stdout and "Traceback" not in t.stderr and "Aborted" not in t.stderr
+    assert "ended: interrupted (Ctrl-C or SIGTERM) after " in t.stdout and "Traceback" not in t.stderr and "Aborted" not in t.stderr
     with open("/sys/kernel/tracing/uprobe_events") as f:
         assert fake_cuda["lib"] not in f.read()
 
@@ -329,7 +329,7 @@ def test_summary_from_snapshot_without_kernels():
     c = Console(width=200, record=True, file=io.StringIO())
     c.print(trace_mod.render_summary(s))
     text = c.export_text()
-    assert "ended: interrupted" in text and "cuMemAlloc_v2" in text and "≤1.02 µs" in text
+    assert "ended: interrupted (Ctrl-C or SIGTERM) after 1.2 s" in text and "cuMemAlloc_v2" in text and "≤1.02 µs" in text
 
 
 def test_output_writes_a_perfetto_trace_with_every_call(fake_cuda, drivers, tmp_path):
@@ -406,3 +406,91 @@ def test_output_in_a_missing_directory_is_refused_by_name(drivers, tmp_path):
     r = _run("--pid", str(d.pid), "--output", str(tmp_path / "nope" / "trace.json"))
     assert r.returncode == 1
     assert f"--output {tmp_path / 'nope' / 'trace.json'}: the directory {tmp_path / 'nope'} does not exist" in r.stderr
+
+
+# driver.c's "loop": each iteration cuMemAlloc_v2 (4096 B, freed), cuMemAlloc_v2 (8192 B, kept),
+# cuLaunchKernel (A), cuMemFree_v2 (the 4096 B), cuStreamSynchronize: in this order, one thread.
+LOOP = ("alloc_a", "alloc_b", "launch", "free", "sync")
+
+
+def _loop_prefix(k: int) -> dict:
+    """The counts of the first k calls of the loop."""
+    n, r = divmod(k, len(LOOP))
+    done = {c: n + (i < r) for i, c in enumerate(LOOP)}
+    return {"cuMemAlloc_v2": done["alloc_a"] + done["alloc_b"], "cuLaunchKernel": done["launch"],
+            "cuMemFree_v2": done["free"], "cuStreamSynchronize": done["sync"],
+            "live_allocations": done["alloc_a"] - done["free"] + done["alloc_b"],
+            "live_bytes": 4096 * (done["alloc_a"] - done["free"]) + 8192 * done["alloc_b"]}
+
+
+def _row(text: str, first: str) -> list[str]:
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] == [first]]
+    assert len(rows) == 1, (first, text)
+    return rows[0]
+
+
+def test_summary_of_a_process_still_calling_is_one_instant(fake_cuda, drivers, tmp_path):
+    # The trace ends while the process calls as fast as it can: every table (and the JSON) must
+    # be the same prefix of its calls, not each map read a little later than the one before.
+    d = drivers(None, "loop")
+    out = tmp_path / "summary.json"
+    t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--summary-json", str(out),
+              "--duration", "2", "--interval", "0.5")
+    try:
+        t.wait_attached()
+        d.go()
+        assert t.wait() == 0, t.stderr
+        assert d.proc.poll() is None  # still calling when the trace ended
+    finally:
+        d.proc.kill()
+    s = read_summary(str(out))
+    calls = {api: a["calls"] for api, a in s["apis"].items()}
+    assert calls.pop("cuModuleGetFunction") == 1
+    k = sum(calls.values())
+    assert k > 1000, calls  # it did run meanwhile
+    want = _loop_prefix(k)
+    assert calls == {api: want[api] for api in calls} and set(calls) == set(LOOP_APIS), (k, calls)
+    assert s["memory"] == {"live_bytes": want["live_bytes"], "live_allocations": want["live_allocations"],
+                           "allocations": want["cuMemAlloc_v2"], "frees": want["cuMemFree_v2"]}
+    assert sum(k["launches"] for k in s["kernels"]) == want["cuLaunchKernel"]
+    assert sum(st["allocations"] for st in s["stacks"]) == want["live_allocations"]
+    assert sum(st["bytes"] for st in s["stacks"]) == want["live_bytes"]
+    assert s["dropped_events"] == 0
+    # the printed tables are the same numbers
+    text = t.stdout[t.stdout.index("ended"):]
+    for api in LOOP_APIS:
+        assert _row(text, api)[1] == str(want[api])
+    kernel = next(line for line in text.splitlines() if line.startswith("add_kernel"))
+    assert str(want["cuLaunchKernel"]) == kernel.split(")")[1].split()[0]
+    assert (f"in {want['live_allocations']} allocations · {want['cuMemAlloc_v2']} allocations, "
+            f"{want['cuMemFree_v2']} frees") in text
+
+
+LOOP_APIS = ("cuLaunchKernel", "cuMemAlloc_v2", "cuMemFree_v2", "cuStreamSynchronize")
+
+
+def test_otlp_with_no_receiver_fails_in_one_line_saying_where(fake_cuda, drivers, tmp_path):
+    from tests.conftest import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    config = tmp_path / "gpuwatch.toml"
+    config.write_text(f'[otlp]\nendpoint = "{endpoint}"\nprotocol = "grpc"\ntimeout = 1\n')
+    d = drivers()
+    out = tmp_path / "summary.json"
+    t = Trace("--pid", str(d.pid), "--library", fake_cuda["lib"], "--otlp", "--config", str(config),
+              "--summary-json", str(out), "--interval", "0.5", "--duration", "2")
+    t.wait_attached()
+    d.go()
+    assert t.wait(90) == 1, t.output
+    total = sum(c for c, _e, _b in EXPECTED.values())
+    errors = [line for line in t.err if line.startswith("Error: ")]
+    assert len(errors) == 1, t.stderr
+    assert errors[0].startswith(f"Error: --otlp: none of the {total + 1} spans reached the OTLP receiver at "
+                                f"{endpoint} (grpc, the config's [otlp] section): "), errors
+    # why, in gRPC's words (a loaded machine may hit the 1 s deadline before the refusal)
+    assert "StatusCode.UNAVAILABLE" in errors[0] or "StatusCode.DEADLINE_EXCEEDED" in errors[0], errors
+    # nothing from the OpenTelemetry library itself, however many batches failed
+    assert "opentelemetry" not in t.stderr and "Transient error" not in t.stderr, t.stderr
+    assert "Traceback" not in t.stderr
+    summary = read_summary(str(out))  # the summary is there all the same
+    assert sum(a["calls"] for a in summary["apis"].values()) == total and summary["events"]["recorded"] == total

@@ -101,7 +101,7 @@ def test_process_exits_while_the_trace_attaches(world, drivers):
     d.proc.wait()
     rc = t.wait(60)
     if "tracing PID" in t.stderr:  # it attached before the kill took: then the exit ends the trace
-        assert rc == 0 and "ended: process exited" in t.stdout, t.output
+        assert rc == 0 and f"ended: process {d.pid} exited, after " in t.stdout, t.output
         print("the probe attached before the kill took effect: the exit ended the trace")
     else:
         assert rc == 1, t.output

@@ -193,7 +193,8 @@ def test_a_full_log_queue_drops_and_counts(http_receiver):
     try:
         for i in range(200):
             e.event(Event("probe.down", "", {"n": i}))
-        stats = {(s.labels["signal"], s.labels["result"]): s.value for s in OtlpStatsProbe(e).collect()}
+        stats = {(s.labels["signal"], s.labels["result"]): s.value for s in OtlpStatsProbe(e).collect()
+             if s.metric == "gpuwatch.otlp.items"}
         assert stats.get(("logs", "dropped_queue_full"), 0) >= 150
     finally:
         e.shutdown()
