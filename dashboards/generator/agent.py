@@ -89,8 +89,15 @@ def dashboard() -> grafana.Dashboard:
             Row("OTLP export"),
             ts("OTLP items",
                Q(f'sum by (instance, signal, result) ({rate("gpuwatch.otlp.items")})',
-                 "{{instance}} {{signal}} {{result}}", needs="otlp")).unit("cps").span(24)
+                 "{{instance}} {{signal}} {{result}}", needs="otlp")).unit("cps").span(12)
             .description("Data points and log records exported, failed (refused, down or too slow after retries) "
                          "and dropped (the queue was full), from the OpenTelemetry SDK's own counters "
                          "(docs/otlp.md)."),
+            stat("OTLP export", Q(sel("gpuwatch.otlp.up"), "{{instance}}", needs="otlp")).span(6)
+            .thresholds(steps("red", (1, "green"))).mappings(value_texts({"1": "up", "0": "down"}))
+            .description("The agent's periodic metrics export reached the receiver last time (1) or not (0). "
+                         "Alert: GpuwatchOtlpExportDown."),
+            ts("OTLP failed batches", Q(f'sum by (instance, signal) ({rate("gpuwatch.otlp.export.failures")})',
+                                        "{{instance}} {{signal}}", needs="otlp")).unit("cps").span(6)
+            .description("Export batches the receiver did not take, by signal."),
         ])

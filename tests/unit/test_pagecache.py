@@ -300,7 +300,9 @@ def test_probe_end_to_end_and_exit_midway(big, caplog):
             assert s.labels == {"pid": str(p.pid), "process": "reader", "file": big}
         by = {s.metric: s.value for s in samples}
         assert by["gpuwatch.process.file.size"] == SIZE
-        assert by["gpuwatch.process.file.cache.resident"] >= SIZE - 16 * PAGE
+        # what reclaim took back under memory pressure (cachestat's evicted) is the only slack
+        assert (by["gpuwatch.process.file.cache.resident"] + by.get("gpuwatch.process.file.cache.evicted", 0.0)
+                >= SIZE - 16 * PAGE)
         fd = os.open(big, os.O_RDONLY)
         has_cachestat = cachestat(fd) is not None
         os.close(fd)
