@@ -134,6 +134,10 @@ class Finding:
 class Detector(abc.ABC):
     name: str = "detector"
     interval: float = 0.0  # seconds between judgements; 0: every tick
+    kinds: tuple[str, ...] = ()  # the finding kinds it reports: what `gpuwatch findings --kind` accepts
+    # Probes whose series it judges, any one enough: with none of them up it is blind, and
+    # `gpuwatch findings` says so rather than "no open findings".
+    needs: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def observe(self, history: "History") -> Iterable[Finding]:

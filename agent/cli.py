@@ -234,8 +234,14 @@ def _print_findings(found: dict, what: str) -> None:
     from rich.markup import escape
 
     console = _console()
+    blind = found.get("blind") or []  # an older agent does not send it
     if not found["open"]:
-        console.print(f"no open {what}")
+        # With every detector asked blind, "no findings" would be a claim nobody checked.
+        console.print(f"no open {what}" if found.get("seeing", True) else
+                      f"cannot tell whether there are {what}: the detectors that find them have no data")
+    for b in blind:
+        console.print(f"[yellow]blind[/yellow] {escape(b['detector'])} detector ({escape(', '.join(b['kinds']))}): "
+                      f"{escape(b['reason'])}", soft_wrap=True)
     for f in found["open"]:
         color = "red" if f["severity"] == "critical" else "yellow"
         console.print(f"[{color}]{f['severity'].upper()}[/{color}] {escape(f['summary'])}")
@@ -276,6 +282,13 @@ def _print_findings(found: dict, what: str) -> None:
             console.print(f"  {_when(e['ts'])}  {e['event'].removeprefix('finding.'):7}  {escape(e['summary'])}")
 
 
+def _exit_if_blind(found: dict) -> None:
+    """Exit status 2 when nothing is open because every detector asked had no data: unknown, not
+    healthy (as a monitoring check says UNKNOWN), for scripts and cron jobs."""
+    if not found["open"] and found.get("seeing", True) == []:
+        raise SystemExit(2)
+
+
 _FINDINGS_OPTIONS = [
     config_option,
     click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
@@ -296,24 +309,30 @@ def leaks(config_path: str | None, socket_path: str | None, as_json: bool) -> No
     """GPU memory leaks the running agent sees now, and recent ones.
 
     Per process and GPU: which color grows (white: tensors, grey: the allocator's pool, black:
-    memory outside the allocator), how fast, and when the GPU runs out at that rate."""
+    memory outside the allocator), how fast, and when the GPU runs out at that rate. Exit status 2
+    when the leak detector has no data (NVML down: it says why)."""
     found = _ask_findings(config_path, socket_path, "memory_leak")
     if as_json:
         _echo_json(found)
-        return
-    _print_findings(found, "memory leaks")
+    else:
+        _print_findings(found, "memory leaks")
+    _exit_if_blind(found)
 
 
 @main.command(context_settings=CONTEXT)
 @_findings_options
 @click.option("--kind", metavar="KIND", help="Only findings of this kind (e.g. memory_leak).")
 def findings(config_path: str | None, socket_path: str | None, as_json: bool, kind: str | None) -> None:
-    """Everything the running agent's detectors report now, and what opened and closed recently."""
+    """Everything the running agent's detectors report now, and what opened and closed recently.
+
+    A detector none of whose probes is up is listed as blind, with why; exit status 2 when every
+    detector asked is blind."""
     found = _ask_findings(config_path, socket_path, kind)
     if as_json:
         _echo_json(found)
-        return
-    _print_findings(found, f"{kind} findings" if kind else "findings")
+    else:
+        _print_findings(found, f"{kind} findings" if kind else "findings")
+    _exit_if_blind(found)
 
 
 @main.group(context_settings=CONTEXT)
@@ -326,17 +345,17 @@ def baseline() -> None:
 
 @baseline.command("run", context_settings=CONTEXT)
 @_findings_options
-@click.option("--gpu", type=click.IntRange(min=0), metavar="N", help="Only GPU N (NVML's index). Default: each GPU.")
+@click.option("--gpu", metavar="GPU", help="Only this GPU: its index or UUID, as `gpuwatch gpus` shows. Default: each GPU.")
 @click.option("--force", is_flag=True, help="Run even on a GPU with compute processes (it slows them and "
                                             "they disturb the measurement).")
-def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool, gpu: int | None,
+def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool, gpu: str | None,
                  force: bool) -> None:
     """Run the reference workload now, through the running agent (root); judged and kept."""
     from gpuwatch.agent import baseline_view
 
     timeout = config_mod.load(config_path, {}).baseline.timeout * 2 + 60
     if not as_json:
-        click.echo(f"running the reference workload on {'GPU %d' % gpu if gpu is not None else 'each GPU'} "
+        click.echo(f"running the reference workload on {'GPU ' + gpu if gpu is not None else 'each GPU'} "
                    "(a few seconds each; the first run compiles the kernels)...", err=True)
     results = _ask(config_path, socket_path, "baseline.run", {"gpu": gpu, "force": force}, timeout)
     if as_json:
@@ -355,7 +374,7 @@ def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool
 
 @baseline.command("show", context_settings=CONTEXT)
 @_findings_options
-@click.option("--gpu", metavar="UUID", help="Only this GPU (its UUID, as `gpuwatch gpus` shows).")
+@click.option("--gpu", metavar="GPU", help="Only this GPU: its index or UUID, as `gpuwatch gpus` shows.")
 @click.option("--last", type=click.IntRange(1, 1000), default=30, show_default=True, help="How many runs.")
 def baseline_show(config_path: str | None, socket_path: str | None, as_json: bool, gpu: str | None,
                   last: int) -> None:
@@ -398,7 +417,8 @@ def _print_status(st: dict) -> None:
         t.add_column(col)
     for name, p in sorted(st.get("probes", {}).items()):
         state = p["state"]
-        color = "green" if state == "up" else "yellow" if state in ("starting", "late") else "red"
+        color = ("green" if state == "up" else "yellow" if state in ("starting", "late")
+                 else "dim" if state == "disabled" else "red")  # disabled: off by the install, not down
         t.add_row(escape(name), f"[{color}]{escape(state)}[/{color}]", f"{p['last_duration'] * 1e3:.1f}",
                   str(p["late_total"]), str(p["errors_total"]), escape(p.get("reason", "")))
     console.print(t)

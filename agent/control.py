@@ -181,7 +181,12 @@ class ControlServer:
         gid = _gid(self.group) if self.group else None
         directory = os.path.dirname(os.path.abspath(self.path))
         self._make_dir(directory, gid)
-        self._clear_stale()
+        try:
+            self._clear_stale()
+        except PermissionError:  # a directory another user (root, an earlier run) made and keeps closed
+            raise ControlError(f"cannot use the control socket {self.path}: {_closed_to_us(directory)}; run "
+                               "as its owner, or give this agent a directory of its own (--runtime-dir DIR, "
+                               "or control.socket)") from None
         # Bind under a temporary name, set mode and group, then rename into place: the socket
         # is never reachable with the umask's permissions, and clients never see a half-made one.
         tmp = os.path.join(directory, f".gw{os.getpid()}.sock")
@@ -584,8 +589,7 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
             raise ControlError(f"no gpuwatch agent is listening on {path} "
                                f"(is `gpuwatch agent` / the gpuwatch service running?)") from None
         except PermissionError:
-            raise ControlError(f"permission denied on {path}: run as root or as a member "
-                               f"of the socket's group") from None
+            raise ControlError(_not_reachable(path)) from None
         except BlockingIOError:  # the listen backlog is full
             raise ControlError(f"the gpuwatch agent on {path} is too busy to accept "
                                f"a connection; try again") from None
@@ -629,6 +633,62 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
         return result_type.parse(reply.get("result"), "result")
     except wire.WireError as e:
         raise ControlError(f"unexpected reply to {method!r} from {path}: {e}") from None
+
+
+def _closed_to_us(directory: str) -> str:
+    """Why this user cannot get at a path in `directory`, for a person."""
+    try:
+        st = os.stat(directory)
+    except OSError as e:
+        return f"{directory}: {e.strerror or e}"
+    return (f"{directory} is mode {stat.S_IMODE(st.st_mode):o}, owned by {_user_name(st.st_uid)}:"
+            f"{_group_name(st.st_gid)}, and not open to {_user_name(os.geteuid())}")
+
+
+def _user_name(uid: int) -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def running_agents() -> list[tuple[int, str]]:
+    """(pid, user) of the `gpuwatch agent` processes on this host, from their command lines: which
+    says, when the socket cannot be reached, whether there is an agent to reach at all."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "username"]):
+        try:
+            cmd = p.info["cmdline"] or []
+        except (psutil.Error, KeyError):
+            continue
+        # `gpuwatch agent ...`, or `python -m gpuwatch.agent.cli agent ...`
+        words = [os.path.basename(w) for w in cmd[:4]]
+        if "agent" in cmd[1:4] and ("gpuwatch" in words or "gpuwatch.agent.cli" in cmd[:4]):
+            found.append((p.pid, p.info.get("username") or "?"))
+    return found
+
+
+def _not_reachable(path: str) -> str:
+    """The error for a socket this user may not open: whether an agent runs says what to do."""
+    why = _closed_to_us(os.path.dirname(os.path.abspath(path)))
+    agents = [(pid, user) for pid, user in running_agents() if pid != os.getpid()]
+    if not agents:
+        return (f"no gpuwatch agent is running here (no `gpuwatch agent` process is visible, and {path} is "
+                f"not reachable for you: {why}); start one (`systemctl start gpuwatch`, or `gpuwatch agent`)")
+    who = ", ".join(f"pid {pid} as {user}" for pid, user in agents[:4])
+    return (f"permission denied on {path} ({why}); a gpuwatch agent runs ({who}): run as root, or as a member "
+            "of its control.group")
 
 
 def _connect(sock: socket.socket, path: str, deadline: float) -> None:

@@ -231,13 +231,13 @@ class Daemon:
         # The reference workload: judged runs kept in the store; unavailable without torch/triton.
         self.baseline = None
         if cfg.baseline.enabled:
-            from gpuwatch.probes.baseline.probe import BaselineProbe, gpu_uuids
+            from gpuwatch.probes.baseline.probe import BaselineProbe
 
-            gpus = gpu_uuids
-            if cfg.baseline.replay:
-                from gpuwatch.probes.baseline.replay import replay_uuids
+            from gpuwatch.probes import nvml
 
-                gpus = functools.partial(replay_uuids, cfg.baseline.replay, cfg.nvml.replay_gpus or 1)
+            # NVML's GPUs, replayed ones included: a run is kept under the UUID of the GPU it was
+            # asked to run on (the agent's identity for it), never under what the child printed.
+            gpus = functools.partial(nvml.gpu_uuids, nvml.backend_factory(cfg))
             self.baseline = BaselineProbe(self.store, every=cfg.baseline.interval, python=cfg.baseline.python,
                                           timeout=cfg.baseline.timeout, replay=cfg.baseline.replay, gpus=gpus)
             probes.append(self.baseline)
@@ -426,13 +426,31 @@ class Daemon:
             raise ControlError(f"the reference workload cannot run: {st.reason}")
         return self.baseline
 
+    def _gpu_ref(self, ref: str, known_only: bool = True) -> tuple[int | None, str]:
+        """(index, UUID) of the GPU a person named by NVML index or UUID, from NVML's latest view.
+        A UUID NVML does not list now is taken as given where known_only is false (the kept runs
+        of a GPU since removed)."""
+        gpus = {s.resource: int(s.labels.get("index", -1)) for s in self.runner.snapshot.by_metric("gpuwatch.gpu")}
+        by_index = {i: u for u, i in gpus.items()}
+        listing = ", ".join(f"{i} ({u})" for i, u in sorted(by_index.items())) or "none now: NVML is not up"
+        if ref.isdigit():
+            if int(ref) in by_index:
+                return int(ref), by_index[int(ref)]
+            raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
+        if ref in gpus:
+            return gpus[ref], ref
+        if not known_only:
+            return None, ref
+        raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
+
     def _baseline_run(self, params: wire.BaselineRunParams, peer: PeerCred) -> list[dict]:
         """baseline.run {"gpu": N?, "force": bool?}: run the reference workload now on GPU N (each GPU
         without one), judged and stored; the results. Root only: it takes the GPU for a second or two,
         and force runs it beside other processes."""
-        gpu, force = params.gpu, params.force
+        force = params.force
         if not peer.is_root:
             raise ControlError("only root may run the reference workload (it takes the GPU for a while)")
+        gpu = None if params.gpu is None else self._gpu_ref(params.gpu)[0]
         try:
             return self._baseline_probe().run_now(gpu, force)
         except TimeoutError as e:
@@ -440,7 +458,8 @@ class Daemon:
 
     def _baseline_show(self, params: wire.BaselineShowParams, peer: PeerCred) -> dict:
         """baseline.show {"gpu": UUID?, "limit": N?}: stored runs, oldest first, with their verdicts."""
-        gpu, limit = params.gpu, params.limit
+        limit = params.limit
+        gpu = None if params.gpu is None else self._gpu_ref(params.gpu, known_only=False)[1]
         if self.store is None:
             raise ControlError(f"the agent runs without its store ({self.store_error}): no runs are kept")
         try:
@@ -453,6 +472,13 @@ class Daemon:
         updated and closed events, from the store across restarts. Anyone who may use the socket
         sees them, as on /metrics."""
         kind = params.kind
+        known = sorted({k for det in self.runner.detectors for k in det.kinds} | {"oom"})
+        if kind is not None and kind not in known:
+            import difflib
+
+            close = difflib.get_close_matches(kind, known, n=1)
+            raise ControlError(f"no finding kind {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                               + f"; the kinds are {', '.join(known)}")
         snap = self.runner.snapshot
         # History from the store (it outlives restarts); the agent's own memory when there is none.
         events = [e for e in snap.events if e.kind.startswith("finding.")]
@@ -469,7 +495,26 @@ class Daemon:
             # The OOMs, each beside the forecast its leak finding made: with leaks too (what they foretold)
             "ooms": [as_dict(e) for e in events if e.kind == "finding.oom"][-OOMS_SHOWN:]
                     if kind in (None, "memory_leak", "oom") else [],
+            **self._detectors_sight(snap, "memory_leak" if kind == "oom" else kind),
         }
+
+    def _detectors_sight(self, snap, kind: str | None) -> dict:
+        """The detectors (of findings of `kind`) that can see ("seeing") and those none of whose
+        probes is up ("blind"): their "no finding" means nothing; each blind one with why, from its
+        probes' states."""
+        blind, seeing = [], []
+        for det in self.runner.detectors:
+            if kind is not None and kind not in det.kinds:
+                continue
+            states = {name: snap.probes.get(name) for name in det.needs}
+            if not det.needs or any(st is not None and st.up for st in states.values()):
+                seeing.append(det.name)
+                continue
+            why = "; ".join(f"probe {name} {st.state}: {st.reason}" if st is not None and st.reason
+                            else f"probe {name} {st.state}" if st is not None
+                            else f"probe {name} is off in this agent's config" for name, st in states.items())
+            blind.append({"detector": det.name, "kinds": list(det.kinds), "reason": why})
+        return {"blind": blind, "seeing": seeing}
 
     def _live_stacks(self, pid: int, allocator: str | None = None) -> list[dict]:
         """The eBPF probe's allocation stacks for pid (of `allocator`: see live_stacks); [] when it
@@ -530,6 +575,12 @@ class Daemon:
     def start_listeners(self) -> None:
         """Open the metrics port and the control socket; raise DaemonError saying what is in the way.
         A port in use is waited for up to START_WAIT (an agent being restarted may still stop)."""
+        # The control socket first: an agent that cannot have it (another agent's, a directory another
+        # user keeps closed) refuses before it says it serves metrics.
+        try:
+            self.control.start()
+        except ControlError as e:
+            raise DaemonError(str(e)) from None
         deadline = time.monotonic() + START_WAIT
         for exp in self.exporters:
             said = False
@@ -547,16 +598,11 @@ class Daemon:
                         continue
                     for started in self.exporters[:self.exporters.index(exp)]:
                         started.shutdown()
+                    self.control.stop()
                     who = f" by {port_holder(getattr(exp, 'port', 0))}" if e.errno == errno.EADDRINUSE else ""
                     raise DaemonError(f"cannot serve metrics on {self.cfg.prometheus.listen}: {e.strerror or e}{who} "
                                       f"(another gpuwatch agent or exporter on that port? stop it, or set "
                                       f"prometheus.listen or --listen)") from None
-        try:
-            self.control.start()
-        except ControlError as e:
-            for exp in self.exporters:
-                exp.shutdown()
-            raise DaemonError(str(e)) from None
 
     def _log_missing_capabilities(self) -> None:
         """Say at start which probe, or which part of one, is off for which missing capability."""

@@ -303,17 +303,21 @@ class FindingsParams(Message):
     kind: str | None = wire(Opt(Str(64, pattern=r"[a-z][a-z0-9_]*")), None)
 
 
+# A GPU as a person names it: NVML's index ("0") or its UUID ("GPU-0af3...", "MIG-...").
+GPU_REF = Str(96, pattern=r"[A-Za-z0-9_.:-]+")
+
+
 @dataclass(frozen=True)
 class BaselineRunParams(Message):
     name: ClassVar[str] = "params"
-    gpu: int | None = wire(Opt(Int(0, MAX_GPUS - 1)), None)
+    gpu: str | None = wire(Opt(GPU_REF), None)  # an index or a UUID; the agent resolves it
     force: bool = wire(Bool(), False)
 
 
 @dataclass(frozen=True)
 class BaselineShowParams(Message):
     name: ClassVar[str] = "params"
-    gpu: str | None = wire(Opt(Str(96, pattern=r"[A-Za-z0-9_.:-]+")), None)
+    gpu: str | None = wire(Opt(GPU_REF), None)  # an index or a UUID; the agent resolves it
     limit: int = wire(Int(1, 1000), 30)
 
 

@@ -126,6 +126,8 @@ class HealthDetector(Detector):
     """Findings from the baseline probe's verdict samples (the latest run of each GPU)."""
 
     name = "health"
+    kinds = (KIND_SLOWER, KIND_BELOW_SKU, KIND_WRONG)
+    needs = ("baseline",)
     interval = 10.0
     settings = HealthSettings()
 

@@ -126,6 +126,8 @@ class GpuWork:
 
 class HostBoundDetector(Detector):
     name = "host_bound"
+    kinds = (KIND,)
+    needs = ("nvml", "ebpf")
     interval = 5.0  # seconds between judgements: cheap, and a 30 s window needs a quick look
 
     def __init__(self, settings: HostBoundSettings | None = None) -> None:

@@ -29,6 +29,8 @@ def _launch_api(api: str) -> bool:
 class LaunchDetector(Detector):
     name = "launch"
     interval = 10.0
+    kinds = ("launch_bound", "low_occupancy", "degenerate_grid")
+    needs = ("ebpf", "cupti")
 
     def __init__(self, window: float = 60.0, launch_rate: float = 5000.0, short_kernel: float = 20e-6,
                  busy: float = 0.6, low_occupancy: float = 0.25, occupancy_share: float = 0.3,

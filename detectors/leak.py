@@ -246,6 +246,8 @@ class LeakDetector(Detector):
     """Three-color leak findings per GPU and process (see the module docstring)."""
 
     name = "leak"
+    kinds = (KIND,)
+    needs = ("nvml",)
     interval = 10.0  # seconds between judgements: trends over minutes need no faster look
 
     def __init__(self, settings: LeakSettings | None = None, allocators: Mapping[str, str] | None = None) -> None:

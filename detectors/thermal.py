@@ -46,6 +46,9 @@ def first_rise(points: Sequence[tuple[float, float]], since: float) -> float | N
 class ThermalDetector(Detector):
     name = "thermal"
     interval = 10.0
+    kinds = ("gpu_lost", "throttling", "thermal_margin", "xid", "ecc_uncorrected", "rows_remapped",
+             "row_remap_failure", "row_remap_pending")
+    needs = ("nvml",)
 
     def __init__(self, window: float = 300.0, event_window: float = 600.0, margin_celsius: float = 5.0,
                  min_throttle_seconds: float = 10.0) -> None:

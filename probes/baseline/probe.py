@@ -11,6 +11,7 @@ child). HealthDetector turns those values into findings.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ import threading
 import time
 from typing import Callable
 
-from gpuwatch.agent.api import Event, Probe, ProbeDisabled, ProbeUnavailable, Sample
+from gpuwatch.agent.api import Event, Probe, ProbeDisabled, Sample
 from gpuwatch.detectors import health
 from gpuwatch.probes.baseline import missing
 
@@ -61,30 +62,19 @@ def child_command(gpu: int, python: str = "", replay: str = "", nth: int = 0, fo
     return [python, "-c", BOOT, json.dumps(package_dirs()), *args]
 
 
-def gpu_uuids() -> list[str]:
-    """The GPUs' UUIDs in NVML's order (the child numbers them the same: CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
-    import pynvml as N
-
-    N.nvmlInit()
-    try:
-        out = []
-        for i in range(N.nvmlDeviceGetCount()):
-            u = N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByIndex(i))
-            out.append(u.decode() if isinstance(u, bytes) else u)
-        return out
-    finally:
-        N.nvmlShutdown()
-
-
 class BaselineProbe(Probe):
     name = "baseline"
     interval = 1.0
     deadline = 2.0
 
     def __init__(self, store=None, every: float = 21600.0, python: str = "", timeout: float = 300.0,
-                 replay: str = "", gpus: Callable[[], list[str]] = gpu_uuids, clock: Callable[[], float] = time.time,
+                 replay: str = "", gpus: Callable[[], list[str]] | None = None, clock: Callable[[], float] = time.time,
                  first_delay: float = 120.0) -> None:
         self.store, self.every, self.python, self.timeout, self.replay = store, every, python, timeout, replay
+        if gpus is None:  # NVML's own GPUs (the daemon passes the replayed ones when it replays)
+            from gpuwatch.probes.nvml import RealBackend, gpu_uuids
+
+            gpus = functools.partial(gpu_uuids, RealBackend)
         self.gpus, self.clock, self.first_delay = gpus, clock, first_delay
         self._lock = threading.Lock()
         self._latest: dict[str, dict] = {}  # GPU UUID -> its latest judged run
@@ -230,6 +220,14 @@ class BaselineProbe(Probe):
             reason = result.get("error") or f"{_exit_text(proc.returncode)}: {tail[0][:300]}"
             return self._failed(gpu, reason, started)
         self._due[gpu] = started + self.every
+        ours = self._uuid(gpu)
+        if ours and result["uuid"] != ours:
+            # The agent names the GPU it asked for: a replayed run carries the recording's UUID, and
+            # a real child numbering GPUs otherwise than NVML (CUDA_VISIBLE_DEVICES) is worth a word.
+            if not self.replay:
+                log.warning("baseline: GPU %d is %s to NVML but the workload reported %s (CUDA_VISIBLE_DEVICES "
+                            "set for the agent?); kept under %s", gpu, ours, result["uuid"], ours)
+            result["uuid"] = ours
         return self._judge_and_keep(result, started)
 
     def _failed(self, gpu: int, reason: str, started: float) -> dict:

@@ -47,23 +47,37 @@ def test_runs_are_judged_kept_exported_and_a_wrong_answer_is_a_finding(agent_fac
             break
         time.sleep(0.5)
     assert [f["kind"] for f in found] == ["silent_data_corruption"] and found[0]["severity"] == "critical"
+    # Kept under the replayed GPU's UUID (NVML's), not the one the recorded run carries: the agent
+    # names the GPU it asked the workload to run on.
+    uuid = json.loads(FIXTURE.read_text())["gpus"][0]["uuid"][0]["value"]
+    assert uuid != runs[0]["uuid"] and found[0]["resource"] == uuid
     text = agent.metrics()
-    assert 'gpuwatch_baseline_wrong_answers{gpu="' + runs[0]["uuid"] + '"} 2.0' in text
-    assert 'gpuwatch_baseline_runs_total{gpu="' + runs[0]["uuid"] + '",result="wrong"} 1.0' in text
+    assert 'gpuwatch_baseline_wrong_answers{gpu="' + uuid + '"} 2.0' in text
+    assert 'gpuwatch_baseline_runs_total{gpu="' + uuid + '",result="wrong"} 1.0' in text
+    # Either name of a GPU, everywhere one is named
+    by_index = json.loads(gpuwatch("baseline", "show", "--socket", sock, "--json", "--gpu", "0").stdout)
+    by_uuid = json.loads(gpuwatch("baseline", "show", "--socket", sock, "--json", "--gpu", uuid).stdout)
+    assert len(by_index) == 7 and by_index == by_uuid and {r["uuid"] for r in by_index} == {uuid}
+    out = gpuwatch("baseline", "run", "--socket", sock, "--gpu", uuid, "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)[0]["uuid"] == uuid
 
 
 def test_bad_requests_get_clear_errors(agent_factory, tmp_path):
     agent = agent_factory("--nvml-replay", str(FIXTURE), "--no-ebpf", "--baseline-replay", str(BASELINE))
     agent.metrics()
     sock = str(agent.socket)
-    with pytest.raises(control.ControlError, match="baseline.run refused: gpu: must be an integer from 0 to 1023, got -1"):
+    with pytest.raises(control.ControlError, match="baseline.run refused: gpu: must be a string, got int"):
         control.call(sock, "baseline.run", {"gpu": -1})
+    with pytest.raises(control.ControlError, match=r"no GPU -1 on this node; its GPUs are 0 \(GPU-0af39ec1-"):
+        control.call(sock, "baseline.run", {"gpu": "-1"})
     with pytest.raises(control.ControlError, match="force"):
         control.call(sock, "baseline.run", {"force": "yes"})
     with pytest.raises(control.ControlError, match="baseline.show refused: limit: must be an integer from 1 to 1000, got 0"):
         control.call(sock, "baseline.show", {"limit": 0})
     out = gpuwatch("baseline", "run", "--socket", sock, "--gpu", "3")
-    assert out.returncode == 1 and "no GPU 3: NVML sees 1" in out.stdout
+    assert out.returncode == 1 and "\nError: no GPU 3 on this node; its GPUs are 0 (GPU-0af39ec1-" in out.stderr
+    out = gpuwatch("baseline", "show", "--socket", sock, "--gpu", "1")  # was "no runs kept yet"
+    assert out.returncode == 1 and out.stderr.startswith("Error: no GPU 1 on this node")
     out = gpuwatch("baseline", "show", "--socket", sock)
     assert out.returncode == 0 and "no runs kept yet" in out.stdout
 

@@ -22,11 +22,49 @@ def test_leaks_and_findings_on_a_healthy_node(agent_factory):
     out = gpuwatch("leaks", "--socket", str(agent.socket))
     assert out.returncode == 0 and out.stdout.strip() == "no open memory leaks", out.stderr
     out = gpuwatch("findings", "--socket", str(agent.socket), "--json")
-    assert out.returncode == 0 and json.loads(out.stdout) == {"open": [], "recent": [], "ooms": []}
+    # eBPF is off, but the in-process reports (cupti) feed the launch detector: none is blind
+    assert out.returncode == 0 and json.loads(out.stdout) == {
+        "open": [], "recent": [], "ooms": [], "blind": [],
+        "seeing": ["leak", "thermal", "launch", "health", "host_bound"]}
     out = gpuwatch("findings", "--socket", str(agent.socket), "--kind", "memory_leak")
     assert out.stdout.strip() == "no open memory_leak findings"
     with pytest.raises(control.ControlError, match=r'findings refused: kind: must be a string, got int'):
         control.call(str(agent.socket), "findings", {"kind": 3})
+    # A misspelt kind is an error with the nearest kind, not "no open memory_leek findings"
+    out = gpuwatch("findings", "--socket", str(agent.socket), "--kind", "memory_leek")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.startswith("Error: no finding kind 'memory_leek' (did you mean 'memory_leak'?); the kinds are "
+                                 "degenerate_grid, ecc_uncorrected, gpu_below_sku, gpu_lost,"), out.stderr
+    out = gpuwatch("findings", "--socket", str(agent.socket), "--kind", "oom", "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["seeing"] == ["leak"]
+
+
+def test_blind_detectors_say_so_and_why_and_exit_2(agent_factory, tmp_path):
+    """NVML down (here: given a file that is not a recording): "no open memory leaks" would be a
+    claim nobody checked. The leak detector is blind, says why, and the exit status is 2 (unknown)."""
+    bad = tmp_path / "not-a-recording.json"
+    bad.write_text("{}")
+    agent = agent_factory("--nvml-replay", str(bad), "--no-ebpf", "--no-baseline")
+    agent.metrics()
+    deadline = time.time() + 20
+    while time.time() < deadline:  # the first tick: nvml down
+        out = gpuwatch("leaks", "--socket", str(agent.socket))
+        if out.returncode == 2:
+            break
+        time.sleep(0.2)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stdout.splitlines()
+    assert lines[0] == "cannot tell whether there are memory leaks: the detectors that find them have no data"
+    assert lines[1] == (f"blind leak detector (memory_leak): probe nvml unavailable: {bad} is not a gpuwatch NVML "
+                        "recording (`gpuwatch debug record-nvml` writes them): format None, expected "
+                        "'gpuwatch-nvml-recording/1'"), lines
+    found = json.loads(gpuwatch("findings", "--socket", str(agent.socket), "--json").stdout)
+    assert [b["detector"] for b in found["blind"]] == ["leak", "thermal", "health", "host_bound"]
+    assert found["seeing"] == ["launch"]  # the in-process reports still come
+    health = next(b for b in found["blind"] if b["detector"] == "health")
+    assert health["reason"] == "probe baseline is off in this agent's config"
+    out = gpuwatch("findings", "--socket", str(agent.socket))
+    assert out.returncode == 0 and out.stdout.startswith("no open findings\nblind leak detector")
 
 
 def test_leaks_without_an_agent_says_so(tmp_path):
