@@ -667,6 +667,25 @@ def top(config_path: str | None, socket_path: str | None, standalone: bool, repl
         source.close()
 
 
+@main.command(context_settings=CONTEXT)
+@click.option("--dir", "directory", metavar="DIR", default="/tmp/gpuwatch-demo", show_default=True,
+              type=click.Path(file_okay=False), help="The demo agent's state and control socket.")
+@click.option("--gpus", type=click.IntRange(1, 64), default=8, show_default=True, metavar="N",
+              help="How many replayed GPUs.")
+@click.option("--listen", metavar="HOST:PORT", default="127.0.0.1:10480", show_default=True,
+              help="Where it serves /metrics.")
+def demo(directory: str, gpus: int, listen: str) -> None:
+    """A real agent on GPUs recorded on an H200: the whole tool on a machine without a GPU.
+
+    NVML and the reference workload are replayed from tests/fixtures (a clone of the repository),
+    eBPF is off. Prints how to point the CLI, Prometheus and Grafana at it; Ctrl-C stops it."""
+    from pathlib import Path
+
+    from gpuwatch.agent import demo as demo_mod
+
+    sys.exit(demo_mod.run(Path(directory).absolute(), gpus, listen, lambda line: click.echo(line)))
+
+
 @main.group(context_settings=CONTEXT)
 def debug() -> None:
     """Tools for developers of gpuwatch."""

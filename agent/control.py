@@ -586,8 +586,7 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
         try:
             _connect(sock, path, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
-            raise ControlError(f"no gpuwatch agent is listening on {path} "
-                               f"(is `gpuwatch agent` / the gpuwatch service running?)") from None
+            raise ControlError(_not_listening(path)) from None
         except PermissionError:
             raise ControlError(_not_reachable(path)) from None
         except BlockingIOError:  # the listen backlog is full
@@ -661,9 +660,11 @@ def _group_name(gid: int) -> str:
         return str(gid)
 
 
-def running_agents() -> list[tuple[int, str]]:
-    """(pid, user) of the `gpuwatch agent` processes on this host, from their command lines: which
-    says, when the socket cannot be reached, whether there is an agent to reach at all."""
+def running_agents() -> list[tuple[int, str, str]]:
+    """(pid, user, control socket) of the `gpuwatch agent` processes on this host, from their
+    command lines: which says, when the socket cannot be reached, whether there is an agent to reach
+    at all, and where one started with --runtime-dir or --socket listens ("" when its command line
+    does not say: its config file's, or the default)."""
     import psutil
 
     found = []
@@ -675,14 +676,45 @@ def running_agents() -> list[tuple[int, str]]:
         # `gpuwatch agent ...`, or `python -m gpuwatch.agent.cli agent ...`
         words = [os.path.basename(w) for w in cmd[:4]]
         if "agent" in cmd[1:4] and ("gpuwatch" in words or "gpuwatch.agent.cli" in cmd[:4]):
-            found.append((p.pid, p.info.get("username") or "?"))
+            found.append((p.pid, p.info.get("username") or "?", _socket_in(cmd)))
     return found
 
 
+def _socket_in(cmd: list[str]) -> str:
+    """The control socket an agent's command line gives (--socket, else --runtime-dir), or ""."""
+    flags: dict[str, str] = {}
+    for i, word in enumerate(cmd):
+        for flag in ("--socket", "--runtime-dir"):
+            if word == flag and i + 1 < len(cmd):
+                flags[flag] = cmd[i + 1]
+            elif word.startswith(flag + "="):
+                flags[flag] = word.split("=", 1)[1]
+    if flags.get("--socket"):
+        return flags["--socket"]
+    return os.path.join(flags["--runtime-dir"], "control.sock") if flags.get("--runtime-dir") else ""
+
+
+def _not_listening(path: str) -> str:
+    """The error for no agent on `path`, with where the agents that do run listen."""
+    text = f"no gpuwatch agent is listening on {path}"
+    elsewhere = [(pid, sock) for pid, _, sock in running_agents()
+                 if pid != os.getpid() and sock and os.path.abspath(sock) != os.path.abspath(path)]
+    if elsewhere:
+        pid, sock = elsewhere[0]
+        return (f"{text}; the agent pid {pid} listens on {sock}: pass --socket {sock}, or "
+                f"export GPUWATCH_SOCKET={sock}")
+    return text + " (is `gpuwatch agent` / the gpuwatch service running?)"
+
+
 def _not_reachable(path: str) -> str:
-    """The error for a socket this user may not open: whether an agent runs says what to do."""
-    why = _closed_to_us(os.path.dirname(os.path.abspath(path)))
-    agents = [(pid, user) for pid, user in running_agents() if pid != os.getpid()]
+    """The error for a socket this user may not open. Its directory open to us: the socket's own
+    mode refused us. Closed: we cannot see whether there is a socket, so whether an agent runs says
+    what to do."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.access(directory, os.X_OK):
+        return f"permission denied on {path}: run as root or as a member of the socket's group"
+    why = _closed_to_us(directory)
+    agents = [(pid, user) for pid, user, _ in running_agents() if pid != os.getpid()]
     if not agents:
         return (f"no gpuwatch agent is running here (no `gpuwatch agent` process is visible, and {path} is "
                 f"not reachable for you: {why}); start one (`systemctl start gpuwatch`, or `gpuwatch agent`)")

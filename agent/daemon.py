@@ -430,7 +430,7 @@ class Daemon:
         """(index, UUID) of the GPU a person named by NVML index or UUID, from NVML's latest view.
         A UUID NVML does not list now is taken as given where known_only is false (the kept runs
         of a GPU since removed)."""
-        gpus = {s.resource: int(s.labels.get("index", -1)) for s in self.runner.snapshot.by_metric("gpuwatch.gpu")}
+        gpus = {s.resource: int(s.labels.get("gpu_index", -1)) for s in self.runner.snapshot.by_metric("gpuwatch.gpu")}
         by_index = {i: u for u, i in gpus.items()}
         listing = ", ".join(f"{i} ({u})" for i, u in sorted(by_index.items())) or "none now: NVML is not up"
         if ref.isdigit():

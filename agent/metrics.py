@@ -141,7 +141,7 @@ METRICS: tuple[Metric, ...] = (
     # --- GPU identity and health --------------------------------------------------------------
     Metric("gpuwatch.gpu", "", Kind.INFO,
            "GPU identity: one series per GPU, value 1.",
-           ("gpu", "index", "name", "pci_bus_id", "driver_version", "cuda_driver_version",
+           ("gpu", "gpu_index", "name", "pci_bus_id", "driver_version", "cuda_driver_version",
             "vbios_version", "serial")),
     Metric("gpuwatch.gpu.up", "", Kind.GAUGE,
            "1 when the GPU answers NVML, 0 when it is lost or fell off the bus.", _G),

@@ -76,7 +76,7 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
     for s in samples:
         m, lab, v = s.metric, s.labels, s.value
         if m == "gpuwatch.gpu":
-            gpu(s.resource).update(index=int(lab.get("index", -1)), name=lab.get("name", ""))
+            gpu(s.resource).update(index=int(lab.get("gpu_index", -1)), name=lab.get("name", ""))
         elif m == "gpuwatch.gpu.up":
             gpu(s.resource)["up"] = bool(v)
         elif m == "hw.temperature" and lab.get("sensor") == "gpu":

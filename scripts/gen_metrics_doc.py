@@ -28,8 +28,11 @@ Every metric gpuwatch exports, from the one registry in `agent/metrics.py`. The 
 name is derived from the OpenTelemetry name: dots become underscores, the unit becomes a
 suffix, counters end in `_total` and identity series in `_info`; a histogram is the three
 series `_bucket` (with `le`), `_sum` and `_count`. Values are in base units.
-A `gpu` label, always first, holds the GPU UUID; model, index, PCI bus id and driver
-version are in `gpuwatch_gpu_info`.
+A `gpu` label, always first, holds the GPU UUID (its identity: an index changes with a
+reboot or `CUDA_VISIBLE_DEVICES`, the UUID does not); model, NVML's index (`gpu_index`, as
+dcgm-exporter's `gpu` and nvidia-smi number them), PCI bus id and driver version are in
+`gpuwatch_gpu_info`. To count GPUs by index, join it in:
+`hw_power_watts * on(instance, gpu) group_left(gpu_index) gpuwatch_gpu_info`.
 
 | Prometheus name | type | unit | labels | OTel name | help |
 |---|---|---|---|---|---|

@@ -149,11 +149,11 @@ def quantile(q: float, name: str, window: str = "$__range", by: str = "", **matc
 
 def with_index(expr: str) -> str:
     """expr with each GPU's index as a label: identity is the UUID, but people count GPUs by index."""
-    return (f"({expr}) * on(instance, gpu) group_left(index) "
-            f"max by (instance, gpu, index) ({sel('gpuwatch.gpu')})")
+    return (f"({expr}) * on(instance, gpu) group_left(gpu_index) "
+            f"max by (instance, gpu, gpu_index) ({sel('gpuwatch.gpu')})")
 
 
-GPU = "{{instance}} GPU {{index}}"  # legend of a series joined by with_index()
+GPU = "{{instance}} GPU {{gpu_index}}"  # legend of a series joined by with_index()
 
 
 def keyed(expr: str, *labels: str) -> str:

@@ -232,7 +232,7 @@ class NvmlProbe(Probe):
             return
         gpu.uuid = uuid
         out = _Out(uuid, wall)
-        out.add("gpuwatch.gpu", 1, index=str(i), name=self._ask(i, "name") or "",
+        out.add("gpuwatch.gpu", 1, gpu_index=str(i), name=self._ask(i, "name") or "",
                 pci_bus_id=self._ask(i, "pci_bus_id") or "",
                 driver_version=self._system["driver_version"],
                 cuda_driver_version=self._system["cuda_driver_version"],

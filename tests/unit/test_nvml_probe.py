@@ -128,7 +128,7 @@ def test_identity_series():
     info = pick(samples, "gpuwatch.gpu")
     assert len(info) == 1 and info[0].value == 1.0
     labels = info[0].labels
-    assert labels["index"] == "0"
+    assert labels["gpu_index"] == "0"
     assert labels["name"] and labels["driver_version"] and labels["pci_bus_id"]
     assert re.fullmatch(r"\d+\.\d+", labels["cuda_driver_version"])
     assert info[0].resource == backend.call("uuid", 0)
@@ -203,7 +203,7 @@ def test_eight_gpus_with_eight_processes_each():
     up = pick(samples, "gpuwatch.gpu.up")
     assert len(up) == 8 and len({s.resource for s in up}) == 8
     info = pick(samples, "gpuwatch.gpu")
-    assert sorted(int(s.labels["index"]) for s in info) == list(range(8))
+    assert sorted(int(s.labels["gpu_index"]) for s in info) == list(range(8))
     assert len({s.labels["pci_bus_id"] for s in info}) == 8
     processes = pick(samples, "gpuwatch.process.gpu.memory.usage")
     assert len({(s.resource, s.labels["pid"]) for s in processes}) == 64
@@ -245,7 +245,7 @@ def first_tick_expected():
     zero_reasons = ("gpu_idle", "applications_clocks_setting", "hw_slowdown", "sync_boost", "sw_thermal_slowdown",
                     "hw_thermal_slowdown", "hw_power_brake_slowdown", "display_clock_setting")
     return {
-        key("gpuwatch.gpu", index="0", name="NVIDIA H200", pci_bus_id="00000000:00:06.0",
+        key("gpuwatch.gpu", gpu_index="0", name="NVIDIA H200", pci_bus_id="00000000:00:06.0",
             driver_version="580.159.04", cuda_driver_version="13.0",  # 13000 -> 13.0
             vbios_version="96.00.A5.00.1A", serial="1653924056749"): 1.0,
         # temperatures: degrees as recorded
@@ -603,7 +603,7 @@ def test_identity_labels_of_a_gpu_that_does_not_say():
     backend = ReplayBackend(FIXTURE, inject=[Fault(op=op, error="NVML_ERROR_NOT_SUPPORTED")
                                              for op in ("name", "pci_bus_id", "vbios_version", "serial")])
     labels = pick(run(backend, 1)[0], "gpuwatch.gpu")[0].labels
-    assert dict(labels) == {"index": "0", "name": "", "pci_bus_id": "", "driver_version": "580.159.04",
+    assert dict(labels) == {"gpu_index": "0", "name": "", "pci_bus_id": "", "driver_version": "580.159.04",
                             "cuda_driver_version": "13.0", "vbios_version": "", "serial": ""}
 
 

@@ -18,7 +18,7 @@ def _samples(ts=NOW, calls=0.0):
     p = lambda metric, v, pid, **labels: Sample(metric, v, UUID if "gpu." in metric else "",  # noqa: E731
                                                  {"pid": str(pid), "process": f"job{pid}", **labels}, ts)
     return [
-        g("gpuwatch.gpu", 1.0, index="0", name="NVIDIA H200"), g("gpuwatch.gpu.up", 1.0),
+        g("gpuwatch.gpu", 1.0, gpu_index="0", name="NVIDIA H200"), g("gpuwatch.gpu.up", 1.0),
         g("hw.temperature", 61.0, sensor="gpu"), g("hw.temperature", 70.0, sensor="memory"),
         g("hw.gpu.utilization", 0.93, task="general"), g("hw.gpu.utilization", 0.5, task="encoder"),
         g("hw.power", 650.0), g("gpuwatch.gpu.power.limit", 700.0, limit="enforced"),
