@@ -172,22 +172,22 @@ class HostBoundDetector(Detector):
 
     # --- the causes ---------------------------------------------------------------------------
 
-    def _eviction(self, pid: str, host: dict, now: float, major: tuple[float | None, float | None],
-                  reads: tuple[float | None, float | None]) -> dict | None:
+    def _eviction(self, pid: str, host: dict, now: float, major: tuple[float | None, float],
+                  reads: tuple[float | None, float]) -> dict | None:
         s = self.s
         r0, b0 = now - s.recent, now - s.recent - s.baseline
         recent_faults, base_faults = major
         faulting = (recent_faults is not None and recent_faults >= s.min_major_faults
-                    and (base_faults is None or recent_faults >= s.major_fault_rise * base_faults))
+                    and recent_faults >= s.major_fault_rise * base_faults)
         recent_reads, base_reads = reads
         rereading = (recent_reads is not None and recent_reads >= s.min_reread_rate
-                     and (base_reads is None or recent_reads >= s.reread_rise * base_reads))
+                     and recent_reads >= s.reread_rise * base_reads)
         if not (faulting or rereading):
             return None
-        sizes = {lab.get("file"): pts[-1][1] for lab, pts in host["size"].get(pid, [])}
+        sizes = {lab["file"]: pts[-1][1] for lab, pts in host["size"].get(pid, [])}
         worst = None
         for lab, pts in host["resident"].get(pid, []):
-            size = sizes.get(lab.get("file"))
+            size = sizes.get(lab["file"])
             base, recent = _values(pts, b0, r0), _values(pts, r0, now)
             if not size or not base or not recent:
                 continue
@@ -196,7 +196,7 @@ class HostBoundDetector(Detector):
             before, cur = min(1.0, max(base) / size), min(recent) / size  # (resident counts whole pages)
             lost = (before - cur) * size
             if before >= s.resident_before and cur <= s.resident_now and (worst is None or lost > worst["lost_bytes"]):
-                worst = {"file": lab.get("file", ""), "resident_before": before, "resident_now": cur,
+                worst = {"file": lab["file"], "resident_before": before, "resident_now": cur,
                          "file_bytes": size, "lost_bytes": lost, "major_faults_per_second": recent_faults or 0.0,
                          "disk_read_bytes_per_second": recent_reads}
         if worst is None:
@@ -209,7 +209,7 @@ class HostBoundDetector(Detector):
             read, prev = 0.0, None
             for t, v in pts:
                 if r0 < t <= now:
-                    read += v * (t - prev if prev is not None and t > prev else s.probe_interval)
+                    read += v * (t - prev if prev is not None else s.probe_interval)  # (a series' times rise)
                 prev = t
             if read > 0:
                 readers.append((read, lab["pid"], lab.get("process", "")))
@@ -229,11 +229,11 @@ class HostBoundDetector(Detector):
             rates = [r for r in rates if r is not None]
             return sum(rates) if rates else None
 
-        def usual(metric: str, want: Mapping[str, str]) -> float | None:
+        def usual(metric: str, want: Mapping[str, str]) -> float:
+            """0 with no baseline: then any recent rate is a rise."""
             rates = [typical_rate(pts, b0, r0) for lab, pts in host[metric].get(pid, [])
                      if all(lab.get(k) == v for k, v in want.items())]
-            rates = [r for r in rates if r is not None]
-            return sum(rates) if rates else None
+            return sum(r for r in rates if r is not None)
 
         # Recent: the mean rate (a rise shows as soon as it starts); before: the usual rate. On the
         # H200 a mean over the baseline that held the server's warm-up read (8 GiB) put an eviction's
@@ -266,7 +266,7 @@ class HostBoundDetector(Detector):
                 if len(vals) >= s.min_recent_points:  # (a thread that has ended has no recent points)
                     m = statistics.median(vals)
                     if m >= s.thread_busy and (busiest is None or m > busiest["thread_cpu"]):
-                        busiest = {"tid": lab.get("tid", ""), "thread": lab.get("thread", ""), "thread_cpu": m}
+                        busiest = {"tid": lab["tid"], "thread": lab.get("thread", ""), "thread_cpu": m}
             if busiest is not None:
                 found["input_thread"] = busiest
         return found

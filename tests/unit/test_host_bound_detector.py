@@ -308,7 +308,7 @@ def test_the_eviction_thresholds_at_their_boundaries():
     none(build(util=fell, resident=after(0.79, 0.5), major=ramp(2.0, 9000.0), file_size=4.0 * GIB))
     none(build(util=fell, resident=after(0.8, 0.51), major=ramp(2.0, 9000.0), file_size=4.0 * GIB))
     # resident in the baseline: its most, over all 300 s (evicted in two steps, the first 4 minutes before)
-    steps = lambda t: 1.0 if t <= 80 else 0.6 if t < AT else 0.04  # noqa: E731
+    steps = lambda t: 1.0 if t <= 70 else 0.6 if t < AT else 0.04  # noqa: E731
     assert one(build(util=fell, resident=steps, major=ramp(2.0, 9000.0))).attrs["numbers"]["resident_before"] == 1.0
     # ...and the writes of its checkpoints are no reads
     h = build(util=fell, resident=evicted, reads=ramp(0.0, 0.0))
@@ -434,9 +434,9 @@ def test_a_process_with_no_name_and_no_gpu_work_to_read():
 
 def test_cuda_calls_are_judged_on_the_gpus_the_process_has_memory_on_now():
     none(build(calls=ramp(12000.0, 3000.0), memory=False, **EVICTED))  # on no GPU NVML sees: nothing to name
-    # it left GPU-old three minutes ago
+    # it left GPU-old 30 s ago (its memory there last seen at 330 s)
     h = build(calls=ramp(12000.0, 3000.0), **EVICTED)
-    add(h, "gpuwatch.process.gpu.memory.usage", lambda t: GIB, PROC, range(0, 181, 10), resource="GPU-old")
+    add(h, "gpuwatch.process.gpu.memory.usage", lambda t: 20.0 * GIB, PROC, range(0, 331, 10), resource="GPU-old")
     assert one(h).resource == GPU
 
 
