@@ -121,7 +121,7 @@ class GpuWork:
     before: float        # baseline median utilisation, or calls/s
     now: float
     fell: bool
-    steady_low: bool     # utilisation under low_util all window long, still running kernels
+    steady_low: bool = False  # utilisation under low_util all window long, still running kernels
 
 
 class HostBoundDetector(Detector):
@@ -167,7 +167,7 @@ class HostBoundDetector(Detector):
             if before is None or cur is None:
                 return None
             fell = before >= s.min_call_rate and cur < s.fall_ratio * before
-            return GpuWork("cuda_calls", before, cur, fell, False)
+            return GpuWork("cuda_calls", before, cur, fell)
         return None
 
     # --- the causes ---------------------------------------------------------------------------
@@ -292,9 +292,9 @@ class HostBoundDetector(Detector):
             lab = dict(labels)
             if lab.get("pid") not in (None, "", "other"):
                 calls.setdefault(lab["pid"], (lab.get("process", ""), []))[1].append(pts)
-        gpus_of: dict[str, set[str]] = {}
+        gpus_of: dict[str | None, set[str]] = {}
         for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=now - s.stale):
-            pid = dict(labels).get("pid", "")
+            pid = dict(labels).get("pid")
             # since= still hands over a series' newest point when it is older: a GPU it has left is not its GPU
             if gpu and pts[-1][0] > now - s.stale:
                 gpus_of.setdefault(pid, set()).add(gpu)
