@@ -263,6 +263,15 @@ def test_count_and_the_rates_at_their_boundaries():
     assert typical_rate([(0.0, 0.0)], -1.0, 10.0) is None
 
 
+def test_the_baseline_is_all_300_s_before_the_window():
+    """A job that halved its pace midway through the baseline: judged against the median of all of it."""
+    slowed = lambda t: 0.9 if t <= 180 else 0.2 if t <= 330 else 0.1  # noqa: E731
+    assert one(build(util=slowed, thread=lambda t: 1.0)).attrs["numbers"]["gpu_work_before"] == pytest.approx(0.55)
+    # its reads: 100 MiB/s then none, a usual 50 MiB/s; 150 MiB/s now is under 4x that
+    reads = lambda t: 100 * MIB * min(t, 180) + 150 * MIB * max(0, t - 330)  # noqa: E731
+    none(build(util=after(0.92, 0.31), resident=after(1.0, 0.04), reads=reads))
+
+
 # --- each threshold at its boundary -----------------------------------------------------------------
 
 def at330(before, then):
@@ -326,6 +335,7 @@ def test_the_cause_thresholds_at_their_boundaries():
     assert one(build(util=fell, swap=swap, major=ramp(0.0, 50.0))).attrs["cause"] == "swapping"
     none(build(util=fell, swap=swap, major=ramp(0.0, 49.0)))
     none(build(util=fell, swap=lambda t: GIB + (64 * MIB - 1 if t > 330 else 0), major=ramp(0.0, 50.0)))
+    none(build(util=fell, swap=swap))  # no fault counter: no swapping named
     # thread_busy: 90 % of a core
     assert one(build(util=fell, thread=after(0.5, 0.9))).attrs["numbers"]["thread_cpu"] == 0.9
     none(build(util=fell, thread=after(0.5, 0.89)))
