@@ -25,6 +25,7 @@ Pure: observe(history) reads series and returns findings; nothing here does I/O.
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -55,14 +56,13 @@ ADVICE = {
 class HostBoundSettings:
     recent: float = 30.0              # seconds judged (an eviction must be named within 30 s)...
     baseline: float = 300.0           # ...against the seconds before them
-    stale: float = 30.0               # a process without GPU work points this long has gone: no finding
+    stale: float = 30.0               # a GPU the process has had no memory on this long is not its GPU
     min_recent_points: int = 2        # NVML's per-process utilisation comes every 10 s (nvml.slow_interval)
     min_baseline_points: int = 6      # a minute of baseline at least
-    fall_ratio: float = 0.6           # recent median under this x the baseline's: the GPU work fell
+    # recent median under this x the baseline's: the GPU work fell (so a GPU still busy now, at 60 %
+    # of its best or more, does not count as waiting on its host, whatever else holds)
+    fall_ratio: float = 0.6
     min_busy_util: float = 0.3        # a baseline below this cannot fall far enough to tell
-    idle_util: float = 0.1            # an absolute floor: under this after a busy baseline is a fall too
-    busy_util: float = 0.5            # ...busy: a baseline median at least this
-    healthy_util: float = 0.8         # a GPU this busy now does not wait on its host, whatever else holds
     # input_thread with no fall: utilisation under this all window long, the GPU mostly idle. A
     # serving loop copying pageable weights ran at 35-40 % on the H200 with its one thread at 100 %
     # (CUDA's copies and synchronisations spin on the CPU): a busy thread there is not an input pipeline.
@@ -121,7 +121,7 @@ class GpuWork:
     before: float        # baseline median utilisation, or calls/s
     now: float
     fell: bool
-    steady_low: bool     # utilisation under low_util all window long, still running kernels
+    steady_low: bool = False  # utilisation under low_util all window long, still running kernels
 
 
 class HostBoundDetector(Detector):
@@ -141,7 +141,7 @@ class HostBoundDetector(Detector):
         out: dict[str, list] = {}
         for (_, _, labels), pts in history.series(metric, "", since=since):
             lab = dict(labels)
-            if lab.get("pid") and pts:
+            if lab.get("pid"):  # History's series always hold a point
                 out.setdefault(lab["pid"], []).append((lab, pts))
         return out
 
@@ -153,16 +153,15 @@ class HostBoundDetector(Detector):
             if len(recent) < s.min_recent_points or len(base) < s.min_baseline_points:
                 return None
             before, cur = statistics.median(base), statistics.median(recent)
-            fell = before >= s.min_busy_util and (cur < s.fall_ratio * before
-                                                  or (before >= s.busy_util and cur < s.idle_util))
+            fell = before >= s.min_busy_util and cur < s.fall_ratio * before
             steady = max(recent + base) < s.low_util and cur >= s.alive_util
             return GpuWork("utilization", before, cur, fell, steady)
         if calls:
             # the calls of every api, summed per point time (one eBPF collection writes them all)
-            summed: dict[float, float] = {}
+            summed: defaultdict[float, float] = defaultdict(float)
             for pts in calls:
                 for t, v in pts:
-                    summed[t] = summed.get(t, 0.0) + v
+                    summed[t] += v
             pts = sorted(summed.items())
             if len(_values(pts, r0, now)) < s.min_recent_points or len(_values(pts, b0, r0)) < s.min_baseline_points:
                 return None
@@ -170,36 +169,36 @@ class HostBoundDetector(Detector):
             if before is None or cur is None:
                 return None
             fell = before >= s.min_call_rate and cur < s.fall_ratio * before
-            return GpuWork("cuda_calls", before, cur, fell, False)
+            return GpuWork("cuda_calls", before, cur, fell)
         return None
 
     # --- the causes ---------------------------------------------------------------------------
 
-    def _eviction(self, pid: str, host: dict, now: float, major: tuple[float | None, float | None],
-                  reads: tuple[float | None, float | None]) -> dict | None:
+    def _eviction(self, pid: str, host: dict, now: float, major: tuple[float | None, float],
+                  reads: tuple[float | None, float]) -> dict | None:
         s = self.s
         r0, b0 = now - s.recent, now - s.recent - s.baseline
         recent_faults, base_faults = major
         faulting = (recent_faults is not None and recent_faults >= s.min_major_faults
-                    and (base_faults is None or recent_faults >= s.major_fault_rise * base_faults))
+                    and recent_faults >= s.major_fault_rise * base_faults)
         recent_reads, base_reads = reads
         rereading = (recent_reads is not None and recent_reads >= s.min_reread_rate
-                     and (base_reads is None or recent_reads >= s.reread_rise * base_reads))
+                     and recent_reads >= s.reread_rise * base_reads)
         if not (faulting or rereading):
             return None
-        sizes = {lab.get("file"): pts[-1][1] for lab, pts in host["size"].get(pid, [])}
+        sizes = {lab["file"]: pts[-1][1] for lab, pts in host["size"].get(pid, [])}
         worst = None
         for lab, pts in host["resident"].get(pid, []):
-            size = sizes.get(lab.get("file"))
+            size = sizes.get(lab["file"])
             base, recent = _values(pts, b0, r0), _values(pts, r0, now)
-            if not size or size <= 0 or not base or not recent:
+            if not size or not base or not recent:
                 continue
             # the least resident it was in the window: the process refills what it reads, the evictor
             # takes it again, and a sample lands anywhere between the two
-            before, cur = min(1.0, max(base) / size), min(1.0, min(recent) / size)
+            before, cur = min(1.0, max(base) / size), min(recent) / size  # (resident counts whole pages)
             lost = (before - cur) * size
             if before >= s.resident_before and cur <= s.resident_now and (worst is None or lost > worst["lost_bytes"]):
-                worst = {"file": lab.get("file", ""), "resident_before": before, "resident_now": cur,
+                worst = {"file": lab["file"], "resident_before": before, "resident_now": cur,
                          "file_bytes": size, "lost_bytes": lost, "major_faults_per_second": recent_faults or 0.0,
                          "disk_read_bytes_per_second": recent_reads}
         if worst is None:
@@ -207,15 +206,15 @@ class HostBoundDetector(Detector):
         # The likely evictor: the node's top reader over the same window, not the process itself.
         readers = []
         for lab, pts in (item for items in host["readers"].values() for item in items):
-            if lab.get("pid") == pid:
+            if lab["pid"] == pid:
                 continue
             read, prev = 0.0, None
             for t, v in pts:
-                if r0 < t <= now and v > 0:
-                    read += v * (t - prev if prev is not None and t > prev else s.probe_interval)
+                if r0 < t <= now:
+                    read += v * (t - prev if prev is not None else s.probe_interval)  # (a series' times rise)
                 prev = t
             if read > 0:
-                readers.append((read, lab.get("pid", ""), lab.get("process", "")))
+                readers.append((read, lab["pid"], lab.get("process", "")))
         if readers:
             read, rpid, rname = max(readers)
             worst["evictor"] = {"pid": rpid, "process": rname, "read_bytes": read}
@@ -232,11 +231,11 @@ class HostBoundDetector(Detector):
             rates = [r for r in rates if r is not None]
             return sum(rates) if rates else None
 
-        def usual(metric: str, want: Mapping[str, str]) -> float | None:
+        def usual(metric: str, want: Mapping[str, str]) -> float:
+            """0 with no baseline: then any recent rate is a rise."""
             rates = [typical_rate(pts, b0, r0) for lab, pts in host[metric].get(pid, [])
                      if all(lab.get(k) == v for k, v in want.items())]
-            rates = [r for r in rates if r is not None]
-            return sum(rates) if rates else None
+            return sum(r for r in rates if r is not None)
 
         # Recent: the mean rate (a rise shows as soon as it starts); before: the usual rate. On the
         # H200 a mean over the baseline that held the server's warm-up read (8 GiB) put an eviction's
@@ -247,7 +246,7 @@ class HostBoundDetector(Detector):
             ev = self._eviction(pid, host, now, major, reads)
             if ev is not None:
                 found["page_cache_eviction"] = ev
-            swaps = host["swap"].get(pid, [])
+            swaps = host["swap"].get(pid)
             if swaps and major[0] is not None and major[0] >= s.min_major_faults:
                 pts = swaps[0][1]
                 start = [v for t, v in pts if t <= r0] or [pts[0][1]]
@@ -266,10 +265,10 @@ class HostBoundDetector(Detector):
             busiest = None
             for lab, pts in host["threads"].get(pid, []):
                 vals = _values(pts, r0, now)
-                if len(vals) >= s.min_recent_points and pts[-1][0] > now - s.stale:
+                if len(vals) >= s.min_recent_points:  # (a thread that has ended has no recent points)
                     m = statistics.median(vals)
                     if m >= s.thread_busy and (busiest is None or m > busiest["thread_cpu"]):
-                        busiest = {"tid": lab.get("tid", ""), "thread": lab.get("thread", ""), "thread_cpu": m}
+                        busiest = {"tid": lab["tid"], "thread": lab.get("thread", ""), "thread_cpu": m}
             if busiest is not None:
                 found["input_thread"] = busiest
         return found
@@ -288,17 +287,18 @@ class HostBoundDetector(Detector):
         util: dict[tuple[str, str], tuple[str, list]] = {}
         for (_, gpu, labels), pts in history.series(UTIL, since=since):
             lab = dict(labels)
-            if gpu and lab.get("pid") not in (None, "", "other") and pts:
+            if gpu and lab.get("pid") not in (None, "", "other"):
                 util[(gpu, lab["pid"])] = (lab.get("process", ""), pts)
         calls: dict[str, tuple[str, list]] = {}
         for (_, _, labels), pts in history.series(CALLS, since=since):
             lab = dict(labels)
-            if lab.get("pid") not in (None, "", "other") and pts:
+            if lab.get("pid") not in (None, "", "other"):
                 calls.setdefault(lab["pid"], (lab.get("process", ""), []))[1].append(pts)
-        gpus_of: dict[str, set[str]] = {}
+        gpus_of: dict[str | None, set[str]] = {}
         for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=now - s.stale):
-            pid = dict(labels).get("pid", "")
-            if gpu and pts:
+            pid = dict(labels).get("pid")
+            # since= still hands over a series' newest point when it is older: a GPU it has left is not its GPU
+            if gpu and pts[-1][0] > now - s.stale:
                 gpus_of.setdefault(pid, set()).add(gpu)
         targets: dict[tuple[str, str], tuple[str, list | None, list | None]] = {
             key: (name, pts, None) for key, (name, pts) in util.items()}
@@ -319,12 +319,9 @@ class HostBoundDetector(Detector):
         host["readers"] = self._by_pid(history, "gpuwatch.node.process.disk.read.rate", since)
         out = []
         for (gpu, pid), (name, upts, cpts) in sorted(targets.items()):
-            newest = max([upts[-1][0]] if upts else [p[-1][0] for p in cpts or [] if p])
-            if now - newest > s.stale:
-                continue
             work = self._gpu_work(upts, cpts, now)
-            if work is None or (work.signal == "utilization" and work.now >= s.healthy_util):
-                continue  # too young to judge, or the GPU is busy: it does not wait on the host
+            if work is None:
+                continue  # too young to judge, or gone (no recent points)
             if not (work.fell or work.steady_low):
                 continue
             causes = self._causes(pid, host, work, now)

@@ -7,7 +7,7 @@ import pytest
 from gpuwatch.agent import metrics
 from gpuwatch.agent.history import History
 from gpuwatch.agent.api import Sample
-from gpuwatch.detectors.host_bound import HostBoundDetector, counter_rate
+from gpuwatch.detectors.host_bound import MIB, HostBoundDetector, _count, counter_rate, typical_rate
 
 GIB = 1 << 30
 GPU = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"
@@ -23,12 +23,14 @@ def after(before, then):
 
 
 def build(util=None, calls=None, resident=None, major=None, readers=None, thread=None, throttled=None,
-          periods=None, swap=None, stall=None, reads=None, seconds=360, start=0) -> History:
+          periods=None, swap=None, stall=None, reads=None, seconds=360, start=0, step=10, memory=True,
+          proc=PROC, file_size=6.0 * GIB) -> History:
     """Each argument a function of t (seconds since start); counters are given as their running value."""
+    PROC = proc  # noqa: N806
     h = History()
-    for t in range(start, seconds + 1, 10):
+    for t in range(start, seconds + 1, step):
         ts = T0 + t
-        s = [Sample("gpuwatch.process.gpu.memory.usage", 20.0 * GIB, GPU, PROC, ts)]
+        s = [Sample("gpuwatch.process.gpu.memory.usage", 20.0 * GIB, GPU, PROC, ts)] if memory else []
         if util:
             s.append(Sample("gpuwatch.process.gpu.utilization", util(t), GPU, PROC, ts))
         if calls:
@@ -36,8 +38,8 @@ def build(util=None, calls=None, resident=None, major=None, readers=None, thread
                 s.append(Sample("gpuwatch.cuda.calls", calls(t) * share, "", dict(PROC, api=api), ts))
         if resident:
             f = dict(PROC, file=MODEL)
-            s += [Sample("gpuwatch.process.file.size", 6.0 * GIB, "", f, ts),
-                  Sample("gpuwatch.process.file.cache.resident", resident(t) * 6.0 * GIB, "", f, ts)]
+            s += [Sample("gpuwatch.process.file.size", file_size, "", f, ts),
+                  Sample("gpuwatch.process.file.cache.resident", resident(t) * file_size, "", f, ts)]
         if major:
             s += [Sample("gpuwatch.process.paging.faults", major(t), "", dict(PROC, type="major"), ts),
                   Sample("gpuwatch.process.paging.faults", 1e6 + t * 1000, "", dict(PROC, type="minor"), ts)]
@@ -64,6 +66,13 @@ def build(util=None, calls=None, resident=None, major=None, readers=None, thread
     return h
 
 
+def add(h, metric, fn, labels, times=range(0, 361, 10), resource=""):
+    """Another series: fn(t) at each of `times`."""
+    for t in times:
+        h.append([Sample(metric, fn(t), resource, labels, T0 + t)])
+    return h
+
+
 def ramp(rate_before, rate_after, start=0.0):
     """A counter rising at rate_before per second, then rate_after from AT on."""
     return lambda t: start + rate_before * min(t, AT) + rate_after * max(0, t - AT)
@@ -74,6 +83,10 @@ def one(history):
     assert len(findings) == 1, [f.summary for f in findings]
     f = findings[0]
     (s,) = HostBoundDetector.samples([f])
+    newest = max(pts[-1][0] for m in ("gpuwatch.process.gpu.utilization", "gpuwatch.cuda.calls")
+                 for _, pts in history.series(m))
+    assert s.ts == f.ts == newest and f.attrs["id"] == f.attrs["cause"]
+    assert (f.attrs["window_seconds"], f.attrs["baseline_seconds"]) == (30.0, 300.0)
     assert metrics.get(s.metric).labels == ("gpu", "pid", "process", "cause")
     assert (s.value, s.resource, dict(s.labels)) == (1.0, GPU, {"pid": PID, "process": NAME, "cause": f.attrs["cause"]})
     assert (f.kind, f.resource, f.severity, f.attrs["pid"], f.attrs["process"]) == ("host_bound", GPU, "warning", PID,
@@ -99,7 +112,8 @@ def test_page_cache_eviction_names_the_file_the_faults_and_the_evictor():
     assert (n["file"], n["resident_before"], n["resident_now"]) == (MODEL, 1.0, pytest.approx(0.04))
     assert n["major_faults_per_second"] == pytest.approx(9000.0)
     # logrotate read 100 MB/s for the 3 points of the last 30 s; the process's own reads are not the evictor's
-    assert n["evictor"] == {"pid": "812", "process": "logrotate", "read_bytes": pytest.approx(3e9)}
+    assert n["evictor"] == {"pid": "812", "process": "logrotate", "read_bytes": 3e9}
+    assert (n["file_bytes"], n["lost_bytes"]) == (6.0 * GIB, pytest.approx(0.96 * 6 * GIB))
     assert (n["gpu_work_before"], n["gpu_work_now"]) == (0.92, 0.31)
     assert f.summary == (
         f"page cache eviction of {MODEL}: 100 % -> 4 % resident, 9.0k major faults/s; logrotate (pid 812) read "
@@ -232,6 +246,219 @@ def test_counter_rate_skips_a_reset_and_its_interval():
     none(build(util=after(0.9, 0.3), throttled=thr))
     f = one(build(util=after(0.9, 0.3), throttled=lambda t: ramp(0.0, 0.5)(t) if t < 330 else 0.5 * (t - 330)))
     assert f.attrs["numbers"]["throttled_seconds_per_second"] == pytest.approx(0.5)
+
+
+def test_count_and_the_rates_at_their_boundaries():
+    assert [_count(x) for x in (999, 1000, 1951, 9_999, 10_000, 19_510)] == ["999", "1.0k", "2.0k", "10.0k", "10k",
+                                                                             "20k"]
+    assert counter_rate([(0.0, 0.0), (0.5, 5.0)], -1.0, 1.0) == 10.0  # an interval under a second still counts
+    same = [(0.0, 0.0), (10.0, 100.0), (10.0, 150.0), (20.0, 250.0)]  # a repeated time is no interval
+    assert counter_rate(same, -1.0, 20.0) == 10.0 and typical_rate(same, -1.0, 20.0) == 10.0
+    # the usual rate: the median of the intervals ending in (t0, t1], per interval, a reset skipped
+    pts = [(0.0, 0.0), (10.0, 100.0), (20.0, 300.0), (30.0, 600.0), (40.0, 5.0), (50.0, 305.0)]
+    assert typical_rate(pts, 10.0, 30.0) == 25.0
+    assert typical_rate(pts, 0.0, 50.0) == 25.0  # of 10, 20, 30 and 30: not the reset
+    bursts = [(0.0, 0.0), (10.0, 0.0), (20.0, 300.0), (30.0, 300.0), (40.0, 300.0), (50.0, 600.0)]
+    assert typical_rate(bursts, -1.0, 50.0) == 0.0  # a reader of a chunk now and then: its usual rate is none
+    assert typical_rate([(0.0, 0.0)], -1.0, 10.0) is None
+
+
+def test_the_baseline_is_all_300_s_before_the_window():
+    """A job that halved its pace midway through the baseline: judged against the median of all of it."""
+    slowed = lambda t: 0.9 if t <= 180 else 0.2 if t <= 330 else 0.1  # noqa: E731
+    assert one(build(util=slowed, thread=lambda t: 1.0)).attrs["numbers"]["gpu_work_before"] == pytest.approx(0.55)
+    # its reads: 100 MiB/s then none, a usual 50 MiB/s; 150 MiB/s now is under 4x that
+    reads = lambda t: 100 * MIB * min(t, 180) + 150 * MIB * max(0, t - 330)  # noqa: E731
+    none(build(util=after(0.92, 0.31), resident=after(1.0, 0.04), reads=reads))
+
+
+# --- each threshold at its boundary -----------------------------------------------------------------
+
+def at330(before, then):
+    """A counter rising at `before` per second, `then` from 330 s on: the baseline all `before`."""
+    return lambda t: before * min(t, 330) + then * max(0, t - 330)
+
+
+def tenths(t):
+    """A counter at 0.1/s from AT on, exactly (0.1 * t is not)."""
+    return max(0, t - AT) / 10
+
+
+def test_the_gpu_work_thresholds_at_their_boundaries():
+    busy = lambda t: 1.0  # noqa: E731
+    assert one(build(util=after(0.3, 0.1), thread=busy)).attrs["cause"] == "input_thread"  # a baseline of 30 % falls
+    none(build(util=after(0.5, 0.3), thread=busy))  # 0.6 x its baseline: not a fall
+    none(build(util=lambda t: 0.25, thread=busy))  # low_util: 25 % is not under it
+    assert "stays at 5 %" in one(build(util=lambda t: 0.05, thread=busy)).summary  # alive_util: still running kernels
+    one(build(util=lambda t: 0.9 if t <= 330 else 0.3, thread=busy, start=280))  # 6 points of baseline are enough
+    none(build(util=lambda t: 0.9 if t <= 330 else 0.3, thread=busy, start=290))  # 5 are not
+    one(build(util=after(0.9, 0.3), thread=busy, step=15))  # so are 2 recent points (15 s apart)
+    f = one(build(calls=at330(10.0, 2.0), thread=busy))  # min_call_rate: 10 calls/s
+    assert "CUDA calls of python3 (pid 4242) fell 10/s -> 2/s" in f.summary
+    none(build(calls=at330(10000.0, 6000.0), thread=busy))  # 0.6 x: not a fall
+    none(build(calls=ramp(1000.0, 1000.0), thread=busy))  # calls that hold: no finding, whatever the thread
+    one(build(calls=ramp(12000.0, 3000.0), start=280, thread=busy))
+    one(build(calls=ramp(12000.0, 3000.0), step=15, thread=busy))
+    none(build(calls=ramp(12000.0, 3000.0), start=290, thread=busy))  # 5 points of baseline: too young
+
+
+def test_the_eviction_thresholds_at_their_boundaries():
+    fell, evicted = after(0.92, 0.31), after(1.0, 0.04)
+    one(build(util=fell, resident=evicted, major=ramp(0.0, 50.0)))  # min_major_faults
+    none(build(util=fell, resident=evicted, major=ramp(0.0, 49.0)))
+    one(build(util=fell, resident=evicted, major=ramp(100.0, 200.0)))  # twice the usual rate
+    none(build(util=fell, resident=evicted, major=ramp(100.0, 199.0)))
+    one(build(util=fell, resident=evicted, reads=ramp(0.0, 16 * MIB)))  # min_reread_rate
+    none(build(util=fell, resident=evicted, reads=ramp(0.0, 15 * MIB)))
+    one(build(util=fell, resident=evicted, reads=ramp(100 * MIB, 400 * MIB)))  # four times the usual rate
+    none(build(util=fell, resident=evicted, reads=ramp(100 * MIB, 399 * MIB)))
+    f = one(build(util=fell, resident=after(0.8, 0.5), major=ramp(2.0, 9000.0), file_size=4.0 * GIB))
+    assert (f.attrs["numbers"]["resident_before"], f.attrs["numbers"]["resident_now"]) == (0.8, 0.5)
+    none(build(util=fell, resident=after(0.79, 0.5), major=ramp(2.0, 9000.0), file_size=4.0 * GIB))
+    none(build(util=fell, resident=after(0.8, 0.51), major=ramp(2.0, 9000.0), file_size=4.0 * GIB))
+    # resident in the baseline: its most, over all 300 s (evicted in two steps, the first 4 minutes before)
+    steps = lambda t: 1.0 if t <= 70 else 0.6 if t < AT else 0.04  # noqa: E731
+    assert one(build(util=fell, resident=steps, major=ramp(2.0, 9000.0))).attrs["numbers"]["resident_before"] == 1.0
+    # ...and the writes of its checkpoints are no reads
+    h = build(util=fell, resident=evicted, reads=ramp(0.0, 0.0))
+    none(add(h, "gpuwatch.process.disk.io", ramp(0.0, 700e6), dict(PROC, direction="write")))
+
+
+def test_the_cause_thresholds_at_their_boundaries():
+    fell = after(0.9, 0.3)
+    assert one(build(util=fell, throttled=tenths)).attrs["cause"] == "cpu_throttled"  # 0.1 s/s
+    assert one(build(util=fell, periods=ramp(0.0, 5.0))).attrs["cause"] == "cpu_throttled"  # 5 periods/s
+    none(build(util=fell, periods=ramp(0.0, 4.9)))
+    assert one(build(util=fell, stall={"memory": tenths})).attrs["cause"] == "memory_pressure"  # 0.1 s/s
+    # swapping: 64 MiB more in the window, and 50 major faults/s
+    swap = lambda t: GIB + (64 * MIB if t > 330 else 0)  # noqa: E731
+    assert one(build(util=fell, swap=swap, major=ramp(0.0, 50.0))).attrs["cause"] == "swapping"
+    none(build(util=fell, swap=swap, major=ramp(0.0, 49.0)))
+    none(build(util=fell, swap=lambda t: GIB + (64 * MIB - 1 if t > 330 else 0), major=ramp(0.0, 50.0)))
+    none(build(util=fell, swap=swap))  # no fault counter: no swapping named
+    # thread_busy: 90 % of a core
+    assert one(build(util=fell, thread=after(0.5, 0.9))).attrs["numbers"]["thread_cpu"] == 0.9
+    none(build(util=fell, thread=after(0.5, 0.89)))
+
+
+# --- what a finding says ------------------------------------------------------------------------------
+
+def test_the_largest_loss_among_the_evicted_files_is_named():
+    """The process has several files open: the one that lost the most bytes of its page cache is
+    named, not the most evicted in share nor one that was never all resident."""
+    h = build(util=after(0.92, 0.31), resident=after(1.0, 0.5), major=ramp(2.0, 9000.0))  # 6 GiB: 3 GiB lost
+
+    def file(name, size, resident, times=range(0, 361, 10)):
+        lab = dict(PROC, file=name)
+        if size is not None:
+            add(h, "gpuwatch.process.file.size", size, lab, times)
+        add(h, "gpuwatch.process.file.cache.resident", lambda t: resident(t) * size(t) if size else GIB, lab, times)
+
+    file("/data/no-size", None, None)
+    # written out to 4 GiB, then all resident (whole pages: a little over its size) until evicted: 4 GiB lost
+    file("/models/b.bin", lambda t: 2.0 * GIB if t < 100 else 4.0 * GIB, after(1.0005, 0.0))
+    file("/models/c.bin", lambda t: 1.0 * GIB, after(1.0, 0.0))  # all of it lost, but 1 GiB
+    file("/data/d.bin", lambda t: 8.0 * GIB, after(0.6, 0.0))  # never all resident: read in part
+    file("/data/opened", lambda t: 6.0 * GIB, after(1.0, 0.0), range(340, 361, 10))
+    file("/data/closed", lambda t: 6.0 * GIB, after(1.0, 0.0), range(0, 301, 10))
+    n = one(h).attrs["numbers"]
+    assert (n["file"], n["file_bytes"], n["lost_bytes"], n["resident_before"], n["resident_now"]) == (
+        "/models/b.bin", 4.0 * GIB, 4.0 * GIB, 1.0, 0.0)
+
+
+def test_the_evictor_is_the_top_reader_over_the_window_and_none_without_one():
+    h = build(util=after(0.92, 0.31), resident=after(1.0, 0.04), major=ramp(2.0, 9000.0),
+              readers=[(PID, NAME, after(0.0, 400e6))])
+    # a reader with no process name, first seen 20 s ago and read every 5 s since: 10 s at its first point
+    add(h, "gpuwatch.node.process.disk.read.rate", lambda t: 100e6, {"pid": "812"}, range(340, 361, 5))
+    f = one(h)
+    assert f.attrs["numbers"]["evictor"] == {"pid": "812", "process": "", "read_bytes": 3e9}
+    assert "9.0k major faults/s; a process (pid 812) read 2.8 GiB in the last 30 s; GPU utilisation" in f.summary
+    # one that read only before the window is not it: no evictor named
+    f = one(build(util=after(0.92, 0.31), resident=after(1.0, 0.04), major=ramp(2.0, 9000.0),
+                  readers=[("812", "logrotate", lambda t: 100e6 if t < AT else 0.0)]))
+    assert "evictor" not in f.attrs["numbers"] and "9.0k major faults/s; GPU utilisation" in f.summary
+
+
+def test_an_eviction_read_back_with_no_fault_counter_says_0_faults():
+    f = one(build(util=after(0.55, 0.11), resident=after(1.0, 0.1), reads=ramp(0.0, 700e6)))
+    assert f.attrs["numbers"]["major_faults_per_second"] == 0.0
+    assert "reading 667.6 MiB/s from storage, 0 major faults/s; GPU utilisation" in f.summary
+
+
+def test_the_swapping_and_throttling_summaries():
+    f = one(build(util=after(0.9, 0.2), swap=lambda t: 1.0 * GIB + max(0, t - AT) * 50e6, major=ramp(0.0, 800.0)))
+    assert f.attrs["numbers"] == {"swap_growth_bytes": 1.5e9, "swap_bytes": GIB + 3e9, "major_faults_per_second": 800.0,
+                                  "gpu_work_signal": "utilization", "gpu_work_before": 0.9, "gpu_work_now": 0.2}
+    assert f.summary == (
+        "swapping: 1.4 GiB more swapped out in the last 30 s (3.8 GiB in all), 800 major faults/s; GPU utilisation "
+        f"of python3 (pid 4242) fell 90 % -> 20 % on GPU {GPU}: give the job more host memory, or lower its host "
+        "memory use (smaller prefetch, fewer workers)")
+    # a swap series that begins in the window (the probe reports it once there is swap): grown since its first point
+    h = build(util=after(0.9, 0.2), major=ramp(0.0, 800.0))
+    add(h, "gpuwatch.process.memory.swap", lambda t: GIB + (t - 340) * 6.4 * MIB, PROC, range(340, 361, 10))
+    assert one(h).attrs["numbers"]["swap_growth_bytes"] == pytest.approx(128 * MIB)
+    # ...and so does its fault counter: its recent rate is enough
+    h = build(util=after(0.9, 0.2))
+    add(h, "gpuwatch.process.paging.faults", lambda t: 800.0 * t, dict(PROC, type="major"), range(340, 361, 10))
+    add(h, "gpuwatch.process.memory.swap", lambda t: GIB + max(0, t - AT) * 50e6, PROC)
+    assert one(h).attrs["cause"] == "swapping"
+    throttled = ramp(0.0, 0.4, start=12.0)
+    assert one(build(util=after(0.9, 0.3), throttled=throttled)).summary.startswith(
+        "CPU quota throttling: 0.40 s/s throttled; GPU utilisation")
+    assert one(build(util=after(0.9, 0.3), periods=ramp(0.1, 8.0))).summary.startswith(
+        "CPU quota throttling: 8 throttled periods/s; GPU utilisation")
+    assert one(build(util=after(0.9, 0.3), throttled=throttled, periods=ramp(0.1, 8.0))).summary.startswith(
+        "CPU quota throttling: 0.40 s/s throttled, 8 throttled periods/s; GPU utilisation")
+    f = one(build(util=after(0.92, 0.31), stall={"io": ramp(0.0, 0.6)}, swap=lambda t: GIB + max(0, t - AT) * 50e6,
+                  **EVICTED))
+    assert f.attrs["cause"] == "page_cache_eviction" and "(also swapping, io_pressure): put the models" in f.summary
+
+
+def test_the_busiest_saturated_thread_is_named_and_a_young_one_is_not_judged():
+    fell = after(0.9, 0.4)
+    none(build(util=fell, thread=after(0.5, 0.6)))  # no thread saturated
+    h = build(util=fell, thread=lambda t: 0.95)
+    add(h, "gpuwatch.process.thread.cpu.utilization", lambda t: 0.99, dict(PROC, tid="4260", thread="dataloader"))
+    assert one(h).attrs["numbers"] == dict(tid="4260", thread="dataloader", thread_cpu=0.99, gpu_work_signal="utilization",
+                                           gpu_work_before=0.9, gpu_work_now=0.4)
+    # a thread with no name: "?"
+    h = add(build(util=fell), "gpuwatch.process.thread.cpu.utilization", lambda t: 1.0, dict(PROC, tid="4260"))
+    f = one(h)
+    assert f.attrs["numbers"]["thread"] == "" and "thread ? (tid 4260) keeps 100 % of a core busy" in f.summary
+    # a thread 2 points old is judged; 1 point is not enough
+    thread = "gpuwatch.process.thread.cpu.utilization"
+    one(add(build(util=fell), thread, lambda t: 1.0, dict(PROC, tid="4260", thread="t"), range(350, 361, 10)))
+    none(add(build(util=fell), thread, lambda t: 1.0, dict(PROC, tid="4260", thread="t"), [360]))
+
+
+def test_a_process_with_no_name_and_no_gpu_work_to_read():
+    assert list(HostBoundDetector().observe(History())) == []
+    only_host = build(thread=lambda t: 1.0)
+    assert list(HostBoundDetector().observe(only_host)) == []
+    for work in ({"util": after(0.9, 0.3)}, {"calls": ramp(12000.0, 3000.0)}):
+        (f,) = HostBoundDetector().observe(build(thread=lambda t: 1.0, proc={"pid": PID}, **work))
+        assert f.attrs["process"] == "" and " of process (pid 4242) fell " in f.summary
+        assert dict(HostBoundDetector.samples([f])[0].labels) == {"pid": PID, "process": "", "cause": "input_thread"}
+
+
+def test_cuda_calls_are_judged_on_the_gpus_the_process_has_memory_on_now():
+    none(build(calls=ramp(12000.0, 3000.0), memory=False, **EVICTED))  # on no GPU NVML sees: nothing to name
+    # it left GPU-old 30 s ago (its memory there last seen at 330 s)
+    h = build(calls=ramp(12000.0, 3000.0), **EVICTED)
+    add(h, "gpuwatch.process.gpu.memory.usage", lambda t: 20.0 * GIB, PROC, range(0, 331, 10), resource="GPU-old")
+    assert one(h).resource == GPU
+
+
+def test_other_processes_not_judged_do_not_hide_the_one_that_is():
+    h = build(util=after(0.92, 0.31), **EVICTED)
+    util = "gpuwatch.process.gpu.utilization"
+    for pid, fn, times in (("0", BUSY, range(0, 201, 10)),  # gone
+                           ("1", BUSY, range(340, 361, 10)),  # too young
+                           ("2", BUSY, range(0, 361, 10)),  # busy
+                           ("3", after(0.9, 0.1), range(0, 361, 10))):  # fell, no host series
+        add(h, util, fn, {"pid": pid, "process": "x"}, times, resource="GPU-0")
+    assert one(h).attrs["cause"] == "page_cache_eviction"
 
 
 # --- through the runner, to `gpuwatch findings` ----------------------------------------------------
