@@ -39,11 +39,21 @@ class _GpuwatchGroup(click.Group):
             raise click.ClickException(str(e)) from None
 
 
+_SETTING_METAVARS = {int: "INTEGER", float: "NUMBER", str: "TEXT"}
+
+
 def _setting_options(fn):
     """One click option per config setting, with its GPUWATCH_* environment variable."""
     for s in reversed(config_mod.SETTINGS):
-        # Values stay text so that config.load() gives the same error messages as for the file.
-        fn = click.option(s.decls, s.param, envvar=s.env, show_envvar=True, default=None,
+        # Values stay text so that config.load() gives the same error messages as for the file;
+        # --help still says what kind of value each takes.
+        metavar = None if s.type is bool else _SETTING_METAVARS.get(s.type, "TEXT")
+        if s.type is float and (s.key.endswith(("interval", "timeout", "deadline", "seconds", "delay"))
+                                or "seconds" in s.expect):
+            metavar = "SECONDS"
+        elif s.type is str and ("path" in s.expect or s.key.endswith(("_dir", "socket", "file", "replay"))):
+            metavar = "PATH"
+        fn = click.option(s.decls, s.param, envvar=s.env, show_envvar=True, default=None, metavar=metavar,
                           help=f"{s.help} [config: {s.name}; default: {s.default!r}]")(fn)
     return fn
 
@@ -85,11 +95,16 @@ def agent(config_path: str | None, **params: Any) -> None:
 @click.option("--nvml-replay", "replay", metavar="FILE", envvar="GPUWATCH_NVML_REPLAY",
               help="Show a recorded NVML file instead of this machine's GPUs.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
-    """List the GPUs and the processes on them."""
+@click.option("--interval", "-i", "watch", type=click.FloatRange(0.1, 3600), metavar="SECONDS",
+              callback=lambda ctx, param, value: _not_nan(ctx, param, value),  # defined below
+              help="Watch: print the list again every SECONDS until Ctrl-C (as gpustat -i, nvidia-smi -l).")
+def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: float | None) -> None:
+    """List the GPUs and the processes on them (gpuwatch top: live, with more)."""
     from gpuwatch.probes.nvml import backend as nvml_backend
     from gpuwatch.probes.nvml import backend_factory
     from gpuwatch.probes.nvml.probe import inventory
+
+    import time
 
     cfg = config_mod.load(config_path, {"nvml.replay": replay})
     try:
@@ -97,18 +112,30 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool) -> None:
     except nvml_backend.RecordingError as e:
         raise click.ClickException(str(e)) from None
     try:
-        rows = inventory(backend)
+        while True:
+            rows = inventory(backend)
+            if as_json:  # watching: one JSON document a line
+                click.echo(json.dumps(rows, sort_keys=True, default=str) if watch else
+                           json.dumps(rows, indent=2, sort_keys=True, default=str))
+            else:
+                if watch:
+                    click.echo(time.strftime("%Y-%m-%d %H:%M:%S"))
+                _print_gpus(rows)
+            if not watch:
+                return
+            sys.stdout.flush()
+            time.sleep(watch)
+            if not as_json:
+                click.echo()
     except nvml_backend.LibraryUnavailable as e:
         raise click.ClickException(f"NVML unavailable: {e}") from None
+    except KeyboardInterrupt:
+        return
     finally:
         try:
             backend.close()
         except Exception:
             pass
-    if as_json:
-        _echo_json(rows)
-        return
-    _print_gpus(rows)
 
 
 def _print_gpus(rows: list[dict], processes: list[dict] | None = None) -> None:
@@ -472,11 +499,11 @@ def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) ->
 
 @main.command(context_settings=CONTEXT)
 @click.option("--pid", "-p", "pid", required=True, type=int, metavar="PID", help="The running process to trace.")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), callback=_not_nan, metavar="SECONDS",
+@click.option("--duration", "-d", type=click.FloatRange(min=0, min_open=True), callback=_not_nan, metavar="SECONDS",
               help="Stop after this long (default: until Ctrl-C or the process exits).")
 @click.option("--summary-json", "summary_json", metavar="FILE", type=click.Path(dir_okay=False),
               help="Write the summary as JSON to FILE when the trace ends.")
-@click.option("--output", "output", metavar="FILE", type=click.Path(dir_okay=False),
+@click.option("--output", "-o", "output", metavar="FILE", type=click.Path(dir_okay=False),
               help="Write every call as a Chrome/Perfetto JSON trace to FILE (root; launches timed too).")
 @click.option("--otlp", is_flag=True,
               help="When the trace ends, send every call as an OpenTelemetry span to the receiver of the config's "
@@ -486,7 +513,7 @@ def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) ->
 @click.option("--library", metavar="PATH", type=click.Path(dir_okay=False),
               help="Attach to this libcuda file (default: every libcuda.so the process maps).")
 @click.option("--wait", is_flag=True, help="If the process has not loaded libcuda yet, wait until it does.")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), callback=_not_nan,
+@click.option("--interval", "-i", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), callback=_not_nan,
               metavar="SECONDS", help="Seconds between refreshes of the live view.")
 @config_option
 @click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
@@ -611,7 +638,7 @@ def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, int
 @click.option("--filter", "text", metavar="TEXT", help="Only processes whose command or user contains TEXT.")
 @click.option("-p", "--pid", "pids", type=click.IntRange(1), multiple=True, metavar="PID",
               help="Only this process (repeatable).")
-@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), callback=_not_nan,
+@click.option("--interval", "-i", default=1.0, show_default=True, type=click.FloatRange(0.1, 60), callback=_not_nan,
               metavar="SECONDS", help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one frame and exit (plain text when not a terminal).")
 @click.option("--json", "as_json", is_flag=True, help="Print the view once as JSON for scripts.")
