@@ -66,7 +66,7 @@ def test_a_probe_whose_extra_is_absent_is_disabled_not_down(agent_factory):
         assert time.time() < deadline, text
         time.sleep(0.3)
     sampler = {k: v for k, v in series(text, "gpuwatch_probe_state").items() if 'probe="cupti_sampler"' in k}
-    assert sampler['{probe="cupti_sampler",state="disabled"}'] == 1.0 and sum(cupti.values()) == 1.0, sampler
+    assert sampler['{probe="cupti_sampler",state="disabled"}'] == 1.0 and sum(sampler.values()) == 1.0, sampler
     assert series(text, "gpuwatch_probe_up")['{probe="cupti_sampler"}'] == 0.0
     status = json.loads(gpuwatch("status", "--socket", str(agent.socket), "--json").stdout)
     assert status["probes"]["cupti_sampler"]["state"] == "disabled"
