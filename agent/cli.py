@@ -244,7 +244,7 @@ def _ask(config_path: str | None, socket_path: str | None, method: str, params: 
     from gpuwatch.agent.control import call
 
     return call(socket_path or config_mod.load(config_path, {}).control.socket, method, params, timeout=timeout,
-                result_type=result_type)
+                result_type=result_type, explain=True)
 
 
 def _ask_findings(config_path: str | None, socket_path: str | None, kind: str | None) -> dict:

@@ -572,9 +572,11 @@ R = TypeVar("R", bound=wire.Message)
 
 
 def call(path: str, method: str, params: dict | None = None, timeout: float = TIMEOUT,
-         result_type: type[R] | None = None) -> Any:
+         result_type: type[R] | None = None, explain: bool = False) -> Any:
     """Send one request to the agent and return its result, parsed as `result_type` when given
-    (agent/wire.py). Raises ControlError with a readable reason."""
+    (agent/wire.py). Raises ControlError with a readable reason; with explain (the CLI, for a
+    person), an agent it cannot reach is looked for among the host's processes to say where one
+    listens, or that none runs. Not for the in-process agent: that scan is the CLI's, once."""
     request = _encode({"method": method, "params": params or {}})
     if len(request) > MAX_REQUEST:
         raise ControlError(f"request too large for the control socket ({len(request)} bytes, "
@@ -586,9 +588,11 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
         try:
             _connect(sock, path, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
-            raise ControlError(_not_listening(path)) from None
+            raise ControlError(_not_listening(path) if explain else f"no gpuwatch agent is listening on {path} "
+                               "(is `gpuwatch agent` / the gpuwatch service running?)") from None
         except PermissionError:
-            raise ControlError(_not_reachable(path)) from None
+            raise ControlError(_not_reachable(path) if explain else f"permission denied on {path}: run as root "
+                               "or as a member of the socket's group") from None
         except BlockingIOError:  # the listen backlog is full
             raise ControlError(f"the gpuwatch agent on {path} is too busy to accept "
                                f"a connection; try again") from None
@@ -699,10 +703,13 @@ def _not_listening(path: str) -> str:
     text = f"no gpuwatch agent is listening on {path}"
     elsewhere = [(pid, sock) for pid, _, sock in running_agents()
                  if pid != os.getpid() and sock and os.path.abspath(sock) != os.path.abspath(path)]
-    if elsewhere:
+    if len(elsewhere) == 1:
         pid, sock = elsewhere[0]
         return (f"{text}; the agent pid {pid} listens on {sock}: pass --socket {sock}, or "
                 f"export GPUWATCH_SOCKET={sock}")
+    if elsewhere:
+        where = ", ".join(f"{sock} (pid {pid})" for pid, sock in elsewhere[:4])
+        return f"{text}; gpuwatch agents listen on {where}: pass one with --socket, or export GPUWATCH_SOCKET"
     return text + " (is `gpuwatch agent` / the gpuwatch service running?)"
 
 

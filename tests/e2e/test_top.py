@@ -103,7 +103,7 @@ def test_status_keeps_bracketed_text(agent_factory, tmp_path):
 
     def failing():
         st = json.loads(gpuwatch("status", "--socket", str(agent.socket), "--json").stdout or "{}")
-        return st if st.get("probes", {}).get("nvml", {}).get("state") == "failing" else None
+        return st if st.get("probes", {}).get("nvml", {}).get("state") == "unavailable" else None
 
     st = wait_for(failing, 20, 0.2)
     assert st and "[baseline]" in st["probes"]["nvml"]["reason"], st
