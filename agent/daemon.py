@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import logging
 import os
 import signal
@@ -233,11 +232,9 @@ class Daemon:
         if cfg.baseline.enabled:
             from gpuwatch.probes.baseline.probe import BaselineProbe
 
-            from gpuwatch.probes import nvml
-
-            # NVML's GPUs, replayed ones included: a run is kept under the UUID of the GPU it was
-            # asked to run on (the agent's identity for it), never under what the child printed.
-            gpus = functools.partial(nvml.gpu_uuids, nvml.backend_factory(cfg))
+            # The GPUs the NVML probe (their one owner) saw last, replayed ones included: a run is
+            # kept under the UUID of the GPU it was asked to run on, never under what the child printed.
+            gpus = self._gpu_uuids
             self.baseline = BaselineProbe(self.store, every=cfg.baseline.interval, python=cfg.baseline.python,
                                           timeout=cfg.baseline.timeout, replay=cfg.baseline.replay, gpus=gpus)
             probes.append(self.baseline)
@@ -425,6 +422,15 @@ class Daemon:
         if st is not None and st.state == "unavailable":
             raise ControlError(f"the reference workload cannot run: {st.reason}")
         return self.baseline
+
+    def _gpu_uuids(self) -> list[str]:
+        """The GPUs' UUIDs in NVML's order, from the runner's latest snapshot ([] before it, or while
+        the NVML probe is down)."""
+        runner = getattr(self, "runner", None)  # None while __init__ builds it
+        if runner is None:
+            return []
+        gpus = sorted((int(s.labels.get("gpu_index", -1)), s.resource) for s in runner.snapshot.by_metric("gpuwatch.gpu"))
+        return [uuid for _, uuid in gpus]
 
     def _gpu_ref(self, ref: str, known_only: bool = True) -> tuple[int | None, str]:
         """(index, UUID) of the GPU a person named by NVML index or UUID, from NVML's latest view.

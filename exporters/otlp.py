@@ -307,6 +307,22 @@ def exporter_logs() -> ExporterLogs:
     return h
 
 
+def reach(endpoint: str, timeout: float) -> str:
+    """Why an export failed when the exporter did not say (HTTP's last word is only "timeout, max
+    retries or shutdown"): one TCP connect to the receiver, at a change of state only."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(endpoint)
+    port = u.port or (443 if u.scheme == "https" else 80)
+    try:
+        with socket.create_connection((u.hostname or "localhost", port), timeout=min(timeout, 2.0)):
+            pass
+    except OSError as e:
+        return f"cannot connect to {u.hostname}:{port}: {e.strerror or e}"
+    return f"the receiver at {u.hostname}:{port} accepts connections but did not take the batch in time"
+
+
 def _watched(exporter, signal: str, result) -> Any:
     """The exporter, its export() results also told to result(signal, ok) (an exception: not ok)."""
     export = exporter.export
@@ -408,7 +424,8 @@ class OtlpExporter(Exporter):
         if self._reasons is not None and ok:
             self._reasons.forget(signal)  # a later failure's reason is its own
         if not ok and was is not False:
-            reason = (self._reasons.reason(signal) if self._reasons is not None else None) or "the export failed"
+            reason = ((self._reasons.reason(signal) if self._reasons is not None else None)
+                      or reach(self.endpoint, self.timeout))
             log.warning("OTLP export of %s to %s (%s) is down: %s (said again only when it is back up; "
                         "gpuwatch_otlp_up, gpuwatch_otlp_export_failures_total)", signal, self.endpoint,
                         self.protocol, reason)

@@ -11,7 +11,6 @@ child). HealthDetector turns those values into findings.
 """
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -67,14 +66,11 @@ class BaselineProbe(Probe):
     interval = 1.0
     deadline = 2.0
 
-    def __init__(self, store=None, every: float = 21600.0, python: str = "", timeout: float = 300.0,
-                 replay: str = "", gpus: Callable[[], list[str]] | None = None, clock: Callable[[], float] = time.time,
+    def __init__(self, store=None, *, gpus: Callable[[], list[str]], every: float = 21600.0, python: str = "",
+                 timeout: float = 300.0, replay: str = "", clock: Callable[[], float] = time.time,
                  first_delay: float = 120.0) -> None:
+        # gpus: the GPUs' UUIDs in NVML's order (the daemon's: what its NVML probe saw last).
         self.store, self.every, self.python, self.timeout, self.replay = store, every, python, timeout, replay
-        if gpus is None:  # NVML's own GPUs (the daemon passes the replayed ones when it replays)
-            from gpuwatch.probes.nvml import RealBackend, gpu_uuids
-
-            gpus = functools.partial(gpu_uuids, RealBackend)
         self.gpus, self.clock, self.first_delay = gpus, clock, first_delay
         self._lock = threading.Lock()
         self._latest: dict[str, dict] = {}  # GPU UUID -> its latest judged run
@@ -106,9 +102,13 @@ class BaselineProbe(Probe):
 
     def collect(self) -> list[Sample]:
         now = self.clock()
+        try:  # the GPUs there are now: a GPU gone (swapped, MIG reconfigured) takes its series with it
+            present = set(self.gpus())
+        except Exception:  # noqa: BLE001 - NVML cannot say now: keep what is known
+            present = None
         with self._lock:
-            latest = list(self._latest.values())
-            counts = dict(self._counts)
+            latest = [r for r in self._latest.values() if present is None or r.get("uuid") in present]
+            counts = {k: n for k, n in self._counts.items() if present is None or k[0] in present}
         out = [Sample("gpuwatch.baseline.runs", float(n), gpu, {"result": result}, now)
                for (gpu, result), n in counts.items()]
         for run in latest:
@@ -149,19 +149,23 @@ class BaselineProbe(Probe):
                                "later") from None
 
     # -- worker ---------------------------------------------------------------------------
+    def _list_gpus(self) -> int:
+        """Refresh the GPUs' UUIDs from NVML; how many there are (0 while NVML cannot say)."""
+        try:
+            self._uuids = self.gpus()
+            self._gpu_error = ""
+        except Exception as e:  # noqa: BLE001 - no NVML here, or it went away: try again later
+            if str(e) != self._gpu_error:  # said once, not every minute
+                log.warning("baseline: cannot list the GPUs (%s); trying again every minute", e)
+            self._gpu_error = str(e)
+            self._uuids = []
+        return len(self._uuids)
+
     def _work(self) -> None:
         first = self.clock() + self.first_delay  # not in the way of jobs that start with the node
         while not self._stop.is_set():
             now = self.clock()
-            try:
-                self._uuids = self.gpus()
-                self._gpu_error = ""
-            except Exception as e:  # noqa: BLE001 - no NVML here, or it went away: try again later
-                if str(e) != self._gpu_error:  # said once, not every minute
-                    log.warning("baseline: cannot list the GPUs (%s); trying again every minute", e)
-                self._gpu_error = str(e)
-                self._uuids = []
-            count = len(self._uuids)
+            count = self._list_gpus()
             for g in range(count):
                 self._due.setdefault(g, first)
             due = [g for g in range(count) if self._due.get(g, 0.0) <= now]
@@ -179,6 +183,7 @@ class BaselineProbe(Probe):
             if req is None:
                 return
             gpu, force, done = req
+            count = self._list_gpus()  # as NVML sees them now, not as before the wait (it may have been down)
             if gpu is not None and not 0 <= gpu < count:
                 done.put([{"gpu": gpu, "result": "failed", "reason": f"no GPU {gpu}: NVML sees {count}"}])
                 continue

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "Backend", "GpuLost", "LibraryUnavailable", "NotSupported", "NoValue", "NvmlError", "RealBackend",
-    "NvmlProbe", "inventory", "nvml_checks", "backend_factory", "from_config", "gpu_uuids",
+    "NvmlProbe", "inventory", "nvml_checks", "backend_factory", "from_config",
 ]
 
 
@@ -36,16 +36,6 @@ def backend_factory(cfg: Config) -> Callable[[], Backend]:
                                  # running agent; never read unless NVML is replayed.
                                  control=os.environ.get("GPUWATCH_TEST_NVML_CONTROL") or None)
     return RealBackend
-
-
-def gpu_uuids(factory: Callable[[], Backend]) -> list[str]:
-    """The GPUs' UUIDs in NVML's order, through the backend the config asks for (the replayed GPUs
-    when NVML is replayed): who the baseline workload runs on."""
-    backend = factory()
-    try:
-        return [backend.call("uuid", i) for i in range(backend.call("device_count"))]
-    finally:
-        backend.close()
 
 
 def from_config(cfg: Config) -> NvmlProbe | None:

@@ -20,7 +20,7 @@ def test_the_agent_exports_gpu_metrics_and_events(agent_factory, protocol):
         power = next(p for p in r.points if p[0] == "hw.power")
         assert power[1] == "W" and power[3]["hw.type"] == "gpu" and power[3]["hw.model"]
         # Events arrive as log records: a run of the reference workload (replayed) makes one.
-        control.call(str(agent.socket), "baseline.run", {"gpu": 1}, timeout=60)
+        control.call(str(agent.socket), "baseline.run", {"gpu": "1"}, timeout=60)
         assert r.wait_for(lambda: any(log["attributes"].get("event.name") == "gpuwatch.baseline.run"
                                       for log in r.logs), 20)
         run = next(log for log in r.logs if log["attributes"].get("event.name") == "gpuwatch.baseline.run")

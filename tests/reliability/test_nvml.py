@@ -109,8 +109,11 @@ def test_5_mig_reconfiguration_changes_uuids(agent_factory, tmp_path):
 
         new = wait_until(only_new, what="new UUIDs only")
         assert len(new) == 2
-        text = agent.metrics()
-        assert not any(u in text for u in old)  # every series of the old UUIDs is withdrawn
+        # Every series of the old UUIDs is withdrawn, the baseline's too (within its probe's next
+        # collection, which reads the GPUs the NVML probe saw last).
+        def stale():
+            return [line for line in agent.metrics().splitlines() if any(u in line for u in old)]
+        wait_until(lambda: not stale(), timeout=10, what="no series of the old UUIDs")
         time.sleep(2)
     scraper.check()
     assert agent.proc.poll() is None
