@@ -6,7 +6,8 @@
 FILE is JSON: {"runs": [run, ...]} (tests/fixtures/baseline-h200.json, recorded on the H200 by
 tests/gpu/baseline_check.py). A run {"skipped": reason} replays a busy GPU (exit 3), {"error":
 reason} a failed run (exit 1). The run's GPU index is set to N; its UUID is kept, with N added
-to its last digit group for N > 0 so that each GPU replays as its own.
+to its last digit group for N > 0 so that each GPU replays as its own (the agent keeps the run
+under the UUID its NVML probe gives GPU N, whatever this prints).
 """
 from __future__ import annotations
 
