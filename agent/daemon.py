@@ -457,6 +457,10 @@ class Daemon:
         if not peer.is_root:
             raise ControlError("only root may run the reference workload (it takes the GPU for a while)")
         gpu = None if params.gpu is None else self._gpu_ref(params.gpu)[0]
+        if gpu is None and not self._gpu_uuids():
+            st = self.runner.snapshot.probes.get("nvml")
+            why = f" (probe nvml {st.state}: {st.reason})" if st is not None and st.reason else ""
+            raise ControlError(f"NVML sees no GPUs now{why}: no GPU to run the reference workload on")
         try:
             return self._baseline_probe().run_now(gpu, force)
         except TimeoutError as e:

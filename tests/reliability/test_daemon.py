@@ -111,6 +111,8 @@ def test_12_disk_full_stops_store_writes_and_they_resume(agent_factory, tmp_path
         wait_until(lambda: store_status(agent)["write_errors"] > 0, what="a failed store write")
         filler.unlink()
         set_faults(ctl)
+        # The workload runs on the GPUs NVML sees: once it is back.
+        wait_until(lambda: value(agent.metrics(), "gpuwatch_probe_up", probe="nvml") == 1.0, what="nvml up")
         out = gpuwatch("baseline", "run", "--socket", str(agent.socket), "--json")
         assert out.returncode == 0, out.stdout + out.stderr
     scraper.check()
