@@ -644,17 +644,10 @@ def _closed_to_us(directory: str) -> str:
         st = os.stat(directory)
     except OSError as e:
         return f"{directory}: {e.strerror or e}"
-    return (f"{directory} is mode {stat.S_IMODE(st.st_mode):o}, owned by {_user_name(st.st_uid)}:"
-            f"{_group_name(st.st_gid)}, and not open to {_user_name(os.geteuid())}")
+    from gpuwatch.agent.safefile import user_name
 
-
-def _user_name(uid: int) -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
+    return (f"{directory} is mode {stat.S_IMODE(st.st_mode):o}, owned by {user_name(st.st_uid)}:"
+            f"{_group_name(st.st_gid)}, and not open to {user_name(os.geteuid())}")
 
 
 def _group_name(gid: int) -> str:

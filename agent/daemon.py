@@ -423,21 +423,24 @@ class Daemon:
             raise ControlError(f"the reference workload cannot run: {st.reason}")
         return self.baseline
 
-    def _gpu_uuids(self) -> list[str]:
-        """The GPUs' UUIDs in NVML's order, from the runner's latest snapshot ([] before it, or while
-        the NVML probe is down)."""
+    def _gpus(self) -> list[tuple[int, str]]:
+        """(NVML index, UUID) of each GPU in the runner's latest snapshot, in NVML's order ([] before
+        it, or while the NVML probe is down)."""
         runner = getattr(self, "runner", None)  # None while __init__ builds it
         if runner is None:
             return []
-        gpus = sorted((int(s.labels.get("gpu_index", -1)), s.resource) for s in runner.snapshot.by_metric("gpuwatch.gpu"))
-        return [uuid for _, uuid in gpus]
+        return sorted((int(s.labels.get("gpu_index", -1)), s.resource) for s in runner.snapshot.by_metric("gpuwatch.gpu"))
+
+    def _gpu_uuids(self) -> list[str]:
+        """The GPUs' UUIDs in NVML's order: who the baseline workload runs on."""
+        return [uuid for _, uuid in self._gpus()]
 
     def _gpu_ref(self, ref: str, known_only: bool = True) -> tuple[int | None, str]:
         """(index, UUID) of the GPU a person named by NVML index or UUID, from NVML's latest view.
         A UUID NVML does not list now is taken as given where known_only is false (the kept runs
         of a GPU since removed)."""
-        gpus = {s.resource: int(s.labels.get("gpu_index", -1)) for s in self.runner.snapshot.by_metric("gpuwatch.gpu")}
-        by_index = {i: u for u, i in gpus.items()}
+        by_index = dict(self._gpus())
+        gpus = {u: i for i, u in by_index.items()}
         listing = ", ".join(f"{i} ({u})" for i, u in sorted(by_index.items())) or "none now: NVML is not up"
         if ref.isdigit():
             if int(ref) in by_index:

@@ -54,7 +54,8 @@ def trusted(st: os.stat_result, euid: int | None = None) -> bool:
     return not st.st_mode & 0o022 or bool(st.st_mode & stat.S_ISVTX and st.st_uid == 0)
 
 
-def _who(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """A user's name, for a person ("uid N" when the system has none)."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -63,7 +64,7 @@ def _who(uid: int) -> str:
 
 def _why_untrusted(st: os.stat_result) -> str:
     if st.st_uid not in (os.geteuid(), 0):
-        return f"it belongs to {_who(st.st_uid)}"
+        return f"it belongs to {user_name(st.st_uid)}"
     return "others may write in it"
 
 
