@@ -243,6 +243,7 @@ class Daemon:
         from gpuwatch.detectors.leak import LeakDetector
         from gpuwatch.detectors.thermal import ThermalDetector
         from gpuwatch.detectors.host_bound import HostBoundDetector
+        from gpuwatch.detectors.straggler import StragglerDetector
 
         self.control = ControlServer(cfg.control.socket, {
             "ping": lambda params, peer: "pong",
@@ -260,7 +261,7 @@ class Daemon:
 
         leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
         self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector(),
-                                                HostBoundDetector()],
+                                                HostBoundDetector(), StragglerDetector()],
                              exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 

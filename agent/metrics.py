@@ -292,6 +292,38 @@ METRICS: tuple[Metric, ...] = (
            "Kernels run by CUDA graph replays (each replay runs every kernel node of its graph), from "
            "the graphs' known content; direct launches are gpuwatch_cuda_calls_total{api=~\"cuLaunch.*\"}.",
            ("pid", "process")),
+    # --- NCCL, from eBPF uprobes on libnccl -------------------------------------------------
+    # Per process and NCCL function (op), and per communicator (comm: a hash of its unique id, the
+    # same in every rank's process; rank and size from its init, "" when the init was not seen).
+    Metric("gpuwatch.nccl.calls", "", Kind.COUNTER,
+           "NCCL API calls seen by the eBPF probe on libnccl (collectives, send/recv, group and "
+           "communicator calls).", ("pid", "process", "op")),
+    Metric("gpuwatch.nccl.errors", "", Kind.COUNTER,
+           "NCCL calls that returned an error (an ncclResult_t other than ncclSuccess or ncclInProgress).",
+           ("pid", "process", "op")),
+    Metric("gpuwatch.nccl.call.duration", "s", Kind.COUNTER,
+           "Host time spent inside the NCCL call (entry to return): enqueueing the collective, not "
+           "running it on the GPU; divide by calls for the mean.", ("pid", "process", "op")),
+    Metric("gpuwatch.nccl.bytes", "By", Kind.COUNTER,
+           "Bytes given to NCCL calls: count x the datatype's size (per rank: a send count for "
+           "all-gather, a receive count for reduce-scatter).", ("pid", "process", "op")),
+    Metric("gpuwatch.nccl.communicator.calls", "", Kind.COUNTER,
+           "NCCL calls on one communicator of the process (collectives and send/recv).",
+           ("pid", "process", "comm", "rank", "size")),
+    Metric("gpuwatch.nccl.communicator.bytes", "By", Kind.COUNTER,
+           "Bytes of the NCCL calls on one communicator of the process.", ("pid", "process", "comm", "rank", "size")),
+    Metric("gpuwatch.nccl.communicator.collectives", "", Kind.COUNTER,
+           "Collectives on one communicator of the process: its sequence number, by which the ranks "
+           "of a node are lined up.", ("pid", "process", "comm", "rank", "size")),
+    Metric("gpuwatch.nccl.collectives.compared", "", Kind.COUNTER,
+           "Collectives of a communicator whose entry times were compared across all its ranks on this "
+           "node (two or more processes).", ("comm",)),
+    Metric("gpuwatch.nccl.rank.last", "", Kind.COUNTER,
+           "Compared collectives this rank entered last of the node's ranks.", ("comm", "rank", "pid", "process")),
+    Metric("gpuwatch.nccl.rank.lateness", "s", Kind.COUNTER,
+           "Sum, over the compared collectives this rank entered last, of how long after the rank "
+           "before it: divided by gpuwatch_nccl_rank_last_total, the mean wait it caused.",
+           ("comm", "rank", "pid", "process")),
     Metric("gpuwatch.process.cuda.memory.live", "By", Kind.GAUGE,
            "Device memory the process holds through driver allocations seen since the probe attached "
            "(cuMemAlloc*, cuMemCreate; minus frees), pooled or not: gpuwatch_process_cuda_memory_pooled_bytes "
@@ -378,6 +410,10 @@ METRICS: tuple[Metric, ...] = (
            "1 while the host_bound detector sees a GPU process's GPU work fall while a host-side cause "
            "holds (cause: page_cache_eviction, input_thread, cpu_throttled, swapping, memory_pressure, "
            "io_pressure).", ("gpu", "pid", "process", "cause")),
+    Metric("gpuwatch.nccl.straggler.lateness", "s", Kind.GAUGE,
+           "While the straggler detector names a rank (it entered most collectives of its communicator "
+           "last on this node): how long after the rank before it, on average.",
+           ("gpu", "comm", "rank", "pid", "process")),
     Metric("gpuwatch.oom.events", "", Kind.COUNTER,
            "Out-of-memory events since the agent started: the driver returned CUDA_ERROR_OUT_OF_MEMORY "
            "(cause=\"driver\", eBPF), the program's framework raised its out-of-memory error "

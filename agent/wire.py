@@ -629,6 +629,23 @@ class GraphsResult(Result):
 
 
 @dataclass(frozen=True)
+class CommunicatorResult(Result):
+    """An NCCL communicator of the traced process (EbpfCudaProbe._communicators)."""
+
+    pid: int = wire(Int(1, PID_MAX))
+    comm: str = wire(Str(64, clean=True))
+    rank: int | None = wire(Opt(Int(0, 1 << 31)), None)
+    size: int | None = wire(Opt(Int(0, 1 << 32)), None)
+    calls: int = wire(Int(), 0)
+    bytes: int = wire(Int(), 0)
+    collectives: int = wire(Int(), 0)
+    destroyed: bool = wire(Bool(), False)
+    compared: int = wire(Int(), 0)
+    last_entered: int = wire(Int(), 0)
+    lateness_seconds: float = wire(Float(), 0.0)
+
+
+@dataclass(frozen=True)
 class TraceSnapshotResult(Result):
     """`trace.snapshot` (EbpfCudaProbe.snapshot says what each field counts). Kernels, stacks
     and recorded-event counts are shown as they are."""
@@ -644,6 +661,7 @@ class TraceSnapshotResult(Result):
     events: Any = wire(Opt(Json()), None)
     libraries: tuple = wire(ListOf(Obj(SnapshotLibraryResult), 64), ())
     graphs: GraphsResult = wire(Obj(GraphsResult), GraphsResult())
+    communicators: tuple = wire(ListOf(Obj(CommunicatorResult), 4096), ())
 
 
 @dataclass(frozen=True)
@@ -679,6 +697,7 @@ class TraceSummary(Message):
     pid_reused: bool = wire(Bool(), False)
     events: Any = wire(Opt(Json()), None)
     graphs: GraphsResult = wire(Obj(GraphsResult), GraphsResult())
+    communicators: tuple = wire(ListOf(Obj(CommunicatorResult), 4096), ())
 
 
 # method -> the wire type of its result, where there is one

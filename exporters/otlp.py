@@ -550,8 +550,8 @@ def export_calls_as_spans(raw_path: str, *, pid: int, process: str, protocol: st
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.trace import Status, StatusCode, set_span_in_context
 
-    from gpuwatch.probes.ebpf.events import GROUPS, LAUNCH_GROUP, read_records
-    from gpuwatch.probes.ebpf.symbols import API_NAMES, curesult_name
+    from gpuwatch.probes.ebpf.events import GROUPS, LAUNCH_GROUP, NCCL_GROUP, read_records
+    from gpuwatch.probes.ebpf.symbols import API_NAMES, result_name
 
     endpoint = endpoint or DEFAULT_ENDPOINTS[protocol]
     reasons = exporter_logs()  # the SDK's line per failed batch: the reason of the last one is returned
@@ -584,12 +584,14 @@ def export_calls_as_spans(raw_path: str, *, pid: int, process: str, protocol: st
             attrs["gpuwatch.kernel"] = kernel_names.get(ptr) or hex(ptr)
             attrs["gpuwatch.grid"] = f"{gx},{gy},{gz}"
             attrs["gpuwatch.block"] = f"{bx},{by},{bz}"
+        elif GROUPS[api] == NCCL_GROUP and ptr:
+            attrs["gpuwatch.nccl.communicator"] = hex(ptr)
         elif ptr:
             attrs["gpuwatch.pointer"] = hex(ptr)
         span = tracer.start_span(API_NAMES[api], context=parent, start_time=ts + to_wall, attributes=attrs)
         if rc:
-            span.set_attribute("error.type", curesult_name(rc))
-            span.set_status(Status(StatusCode.ERROR, curesult_name(rc)))
+            span.set_attribute("error.type", result_name(API_NAMES[api], rc))
+            span.set_status(Status(StatusCode.ERROR, result_name(API_NAMES[api], rc)))
         span.end(end_time=ts + ns + to_wall)
         last_end = max(last_end, ts + ns)
         n += 1

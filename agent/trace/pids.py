@@ -111,10 +111,13 @@ def maps_file(pid: int, path: str, proc: str = "/proc") -> bool:
 
 
 def cuda_libraries(target: Target, library: str | None = None, proc: str = "/proc") -> list[str]:
-    """The libcuda files to attach to; [] when the process maps none (yet)."""
+    """The libcuda files to attach to, and the libnccl files the process maps beside them (its
+    collectives); [] when it maps no libcuda (yet)."""
     if library is not None:
-        return [library] if maps_file(target.pid, library, proc) else []
-    return loader.libcuda_in(target.pid)
+        cuda = [library] if maps_file(target.pid, library, proc) else []
+    else:
+        cuda = loader.libcuda_in(target.pid)
+    return cuda + loader.libnccl_in(target.pid) if cuda else []
 
 
 def no_cuda_message(target: Target, library: str | None) -> str:

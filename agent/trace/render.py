@@ -222,6 +222,28 @@ def graphs_text(g: dict | None) -> str:
     return text
 
 
+def nccl_text(comms: list[dict] | None, limit: int = 4) -> str:
+    """The NCCL communicators of the process, a line each (busiest first): collectives, bytes, and
+    how often it entered a collective last of the node's ranks; "" for none."""
+    if not comms:
+        return ""
+    from rich.markup import escape
+    lines = []
+    for c in sorted(comms, key=lambda c: (-c.get("collectives", 0), str(c.get("comm"))))[:limit]:
+        who = f"rank {c['rank']}" + (f" of {c['size']}" if c.get("size") else "") if c.get("rank") is not None \
+            else "rank ?"
+        line = (f"  {escape(str(c.get('comm')))} {who}: {c.get('collectives', 0)} collectives, "
+                f"{c.get('calls', 0)} calls, {fmt_bytes(c.get('bytes', 0))}")
+        if c.get("compared"):
+            last = c.get("last_entered", 0)
+            line += f" · entered last {last} of {c['compared']} compared"
+            if last:
+                line += f", {fmt_seconds(c.get('lateness_seconds', 0.0) / last)} after the rank before it"
+        lines.append(line + (" · destroyed" if c.get("destroyed") else ""))
+    more = len(comms) - limit
+    return "\n".join(["NCCL communicators:"] + lines + ([f"  … {more} more"] if more > 0 else []))
+
+
 def _memory_text(mem: dict, dropped: int) -> str:
     d = f"[red]{dropped}[/red]" if dropped else "0"
     return (f"device memory: live [bold]{fmt_bytes(mem.get('live_bytes', 0))}[/bold] in "
@@ -304,6 +326,7 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     extra: list[str] = []
     if graphs_text(snapshot.get("graphs")):
         extra.append(graphs_text(snapshot.get("graphs")))
+    extra += nccl_text(snapshot.get("communicators"), 2).splitlines()
     extra += [line for line in _stacks_text(snapshot.get("stacks") or []).splitlines()]
     extra += [line for line in launch_stacks_text(ks).splitlines()]
     if gpu is not None:
@@ -398,6 +421,8 @@ def render_summary(summary: dict):
         parts.append(Text.from_markup(graphs_text(summary.get("graphs"))))
     if launch_stacks_text(summary["kernels"]):
         parts.append(Text.from_markup(launch_stacks_text(summary["kernels"])))
+    if nccl_text(summary.get("communicators")):
+        parts.append(Text.from_markup(nccl_text(summary.get("communicators"))))
     parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
     if _stacks_text(summary.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(summary["stacks"])))

@@ -62,6 +62,7 @@ def summarize(snapshot: dict, *, pid: int, process: str, duration: float, ended:
         "apis": apis,
         "kernels": _kernels(snapshot),
         "graphs": graphs(snapshot),
+        "communicators": [dict(c) for c in snapshot.get("communicators") or []],
         "memory": {"live_bytes": mem.get("live_bytes", 0), "live_allocations": mem.get("live_allocations", 0),
                    "allocations": mem.get("allocations", 0), "frees": mem.get("frees", 0)},
         "stacks": (snapshot.get("stacks") or [])[:TOP_STACKS],
@@ -98,6 +99,7 @@ API_COUNTERS = ("calls", "errors", "bytes", "seconds")
 KERNEL_COUNTERS = ("launches", "direct_launches", "graph_launches", "degenerate_launches")
 GRAPH_COUNTERS = ("launches", "kernel_launches", "unknown_content_launches", "partial_content_launches")
 MEMORY_COUNTERS = ("allocations", "frees")
+COMMUNICATOR_COUNTERS = ("calls", "bytes", "collectives", "compared", "last_entered", "lateness_seconds")
 RESTARTED = ("the gpuwatch agent's eBPF probe restarted during the trace (its counts went back to zero), so "
              "what happened since the trace started is lost: trace again")
 
@@ -158,6 +160,10 @@ def since(now: dict, start: dict) -> dict:
         out["memory"] = _minus(now["memory"], start.get("memory", {}), MEMORY_COUNTERS)
     if isinstance(now.get("graphs"), dict):
         out["graphs"] = _minus(now["graphs"], start.get("graphs") or {}, GRAPH_COUNTERS)
+    if isinstance(now.get("communicators"), list):  # counted since the agent began: since the trace began here
+        before = {c.get("comm"): c for c in start.get("communicators") or [] if isinstance(c, dict)}
+        out["communicators"] = [_minus(c, before.get(c.get("comm"), {}), COMMUNICATOR_COUNTERS)
+                                for c in now["communicators"] if isinstance(c, dict)]
     if _is_counts(now.get("dropped_by_kind")):  # every kind kept, zeros too: the table's shape is fixed
         before = start.get("dropped_by_kind") or {}
         out["dropped_by_kind"] = {k: c - before.get(k, 0) for k, c in now["dropped_by_kind"].items()}

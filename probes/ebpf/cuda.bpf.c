@@ -22,7 +22,7 @@ BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
 // allocations, 3 kernels, 4 kernel names, 5 errors by return code, 6 per-call events (the ring
 // buffer was full: the reader fell behind), 7 allocation stacks, 8 graph events, 9 captures
-// (streams and events of captures too), 10 executable graphs' launches, 11 launch stacks. (A full histogram map loses
+// (streams and events of captures too), 10 executable graphs' launches, 11 launch stacks, 12 NCCL communicators. (A full histogram map loses
 // buckets silently.) Python sizes its reads from the map: keep GW_DROPPED_KINDS in step.
 BPF_ARRAY(dropped, u64, GW_DROPPED_KINDS);
 // frozen[0] != 0: every program returns at once, so the maps stop changing in one step (one map
@@ -485,6 +485,145 @@ static __always_inline u64 gw_extent_bytes(u64 desc, u32 off, u32 dims) {
 
 
 
+// ---- NCCL (see symbols.py, "NCCL"): communicators, and per communicator the collectives' entry
+// times, which Python lines up across the ranks of one node by sequence number (nccl.py).
+BPF_ARRAY(comm_zero, struct gw_comm, 1);  // never written: the zeroed value a new entry starts from
+
+// Argument n >= 7 at a function's first instruction: in its 8-byte stack slot (sp + 8 (n - 6)).
+static __always_inline u64 gw_stack_arg(struct pt_regs *ctx, int n) {
+    u64 v = 0;
+    bpf_probe_read_user(&v, sizeof(v), (void *)(PT_REGS_SP(ctx) + 8 * (n - 6)));
+    return v;
+}
+
+// The bytes of one element of an ncclDataType_t (nccl.h); 0 for a type this does not know.
+static __always_inline u64 gw_nccl_size(u64 t) {
+    switch ((u32)t) {
+    case 0: case 1: case 10: case 11:  // int8, uint8, fp8 e4m3, fp8 e5m2
+        return 1;
+    case 6: case 9:  // float16, bfloat16
+        return 2;
+    case 2: case 3: case 7:  // int32, uint32, float32
+        return 4;
+    case 4: case 5: case 8:  // int64, uint64, float64
+        return 8;
+    default:
+        return 0;
+    }
+}
+
+// A communicator's id: a hash of the first 16 bytes of its ncclUniqueId at addr (a random magic,
+// then the root's address), the same in the process of every rank; 0 when it cannot be read.
+static __always_inline u64 gw_nccl_id(u64 addr) {
+    u64 w[2];
+    w[0] = 0;
+    w[1] = 0;
+    if (bpf_probe_read_user(w, sizeof(w), (void *)addr) != 0 || (w[0] == 0 && w[1] == 0))
+        return 0;
+    u64 h = w[0] ^ (w[1] * 0x9E3779B97F4A7C15ULL);
+    return h ? h : 1;
+}
+
+// A new, zeroed entry for (pid, comm) in comms (an init replaces an entry left at that address).
+static __always_inline struct gw_comm *gw_comm_new(u32 pid, u64 comm) {
+    u32 zero = 0;
+    struct gw_comm *z = comm_zero.lookup(&zero);
+    if (!z)
+        return 0;
+    struct gw_handle_key k = {};
+    k.pid = pid;
+    k.handle = comm;
+    if (comms.update(&k, z) != 0) {
+        gw_drop(12);
+        return 0;
+    }
+    struct gw_comm *v = comms.lookup(&k);
+    if (v)
+        v->rank = -1;
+    return v;
+}
+
+// A call on a communicator (entry): counted with its bytes; a collective (collective = 1) also
+// takes the next sequence number, its entry time kept in the ring. A communicator made before the
+// probe attached gets an entry of its own here: id 0, rank unknown (its ranks cannot be matched).
+static __always_inline void gw_nccl_call(u64 comm, u32 api, u64 bytes, int collective) {
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    struct gw_handle_key k = {};
+    k.pid = pid;
+    k.handle = comm;
+    struct gw_comm *v = comms.lookup(&k);
+    if (!v) {
+        v = gw_comm_new(pid, comm);
+        if (!v)
+            return;
+    }
+    __sync_fetch_and_add(&v->calls, 1);
+    if (bytes)
+        __sync_fetch_and_add(&v->bytes, bytes);
+    if (!collective)
+        return;
+    u64 s = __sync_fetch_and_add(&v->seq, 1);
+    u32 slot = s & (GW_NCCL_RING - 1);
+    v->ts[slot] = bpf_ktime_get_ns();
+    v->slot_api[slot] = api;
+    v->slot_seq[slot] = (u32)(s + 1);  // last: a reader checks it against the seq it wants
+}
+
+// What an NCCL communicator call that returned rc did (c: its entry record; ops in symbols.py).
+static __always_inline void gw_nccl_op(u32 pid, u32 op, int rc, struct gw_call *c) {
+    if (rc != 0)
+        return;  // (ncclInProgress is 0 here: a non-blocking init's communicator exists already)
+    u64 comm = 0;
+    if (op == GW_OP_NCCL_INIT) {
+        if (!c->ptr || bpf_probe_read_user(&comm, sizeof(comm), (void *)c->ptr) != 0 || !comm)
+            return;
+        struct gw_comm *v = gw_comm_new(pid, comm);
+        if (!v)
+            return;
+        v->id = c->aux2;
+        v->nranks = (u32)c->aux;
+        v->rank = (s32)(c->aux >> 32);
+        v->init_ts = c->ts;
+    } else if (op == GW_OP_NCCL_INIT_ALL) {
+        // one process holds every rank: an id of its own (when and who), rank i for comms[i]
+        u64 id = (c->ts ^ ((u64)pid << 40)) | 1;
+        for (int i = 0; i < GW_NCCL_INIT_ALL_MAX; i++) {
+            if (i >= (int)(u32)c->aux || !c->ptr)
+                break;
+            if (bpf_probe_read_user(&comm, sizeof(comm), (void *)(c->ptr + 8 * i)) != 0 || !comm)
+                continue;
+            struct gw_comm *v = gw_comm_new(pid, comm);
+            if (!v)
+                return;
+            v->id = id;
+            v->nranks = (u32)c->aux;
+            v->rank = i;
+            v->init_ts = c->ts;
+        }
+    } else if (op == GW_OP_NCCL_SPLIT) {
+        // the ranks of one color of a parent get one id (rank and size are the library's to say)
+        if (!c->ptr || bpf_probe_read_user(&comm, sizeof(comm), (void *)c->ptr) != 0 || !comm)
+            return;
+        struct gw_handle_key pk = {};
+        pk.pid = pid;
+        pk.handle = c->aux;
+        struct gw_comm *parent = comms.lookup(&pk);
+        u64 id = parent && parent->id ? ((parent->id ^ (c->aux2 + 1)) * 0x9E3779B97F4A7C15ULL) | 1 : 0;
+        struct gw_comm *v = gw_comm_new(pid, comm);
+        if (!v)
+            return;
+        v->id = id;
+        v->init_ts = c->ts;
+    } else if (op == GW_OP_NCCL_DESTROY) {
+        struct gw_handle_key k = {};
+        k.pid = pid;
+        k.handle = c->ptr;
+        struct gw_comm *v = comms.lookup(&k);
+        if (v)
+            v->destroyed = 1;  // kept (its counts) until the process exits or the address is reused
+    }
+}
+
 static __always_inline struct gw_api_stats *gw_stats(u32 pid, u32 api) {
     struct gw_api_key sk = {};
     sk.pid = pid;
@@ -566,7 +705,9 @@ static __always_inline int gw_finish(struct pt_regs *ctx, u32 api, u32 op, u64 r
     inflight.delete(&k);
 
     u32 pid = k.pid_tgid >> 32;
-    int rc = (int)PT_REGS_RC(ctx);  // CUresult
+    int rc = (int)PT_REGS_RC(ctx);  // CUresult (ncclResult_t for NCCL's)
+    if (api >= GW_FIRST_NCCL_API && rc == GW_NCCL_IN_PROGRESS)
+        rc = 0;  // a non-blocking communicator call going on is not an error
     u64 ns = now - c.ts;
     u64 bytes = c.bytes;
     u64 result = c.ptr;  // what the event reports: the pointer or handle the call took or produced
@@ -636,6 +777,8 @@ static __always_inline int gw_finish(struct pt_regs *ctx, u32 api, u32 op, u64 r
             if (n)
                 gw_name_put(pid, GW_NAME_FUNCTION, h, n);
         }
+    } else if (op >= GW_OP_NCCL_INIT) {
+        gw_nccl_op(pid, op, rc, &c);
     } else if (op >= GW_OP_CAPTURE_BEGIN) {
         gw_graph_op(pid, op, rc, &c);
     }

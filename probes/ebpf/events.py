@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.safefile import AtomicFile
 
 from gpuwatch.probes.ebpf import bpfsys
-from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, curesult_name
+from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, result_name
 
 log = logging.getLogger("gpuwatch.ebpf")
 
@@ -30,6 +30,7 @@ RECORD = struct.Struct("<QQQQIIIi3I3I")
 POLL_MS = 100
 GROUPS = tuple(h.group for h in HOOKS)
 LAUNCH_GROUP = "launch"
+NCCL_GROUP = "nccl"
 
 
 class EventRecorder:
@@ -106,7 +107,8 @@ def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
     complete event ("ph": "X") per call, name = the API, ts/dur in microseconds of the monotonic
     clock, args = bytes, the CUresult when it was an error, and for launches the kernel (its name,
     or its handle), grid and block, and its most sampled launch stack (kernel_stacks: handle ->
-    frames, innermost first); allocations the device pointer. Returns the events written.
+    frames, innermost first); allocations the device pointer; NCCL calls (cat "nccl") the
+    communicator. Returns the events written.
 
     out_path: the output's path, or a safefile.AtomicFile opened for it (gpuwatch trace opens
     its outputs before tracing); either way the file appears complete or not at all."""
@@ -131,7 +133,7 @@ def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
             if nbytes:
                 args.append(f'"bytes": {nbytes}')
             if rc:
-                args.append(f'"error": {json.dumps(curesult_name(rc))}')
+                args.append(f'"error": {json.dumps(result_name(API_NAMES[api], rc))}')
             if GROUPS[api] == LAUNCH_GROUP:
                 if ptr:
                     q = quoted.get(ptr)
@@ -140,6 +142,9 @@ def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
                         stack = (kernel_stacks or {}).get(ptr)
                         q = quoted[ptr] = q + (f', "stack": {json.dumps(stack)}' if stack else "")
                     args.append(f'"kernel": {q}, "grid": [{gx}, {gy}, {gz}], "block": [{bx}, {by}, {bz}]')
+            elif GROUPS[api] == NCCL_GROUP:
+                if ptr:  # the communicator (ncclComm_t) the collective or send/recv is on
+                    args.append(f'"comm": "{ptr:#x}"')
             elif ptr:
                 args.append(f'"ptr": "{ptr:#x}"')
             out.write(f'{"" if first else ","}\n{{"name": {api_names[api]}, "cat": {cats[api]}, "ph": "X", '

@@ -29,6 +29,9 @@ from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, SAMPLED_APIS
 log = logging.getLogger("gpuwatch.ebpf")
 
 LIBCUDA_RE = re.compile(r"/libcuda\.so(\.[0-9.]+)?$")
+# NCCL: the system's, a wheel's (nvidia/nccl/lib/libnccl.so.2, PyTorch's) or a container's copy
+LIBNCCL_RE = re.compile(r"/libnccl\.so(\.[0-9.]+)?$")
+HOOKED_LIBRARIES = (LIBCUDA_RE, LIBNCCL_RE)
 
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 
@@ -146,6 +149,17 @@ def libcuda_in(pid: int) -> list[str]:
     return [f"/proc/{pid}/root{path}" for path in mapped_files(pid) if LIBCUDA_RE.search(path)]
 
 
+def libnccl_in(pid: int) -> list[str]:
+    """The libnccl files mapped by a process, as paths reachable from here."""
+    return [f"/proc/{pid}/root{path}" for path in mapped_files(pid) if LIBNCCL_RE.search(path)]
+
+
+def hooked_libraries_in(pid: int) -> list[str]:
+    """The libcuda and libnccl files mapped by a process, as paths reachable from here."""
+    return [f"/proc/{pid}/root{path}" for path in mapped_files(pid)
+            if any(r.search(path) for r in HOOKED_LIBRARIES)]
+
+
 def file_id(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -155,14 +169,14 @@ def file_id(path: str) -> tuple[int, int] | None:
 
 
 def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str]:
-    """Every distinct libcuda file (by device and inode) mapped by a running process, under the
+    """Every distinct libcuda or libnccl file (by device and inode) mapped by a running process, under the
     path this process sees it by when that is the same file (the host's libcuda: the path outlives
     the process), else through /proc/PID/root (a container's copy)."""
     if pids is None:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     seen: dict[tuple[int, int], str] = {}
     for pid in pids:
-        for path in libcuda_in(pid):
+        for path in hooked_libraries_in(pid):
             fid = file_id(path)
             if fid is not None and fid not in seen:
                 own = path[len(f"/proc/{pid}/root"):]
@@ -170,9 +184,12 @@ def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str
     return seen
 
 
+HOOKED_PREFIXES = ("cu", "nccl")  # the driver API and NCCL's (not pnccl*, its aliases for profilers)
+
+
 def function_offsets(path: str) -> dict[str, int]:
     """The file offset of every exported function of an ELF file whose name starts with "cu" (the
-    driver API): where a uprobe goes. From the dynamic symbol table, by pyelftools."""
+    driver API) or "nccl": where a uprobe goes. From the dynamic symbol table, by pyelftools."""
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
     out: dict[str, int] = {}
@@ -185,7 +202,7 @@ def function_offsets(path: str) -> dict[str, int]:
                 return out
             for sym in dynsym.iter_symbols():
                 if sym["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or sym["st_shndx"] == "SHN_UNDEF" \
-                        or not sym.name.startswith("cu") or sym.name in out:
+                        or not sym.name.startswith(HOOKED_PREFIXES) or sym.name in out:
                     continue
                 v = sym["st_value"]
                 for vaddr, memsz, offset in loads:
@@ -334,7 +351,9 @@ class Loader:
             log.warning("cannot read the symbols of %s: %s", path, e)
             present = {}
         entries, returns = [], []  # (offset, cookie)
-        for hook in self.hooks:
+        # a libnccl gets NCCL's hooks, anything else the driver's: what it lacks of the other's is no news
+        nccl = any(h.group == "nccl" and h.name in present for h in self.hooks)
+        for hook in (h for h in self.hooks if (h.group == "nccl") == nccl):
             off = present.get(hook.name)
             if off is None:
                 lib.skipped.append(hook.name)
@@ -661,6 +680,25 @@ class Loader:
                 out[(k.pid, k.kind, k.handle)] = (bytes(v.name)[:min(v.len, symbols.NAME_LEN - 1)], bool(v.truncated))
         return out
 
+    def communicators(self) -> list[dict]:
+        """Every NCCL communicator of every process: {"pid", "comm" (the ncclComm_t), "id" (0: its
+        init was not seen), "rank" (-1: unknown), "nranks" (0: unknown), "calls", "bytes", "seq"
+        (collectives so far), "destroyed", "entries": [(seq, API name, entry time in CLOCK_MONOTONIC
+        ns)] of the last symbols.NCCL_RING collectives, oldest first}."""
+        out = []
+        ring = symbols.NCCL_RING
+        for k, v in self.maps["comms"].items():
+            entries = []
+            for s in range(max(0, v.seq - ring), v.seq):
+                slot = s % ring
+                # a slot rewritten since (a newer collective) or not written yet is left out
+                if v.slot_seq[slot] == (s + 1) & 0xFFFFFFFF and v.slot_api[slot] < len(API_NAMES):
+                    entries.append((s, API_NAMES[v.slot_api[slot]], v.ts[slot]))
+            out.append({"pid": k.pid, "comm": k.handle, "id": v.id, "rank": v.rank, "nranks": v.nranks,
+                        "calls": v.calls, "bytes": v.bytes, "seq": v.seq, "destroyed": bool(v.destroyed),
+                        "entries": entries})
+        return out
+
     def dropped(self) -> int:
         return sum(v.value for v in self.maps["dropped"].values())
 
@@ -679,7 +717,7 @@ class Loader:
                              ("capture_streams", lambda k: k.pid), ("capture_events", lambda k: k.pid),
                              ("captures", lambda k: k.pid), ("execs", lambda k: k.pid),
                              ("launch_stacks", lambda k: k.pid), ("py_procs", lambda k: k.value),
-                             ("py_seen", lambda k: k.value)):
+                             ("py_seen", lambda k: k.value), ("comms", lambda k: k.pid)):
             table = self.maps[name]
             for k in table.keys():
                 if pid_of(k) in pids:
@@ -695,4 +733,5 @@ class Loader:
         pids.update(k.pid for k in self.maps["kernels"].keys())
         pids.update(k.pid for k in self.maps["names"].keys())
         pids.update(k.pid for k in self.maps["execs"].keys())
+        pids.update(k.pid for k in self.maps["comms"].keys())
         return pids

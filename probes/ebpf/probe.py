@@ -102,7 +102,8 @@ from gpuwatch.probes.ebpf import graphs as graphs_
 from gpuwatch.probes.ebpf import loader as _loader
 from gpuwatch.probes.ebpf import pyframes
 from gpuwatch.probes.ebpf import symbols
-from gpuwatch.probes.ebpf.symbols import HOOKS, NAME_FUNCTION, NAME_KERNEL, SAMPLED_APIS, curesult_name
+from gpuwatch.probes.ebpf import nccl as nccl_
+from gpuwatch.probes.ebpf.symbols import HOOKS, NAME_FUNCTION, NAME_KERNEL, NCCL_APIS, SAMPLED_APIS, result_name
 from gpuwatch.probes.ebpf import pools as pools_
 from gpuwatch.probes.process import identity
 from gpuwatch.probes.process.identity import sanitise_process_name
@@ -256,6 +257,7 @@ class EbpfCudaProbe(Probe):
         self._pool_split: dict[int, dict[str, int]] = {}  # the last _pooled pass
         self._pool_pass_next = 0.0
         self._pool_timer = time.perf_counter
+        self._aligner = nccl_.RankAligner()  # NCCL: which local rank enters each collective last
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -265,6 +267,7 @@ class EbpfCudaProbe(Probe):
     def _start(self) -> None:
         self.shutdown()
         self._sampling = _LaunchSampling()  # new maps: counts start again
+        self._aligner = nccl_.RankAligner()
         self._oom_seen = {}
         self._python, self._resolvers = {}, {}
         if self.pid is not None and not os.path.exists(f"/proc/{self.pid}"):
@@ -301,7 +304,8 @@ class EbpfCudaProbe(Probe):
         if self.driver_names and self.pid is not None:
             # a trace names kernels at its first refresh: calibrate meanwhile, not then
             for lib in ld.libraries.values():
-                self._calibration(lib.file, lib.path)
+                if lib.attached and not set(lib.attached) <= NCCL_APIS:  # a libcuda, not a libnccl
+                    self._calibration(lib.file, lib.path)
         log.info("eBPF probe %s in %.3f s (%s), %d uprobes on %d libraries", "loaded" if ld.cached else "compiled",
                  ld.load_seconds, _ATTACH_WORDS[ld.method], ld.uprobe_count, len(ld.libraries))
         if self.launch_sampling < 1 and not ld.can_toggle_launches:
@@ -324,7 +328,14 @@ class EbpfCudaProbe(Probe):
         self._graphs.account(ld.execs)  # type: ignore[union-attr]
         graph_counts = self._graphs.read(lambda b: b.per_process())  # type: ignore[union-attr]
         live = ld.live_bytes()
-        dead = self._prune(stats, ld.pids() | set(live) | set(graph_counts))
+        seen = ld.pids() | set(live) | set(graph_counts)
+        new = seen - set(self._starts)
+        dead = self._prune(stats, seen)
+        if new - dead:
+            self._rescan(new - dead)  # a new CUDA process: its libnccl now, before it makes a communicator
+        comms = [c for c in ld.communicators() if c["pid"] not in dead]
+        self._aligner.update(comms)
+        self._aligner.forget(dead, {c["id"] for c in comms})
         for (pid, api), values in list(stats.items()):
             if pid in dead:
                 acc = self._retired[api]
@@ -365,6 +376,7 @@ class EbpfCudaProbe(Probe):
         for api, values in sorted(other.items()):
             samples += self._api_samples("other", "other", api, values, wall)
         samples += self._graph_samples(graph_counts, kept, wall)
+        samples += self._nccl_samples(comms, kept, wall)
         if self.untimed:  # entry-only APIs: errors and time are not measured, so not reported as 0
             samples = [s for s in samples if not (s.labels.get("api") in self.untimed and s.metric in
                                                   ("gpuwatch.cuda.errors", "gpuwatch.cuda.call.duration"))]
@@ -669,7 +681,7 @@ class EbpfCudaProbe(Probe):
         for (_p, api), by_code in ld.errors(pid).items():
             acc = codes.setdefault(api, {})
             for code, n in by_code.items():
-                acc[curesult_name(code)] = acc.get(curesult_name(code), 0) + n
+                acc[result_name(api, code)] = acc.get(result_name(api, code), 0) + n
         for api, a in apis.items():
             a["errors_by_code"] = dict(sorted(codes.get(api, {}).items()))
             a["mean_latency_s"] = a["seconds"] / a["calls"] if a["calls"] else 0.0
@@ -696,6 +708,7 @@ class EbpfCudaProbe(Probe):
             "kernels": self._kernels(ld, pid, graph_kernels, wait_symbols),
             **({"python_frames": self._python.get(pid) or "read"} if pid is not None else {}),
             "graphs": graph_summary,
+            "communicators": self._communicators(ld, pid),
             "stacks": self._stacks(ld, pid, wait=wait_symbols, by_stack=by_stack) if pid is not None else [],
             "dropped_events": ld.dropped(),
             "dropped_by_kind": ld.dropped_by_kind(),
@@ -704,6 +717,24 @@ class EbpfCudaProbe(Probe):
         }
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _communicators(self, ld: _loader.Loader, pid: int | None) -> list[dict]:
+        """The NCCL communicators of one process (or all): [{"pid", "comm" (nccl.comm_label), "rank",
+        "size" (None: unknown), "calls", "bytes", "collectives", "destroyed", "last_entered",
+        "lateness_seconds" (how often and by how much it entered a compared collective last)}]."""
+        out = []
+        for c in ld.communicators():
+            if pid is not None and c["pid"] != pid:
+                continue
+            counts = self._aligner.ranks.get((c["id"], c["pid"], c["rank"]))
+            out.append({"pid": c["pid"], "comm": nccl_.comm_label(c), "rank": c["rank"] if c["rank"] >= 0 else None,
+                        "size": c["nranks"] or None, "calls": c["calls"], "bytes": c["bytes"],
+                        "collectives": c["seq"], "destroyed": c["destroyed"],
+                        "compared": self._aligner.compared.get(c["id"], 0) if c["id"] else 0,
+                        "last_entered": counts.last if counts else 0,
+                        "lateness_seconds": counts.lateness_ns * NANO if counts else 0.0})
+        out.sort(key=lambda c: (c["pid"], c["comm"]))
+        return out
+
     def _kernels(self, ld: _loader.Loader, pid: int | None, through_graphs: dict | None = None,
                  wait_symbols: bool = True) -> list[dict]:
         out = []
@@ -855,33 +886,43 @@ class EbpfCudaProbe(Probe):
         self._driver_named[key] = name
         return name
 
-    def _rescan(self) -> None:
-        """Attach to libcuda files that processes map now; detach from those that no process maps
-        and that are gone from where they were found (a container's copy, once it stopped). The
-        host's libcuda stays attached between jobs: a uprobe on a file fires in every process that
-        maps it later, from its first call."""
-        self._next_rescan = self._clock() + self.rescan_interval
+    def _rescan(self, new: set[int] | None = None) -> None:
+        """Attach to libcuda and libnccl files that processes map now; detach from those that no
+        process maps and that are gone from where they were found (a container's copy, once it
+        stopped). The host's libcuda stays attached between jobs: a uprobe on a file fires in every
+        process that maps it later, from its first call. new: look at these processes only (new
+        CUDA processes, at the collection that first sees them: a job's libnccl is then attached
+        within a collection of its first CUDA call, before it makes its communicators)."""
         ld = self._loader
         if ld is None or self.libraries:
             return  # explicit libraries: attached at start, no scan
+        if new is not None:
+            for fid, path in _loader.scan_libcuda(sorted(new)).items():
+                if fid not in ld.libraries:
+                    self._attach_found(ld, path)
+            return
+        self._next_rescan = self._clock() + self.rescan_interval
         pids = [self.pid] if self.pid is not None else None
         found = _loader.scan_libcuda(pids)
         for fid, path in found.items():
-            if fid in ld.libraries:
-                continue
-            try:
-                lib = ld.attach(path)
-            except Exception as e:  # the process may have exited since the scan
-                log.warning("cannot attach to %s: %s", path, e)
-                continue
-            if lib is not None:
-                log.info("attached to %s: %d symbols (%d not present)", path, len(lib.attached), len(lib.skipped))
+            if fid not in ld.libraries:
+                self._attach_found(ld, path)
         if ld.method != _loader.LINKS:
             return  # perf-event uprobes take ~0.1 s each to detach: a collection must not wait on that
         for fid, lib in list(ld.libraries.items()):
             if fid not in found and _loader.file_id(lib.path) != fid:
                 ld.detach(fid)
                 log.info("detached from %s: no process maps it any more", lib.path)
+
+    @staticmethod
+    def _attach_found(ld: _loader.Loader, path: str) -> None:
+        try:
+            lib = ld.attach(path)
+        except Exception as e:  # the process may have exited since the scan
+            log.warning("cannot attach to %s: %s", path, e)
+            return
+        if lib is not None:
+            log.info("attached to %s: %d symbols (%d not present)", path, len(lib.attached), len(lib.skipped))
 
     def _prune(self, stats: dict, pids: set[int]) -> set[int]:
         """Processes gone (or whose PID was reused) since first seen; their map entries removed."""
@@ -917,8 +958,36 @@ class EbpfCudaProbe(Probe):
     @staticmethod
     def _api_samples(pid: str, process: str, api: str, values, wall: float) -> list[Sample]:
         calls, errors, ns, nbytes = values
-        labels = {"pid": pid, "process": process, "api": api}
-        return [Sample("gpuwatch.cuda.calls", float(calls), "", labels, wall),
-                Sample("gpuwatch.cuda.errors", float(errors), "", labels, wall),
-                Sample("gpuwatch.cuda.call.duration", ns * NANO, "", labels, wall),
-                Sample("gpuwatch.cuda.bytes", float(nbytes), "", labels, wall)]
+        # NCCL's functions are series of their own (gpuwatch.nccl.*, label op), not CUDA API calls
+        family, key = ("gpuwatch.nccl", "op") if api in NCCL_APIS else ("gpuwatch.cuda", "api")
+        labels = {"pid": pid, "process": process, key: api}
+        return [Sample(f"{family}.calls", float(calls), "", labels, wall),
+                Sample(f"{family}.errors", float(errors), "", labels, wall),
+                Sample(f"{family}.call.duration", ns * NANO, "", labels, wall),
+                Sample(f"{family}.bytes", float(nbytes), "", labels, wall)]
+
+    def _nccl_samples(self, comms: list[dict], kept: set[int], wall: float) -> list[Sample]:
+        """Per communicator of each kept process: calls, bytes, collectives; per communicator id with
+        ranks in two or more processes here: collectives compared, and per rank how often and by
+        how much it entered last (nccl.RankAligner)."""
+        out: list[Sample] = []
+        ranks: dict[tuple[int, int], str] = {}
+        for c in sorted(comms, key=lambda c: (c["pid"], c["comm"])):
+            rank = str(c["rank"]) if c["rank"] >= 0 else ""
+            ranks[(c["id"], c["pid"])] = rank
+            if c["pid"] not in kept:
+                continue
+            labels = {"pid": str(c["pid"]), "process": self._name(c["pid"]), "comm": nccl_.comm_label(c),
+                      "rank": rank, "size": str(c["nranks"]) if c["nranks"] else ""}
+            out += [Sample("gpuwatch.nccl.communicator.calls", float(c["calls"]), "", labels, wall),
+                    Sample("gpuwatch.nccl.communicator.bytes", float(c["bytes"]), "", labels, wall),
+                    Sample("gpuwatch.nccl.communicator.collectives", float(c["seq"]), "", labels, wall)]
+        al = self._aligner
+        for cid, n in sorted(al.compared.items()):
+            out.append(Sample("gpuwatch.nccl.collectives.compared", float(n), "", {"comm": f"{cid:016x}"}, wall))
+        for (cid, pid, rank), counts in sorted(al.ranks.items()):
+            labels = {"comm": f"{cid:016x}", "rank": str(rank) if rank >= 0 else "", "pid": str(pid),
+                      "process": self._name(pid)}
+            out += [Sample("gpuwatch.nccl.rank.last", float(counts.last), "", labels, wall),
+                    Sample("gpuwatch.nccl.rank.lateness", counts.lateness_ns * NANO, "", labels, wall)]
+        return out

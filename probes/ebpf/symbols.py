@@ -72,6 +72,11 @@ OP_GRAPH_DESTROY = 16   # ARG(ptr) is a graph destroyed
 OP_EXEC_DESTROY = 17    # ARG(ptr) is an executable graph destroyed: its launch count goes out with it
 OP_GRAPH_CLONE = 18     # *ARG(ptr) is a copy of the graph ARG(aux)
 OP_GRAPH_CREATE = 19    # *ARG(ptr) is a new, empty graph (to which nodes are added)
+# NCCL (libnccl, see "NCCL" below): what makes, splits and ends a communicator
+OP_NCCL_INIT = 20       # *ARG(ptr) is a new ncclComm_t; aux: nranks | rank << 32; aux2: its unique id's hash
+OP_NCCL_INIT_ALL = 21   # ARG(ptr) is an array of aux (ndev) new ncclComm_t, ranks 0..ndev-1, of one process
+OP_NCCL_SPLIT = 22      # *ARG(ptr) is a new ncclComm_t split from ARG(aux) with color aux2
+OP_NCCL_DESTROY = 23    # ARG(ptr) is a communicator destroyed or aborted
 
 # graph_events kinds (gw_graph_event.kind), one per thing the Python side follows (graphs.py)
 GE_BEGIN, GE_NODE, GE_END, GE_ADD, GE_SET, GE_INSTANTIATE, GE_UPDATE, GE_DESTROY, GE_EXEC_DESTROY, \
@@ -96,14 +101,26 @@ DECODE_GRAPH = 3   # (CUgraphExec exec, CUstream): launches of that executable g
 CAPTURE_RECORD = 1  # (CUevent, CUstream): an event recorded in a captured stream carries the capture
 CAPTURE_JOIN = 2    # (CUstream, CUevent): a stream waiting on such an event joins the capture
 
+# What the entry of an NCCL hook does (Hook.nccl)
+NCCL_CALL = 1        # a collective (ARG(ptr) is its comm): counted on the communicator, sequence number and entry time kept
+NCCL_P2P = 2         # ncclSend / ncclRecv: counted on the communicator, no sequence number (ranks differ)
+NCCL_INIT = 3        # ncclCommInitRank[Config](comm*, nranks, ncclUniqueId id (by value: on the stack), rank, ...)
+NCCL_INIT_IDS = 4    # ncclCommInitRankScalable(comm*, nranks, rank, nId, ncclUniqueId *ids, config)
+NCCL_INIT_ALL = 5    # ncclCommInitAll(comm *comms, ndev, devlist)
+NCCL_SPLIT = 6       # ncclCommSplit(comm, color, key, comm *newcomm, config)
+NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking call that goes on (not an error)
+NCCL_RING = 64       # entry times kept per communicator (a power of two): the last NCCL_RING collectives
+NCCL_INIT_ALL_MAX = 16  # communicators of one ncclCommInitAll followed (one per GPU of the node)
+
 OPS = {"OP_COUNT": OP_COUNT, "OP_ALLOC": OP_ALLOC, "OP_ALLOC_PITCH": OP_ALLOC_PITCH, "OP_FREE": OP_FREE,
        "OP_CREATE": OP_CREATE, "OP_RELEASE": OP_RELEASE, "KIND_DPTR": KIND_DPTR, "KIND_HANDLE": KIND_HANDLE,
        "OP_NAME_FUNCTION": OP_NAME_FUNCTION, "OP_NAME_KERNEL": OP_NAME_KERNEL,
        "OP_KERNEL_FUNCTION": OP_KERNEL_FUNCTION, "NAME_FUNCTION": NAME_FUNCTION, "NAME_KERNEL": NAME_KERNEL,
        "NAME_LEN": NAME_LEN,
        "DECODE_NONE": DECODE_NONE, "DECODE_REGS": DECODE_REGS, "DECODE_CONFIG": DECODE_CONFIG,
-       "DECODE_GRAPH": DECODE_GRAPH,
-       **{k: v for k, v in globals().items() if k.startswith(("OP_GRAPH", "OP_CAPTURE", "OP_EXEC", "GE_"))}}
+       "DECODE_GRAPH": DECODE_GRAPH, "NCCL_IN_PROGRESS": NCCL_IN_PROGRESS, "NCCL_RING": NCCL_RING,
+       "NCCL_INIT_ALL_MAX": NCCL_INIT_ALL_MAX,
+       **{k: v for k, v in globals().items() if k.startswith(("OP_GRAPH", "OP_CAPTURE", "OP_EXEC", "OP_NCCL", "GE_"))}}
 
 HIST_SLOTS = 64  # log2 buckets of nanoseconds
 
@@ -158,6 +175,7 @@ class Hook:
     decode: int = DECODE_NONE
     aux2: int = 0
     capture: int = 0
+    nccl: int = 0  # "nccl" hooks only: what the entry does (NCCL_*)
 
 
 def _variants(base: Hook, *suffixes: str) -> list[Hook]:
@@ -263,6 +281,34 @@ HOOKS: tuple[Hook, ...] = tuple([
     Hook("cuGraphClone", "graph", OP_GRAPH_CLONE, ptr=1, aux=2),  # (CUgraph *phClone, CUgraph original)
     Hook("cuGraphDestroy", "graph", OP_GRAPH_DESTROY, ptr=1),
     Hook("cuGraphExecDestroy", "graph", OP_EXEC_DESTROY, ptr=1),
+    # --- NCCL (libnccl.so*, see "NCCL" in the module doc). ncclResult_t is 0 on success.
+    # bytes = count x the datatype's size (gw_nccl_size); ptr = the argument that is the communicator.
+    # ncclAllReduce(sendbuff, recvbuff, size_t count, ncclDataType_t, ncclRedOp_t, ncclComm_t, cudaStream_t)
+    Hook("ncclAllReduce", "nccl", bytes="ARG(3) * gw_nccl_size(ARG(4))", ptr=6, nccl=NCCL_CALL),
+    # ncclAllGather(sendbuff, recvbuff, size_t sendcount, ncclDataType_t, ncclComm_t, cudaStream_t)
+    Hook("ncclAllGather", "nccl", bytes="ARG(3) * gw_nccl_size(ARG(4))", ptr=5, nccl=NCCL_CALL),
+    # ncclReduceScatter(sendbuff, recvbuff, size_t recvcount, ncclDataType_t, ncclRedOp_t, ncclComm_t, stream)
+    Hook("ncclReduceScatter", "nccl", bytes="ARG(3) * gw_nccl_size(ARG(4))", ptr=6, nccl=NCCL_CALL),
+    # ncclBroadcast(sendbuff, recvbuff, size_t count, ncclDataType_t, int root, ncclComm_t, cudaStream_t)
+    Hook("ncclBroadcast", "nccl", bytes="ARG(3) * gw_nccl_size(ARG(4))", ptr=6, nccl=NCCL_CALL),
+    # ncclReduce(sendbuff, recvbuff, size_t count, ncclDataType_t, ncclRedOp_t, int root, ncclComm_t, stream):
+    # the communicator is argument 7, on the stack
+    Hook("ncclReduce", "nccl", bytes="ARG(3) * gw_nccl_size(ARG(4))", ptr=7, nccl=NCCL_CALL),
+    # ncclSend(sendbuff, size_t count, ncclDataType_t, int peer, ncclComm_t, cudaStream_t); ncclRecv alike
+    Hook("ncclSend", "nccl", bytes="ARG(2) * gw_nccl_size(ARG(3))", ptr=5, nccl=NCCL_P2P),
+    Hook("ncclRecv", "nccl", bytes="ARG(2) * gw_nccl_size(ARG(3))", ptr=5, nccl=NCCL_P2P),
+    Hook("ncclGroupStart", "nccl"),
+    Hook("ncclGroupEnd", "nccl"),
+    # communicators: ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank): the
+    # 128-byte id is passed by value, in memory (the stack), so rank is the third register argument;
+    # ncclCommInitRankConfig adds ncclConfig_t *config after rank
+    Hook("ncclCommInitRank", "nccl", OP_NCCL_INIT, ptr=1, nccl=NCCL_INIT),
+    Hook("ncclCommInitRankConfig", "nccl", OP_NCCL_INIT, ptr=1, nccl=NCCL_INIT),
+    Hook("ncclCommInitRankScalable", "nccl", OP_NCCL_INIT, ptr=1, nccl=NCCL_INIT_IDS),
+    Hook("ncclCommInitAll", "nccl", OP_NCCL_INIT_ALL, ptr=1, aux=2, nccl=NCCL_INIT_ALL),
+    Hook("ncclCommSplit", "nccl", OP_NCCL_SPLIT, ptr=4, aux=1, nccl=NCCL_SPLIT),
+    Hook("ncclCommDestroy", "nccl", OP_NCCL_DESTROY, ptr=1),
+    Hook("ncclCommAbort", "nccl", OP_NCCL_DESTROY, ptr=1),
 ])
 
 LAUNCH_APIS = frozenset(h.name for h in HOOKS if h.group == "launch")
@@ -281,6 +327,21 @@ def timed(hook: Hook, launch_latency: bool) -> bool:
 API_IDS: dict[str, int] = {h.name: i for i, h in enumerate(HOOKS)}
 API_NAMES: tuple[str, ...] = tuple(h.name for h in HOOKS)
 assert len(API_IDS) == len(HOOKS), "duplicate hook names"
+NCCL_APIS = frozenset(h.name for h in HOOKS if h.group == "nccl")
+FIRST_NCCL_API = min(API_IDS[a] for a in NCCL_APIS)
+assert all(API_IDS[a] >= FIRST_NCCL_API for a in NCCL_APIS) and len(HOOKS) - FIRST_NCCL_API == len(NCCL_APIS), \
+    "the NCCL hooks come last (the BPF side tells them by FIRST_NCCL_API)"
+COLLECTIVE_APIS = frozenset(h.name for h in HOOKS if h.nccl == NCCL_CALL)
+# ncclResult_t names (nccl.h) for errors by return code of the NCCL hooks
+NCCL_RESULT_NAMES = {1: "ncclUnhandledCudaError", 2: "ncclSystemError", 3: "ncclInternalError",
+                     4: "ncclInvalidArgument", 5: "ncclInvalidUsage", 6: "ncclRemoteError", 7: "ncclInProgress"}
+
+
+def result_name(api: str, code: int) -> str:
+    """The name of a hooked call's return code: a CUresult, or an ncclResult_t for NCCL's."""
+    if api in NCCL_APIS:
+        return NCCL_RESULT_NAMES.get(code, f"ncclResult_t {code}")
+    return curesult_name(code)
 
 PY_DEPTH = 16  # Python frames kept per sampled launch (pyframes.PY_DEPTH)
 PY_THREADS = 64  # thread states looked through for the launching thread's
@@ -354,13 +415,21 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
                        ("u64", "source"), ("u64", "exec"), ("u64", "serial"), ("u64", "node"),
                        ("u64", "function"), ("u64", "count"), ("struct gw_dims", "dims"), ("u32", "shared_mem"),
                        ("s32", "rc")),
+    # --- NCCL. A communicator of a process: (pid, ncclComm_t) in gw_handle_key -> what its init said
+    # (id: a hash of its ncclUniqueId, the same in every rank's process, 0 when the init was not
+    # seen; rank -1 and nranks 0 when unknown), calls and bytes on it, and the collectives so far
+    # (seq) with the entry time, API and seq + 1 of the last NCCL_RING of them (slot seq % NCCL_RING)
+    "gw_comm": (("u64", "id"), ("s32", "rank"), ("u32", "nranks"), ("u64", "seq"), ("u64", "calls"),
+                ("u64", "bytes"), ("u64", "init_ts"), ("u32", "destroyed"), ("u32", "pad"),
+                ("u64", f"ts[{NCCL_RING}]"), ("u32", f"slot_seq[{NCCL_RING}]"), ("u32", f"slot_api[{NCCL_RING}]")),
 }
 
 # Map sizes. Hash maps are created without preallocation (BPF_F_NO_PREALLOC), so these are caps,
 # not memory taken up front.
 # What dropped[] counts, by index (cuda.bpf.c's gw_drop calls)
 DROPPED_KINDS = ("stats", "in_flight_calls", "live_allocations", "kernels", "kernel_names", "errors_by_code",
-                 "events", "allocation_stacks", "graph_events", "captures", "graph_launches", "launch_stacks")
+                 "events", "allocation_stacks", "graph_events", "captures", "graph_launches", "launch_stacks",
+                 "nccl_communicators")
 RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230k events of 72 bytes
 # graph construction (graph_events): 1 MiB, ~9,000 events of 112 bytes between two reads; captures
 # come in bursts at a server's start (a node per kernel of each graph), drained as they come
@@ -368,7 +437,7 @@ GRAPH_RINGBUF_PAGES = 256
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
              "HIST_MAX": 65536, "ERRORS_MAX": 16384, "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18,
              "CAPTURES_MAX": 4096, "CAPTURE_HANDLES_MAX": 16384, "EXECS_MAX": 65536,
-             "LAUNCH_STACKS_MAX": 16384, "PY_PROCS_MAX": 4096}
+             "LAUNCH_STACKS_MAX": 16384, "PY_PROCS_MAX": 4096, "COMMS_MAX": 4096}
 
 
 # The hash maps: name -> (key struct, value struct, size cap). Their C declarations are rendered
@@ -394,11 +463,12 @@ HASH_MAPS: dict[str, tuple[str, str, str]] = {
     "launch_stacks": ("gw_launch_stack_key", "u64", "LAUNCH_STACKS_MAX"),
     "py_procs": ("u32", "gw_py", "PY_PROCS_MAX"),
     "py_seen": ("u32", "u32", "PY_PROCS_MAX"),  # processes said once (GE_PROCESS) to be read for Python
+    "comms": ("gw_handle_key", "gw_comm", "COMMS_MAX"),  # NCCL communicators
 }
 STACK_DEPTH = 127  # PERF_MAX_STACK_DEPTH: a stack map's value is this many u64 addresses
 MAP_TYPES: dict[str, tuple[str, str]] = {**{k: (v[0], v[1]) for k, v in HASH_MAPS.items()},
                                          "dropped": ("u32", "u64"), "frozen": ("u32", "u32"), "stacks": ("u32", f"u64[{STACK_DEPTH}]"),
-                                         "lstack_buf": ("u32", "gw_launch_stack_key")}
+                                         "lstack_buf": ("u32", "gw_launch_stack_key"), "comm_zero": ("u32", "gw_comm")}
 
 # The attach cookie of every probe (bpf_get_attach_cookie): the API's index in HOOKS, and flags.
 COOKIE_API = 0xFFFF
@@ -430,6 +500,7 @@ def render_c() -> str:
     lines += [f"#define GW_PY_DEPTH {PY_DEPTH}", f"#define GW_PY_THREADS {PY_THREADS}",
               f"#define GW_PY_NONE {PY_NONE:#x}", f"#define GW_LAUNCH_SAMPLE_EVERY {LAUNCH_SAMPLE_EVERY}"]
     lines.append(f"#define GW_DROPPED_KINDS {len(DROPPED_KINDS)}")
+    lines.append(f"#define GW_FIRST_NCCL_API {FIRST_NCCL_API}")
     lines += [f"#define GW_COOKIE_API {COOKIE_API:#x}", f"#define GW_COOKIE_TIMED {COOKIE_TIMED:#x}",
               f"#define GW_COOKIE_EVENTS {COOKIE_EVENTS:#x}"]
     for name, fields in STRUCTS.items():
@@ -443,8 +514,22 @@ def render_c() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _arg(n: int) -> str:
+    """Argument n (1-based) at a function's first instruction: a register, or from 7 on the stack."""
+    return f"ARG({n})" if n <= 6 else f"gw_stack_arg(ctx, {n})"
+
+
 def _entry_body(h: Hook) -> str:
     """What the entry program does for one hook before gw_enter/gw_count, the API aside."""
+    if h.nccl in (NCCL_CALL, NCCL_P2P):
+        return (f"c.bytes = {h.bytes}; c.ptr = {_arg(h.ptr)}; "
+                f"gw_nccl_call(c.ptr, api, c.bytes, {1 if h.nccl == NCCL_CALL else 0});")
+    if h.nccl == NCCL_INIT:  # nranks | rank << 32, and the id (by value, at sp + 8)
+        return "c.ptr = ARG(1); c.aux = (ARG(2) & 0xFFFFFFFF) | (ARG(3) & 0xFFFFFFFF) << 32; c.aux2 = gw_nccl_id(PT_REGS_SP(ctx) + 8);"
+    if h.nccl == NCCL_INIT_IDS:  # the first of the ids, through the pointer
+        return "c.ptr = ARG(1); c.aux = (ARG(2) & 0xFFFFFFFF) | (ARG(3) & 0xFFFFFFFF) << 32; c.aux2 = gw_nccl_id(ARG(5));"
+    if h.nccl == NCCL_SPLIT:
+        return "c.ptr = ARG(4); c.aux = ARG(1); c.aux2 = ARG(2) & 0xFFFFFFFF;"
     if h.decode == DECODE_GRAPH:
         body = "c.ptr = ARG(1); gw_graph_launch(ARG(1));"
     elif h.decode != DECODE_NONE:

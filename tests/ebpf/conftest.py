@@ -54,6 +54,26 @@ def _build(d: Path) -> dict:
 
 
 @pytest.fixture(scope="session")
+def fake_nccl(tmp_path_factory, fake_cuda) -> dict:
+    """{"lib": the fake libnccl.so.2 (tests/ebpf/fakenccl.c), "driver": tests/ebpf/nccl_driver.c
+    linked against it (and mapping the fake libcuda, as a CUDA program does: `gpuwatch trace` looks
+    for libcuda)}; the shared-memory barriers its ranks leave are removed at the end."""
+    d = tmp_path_factory.mktemp("fakenccl")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.fail("no C compiler: install gcc (apt-get install gcc)")
+    lib, drv = d / "libnccl.so.2", d / "nccl_driver"
+    subprocess.run([cc, "-O1", "-shared", "-fPIC", "-Wl,-soname,libnccl.so.2", "-o", str(lib),
+                    str(HERE / "fakenccl.c")], check=True)
+    cuda = Path(fake_cuda["lib"]).parent
+    subprocess.run([cc, "-O1", "-o", str(drv), str(HERE / "nccl_driver.c"), f"-L{d}", f"-L{cuda}",
+                    "-Wl,--no-as-needed", "-l:libnccl.so.2", "-l:libcuda.so.1", f"-Wl,-rpath,{d}:{cuda}"], check=True)
+    yield {"lib": str(lib), "driver": str(drv)}
+    for f in Path("/dev/shm").glob("gw-fakenccl-*"):
+        f.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
 def fake_cuda(tmp_path_factory) -> dict:
     """{"lib": path of the fake libcuda.so.1, "driver": path of the driver linked against it}."""
     return _build(tmp_path_factory.mktemp("fakecuda"))

@@ -1,0 +1,132 @@
+"""A late rank, named: the rank of an NCCL communicator that keeps the node's other ranks waiting.
+
+From the eBPF probe's NCCL counters (probes/ebpf/nccl.py): per communicator, the collectives whose
+entry times were compared across its ranks on this node, and per rank how many of them it entered
+last and the sum of how long after the rank before it. Over the window, a rank that entered at
+least `share` of the compared collectives last, by `min_lateness` seconds on average, is a
+`straggler_rank` finding: the rank, its pid and process, its GPU (the GPUs NVML lists it on), by
+how much, and what its host side was doing meanwhile (the host probe's CPU time, CPU quota
+throttling, major page faults, where it follows the process).
+
+A balanced job has no such rank: each rank is last about 1/n of the time, by microseconds.
+Counters are read as their increase (a reset — the agent or the job restarted — is no rise).
+
+Pure: observe(history) reads series and returns findings.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from gpuwatch.agent.api import Detector, Finding, Sample
+from gpuwatch.agent.history import History
+from gpuwatch.detectors.thermal import increase
+
+KIND = "straggler_rank"
+COMPARED = "gpuwatch.nccl.collectives.compared"
+LAST = "gpuwatch.nccl.rank.last"
+LATENESS = "gpuwatch.nccl.rank.lateness"
+GPU_MEMORY = "gpuwatch.process.gpu.memory.usage"  # NVML: which GPUs the process is on
+
+
+def _rate(history: History, metric: str, pid: str, since: float, now: float, **labels: str) -> float | None:
+    """The summed rate of a process's counter series (those with these labels) over [since, now]."""
+    total, span = 0.0, 0.0
+    found = False
+    for (_, _, lab), pts in history.series(metric, since=since):
+        lab = dict(lab)
+        if lab.get("pid") != pid or any(lab.get(k) != v for k, v in labels.items()):
+            continue
+        if len(pts) < 2 or pts[-1][0] < since:
+            continue
+        found = True  # (since= hands over the point before the window too: the rate is over all of them)
+        total += increase(pts, pts[0][0])
+        span = max(span, pts[-1][0] - pts[0][0])
+    return total / span if found and span > 0 else None
+
+
+class StragglerDetector(Detector):
+    name = "straggler"
+    interval = 5.0
+    kinds = (KIND,)
+    needs = ("ebpf",)
+
+    def __init__(self, window: float = 20.0, min_compared: int = 10, share: float = 0.75,
+                 min_lateness: float = 0.005) -> None:
+        self.window = window            # seconds of counters judged
+        self.min_compared = min_compared  # collectives compared in the window, at least
+        self.share = share              # of them entered last by this rank, at least
+        self.min_lateness = min_lateness  # s after the rank before it, on average
+
+    def observe(self, history: History) -> Iterable[Finding]:
+        now = max((pts[-1][0] for _, pts in history.series(COMPARED) if pts), default=None)
+        if now is None:
+            return []
+        since = now - self.window
+        compared = {}
+        for (_, _, labels), pts in history.series(COMPARED, since=since):
+            if pts and pts[-1][0] > since:
+                compared[dict(labels)["comm"]] = increase(pts, since)
+        lateness = {}
+        for (_, _, labels), pts in history.series(LATENESS, since=since):
+            lab = dict(labels)
+            lateness[(lab["comm"], lab["rank"], lab["pid"])] = increase(pts, since)
+        out = []
+        for (_, _, labels), pts in history.series(LAST, since=since):
+            lab = dict(labels)
+            comm, n = lab["comm"], compared.get(lab["comm"], 0.0)
+            if n < self.min_compared or not pts or pts[-1][0] <= since:
+                continue
+            last = increase(pts, since)
+            if last <= 0 or last / n < self.share:
+                continue
+            mean = lateness.get((comm, lab["rank"], lab["pid"]), 0.0) / last
+            if mean < self.min_lateness:
+                continue
+            out.append(self._finding(history, lab, n, last, mean, since, now))
+        return out
+
+    def _finding(self, history: History, lab: dict, compared: float, last: float, mean: float, since: float,
+                 now: float) -> Finding:
+        pid, rank = lab["pid"], lab["rank"]
+        gpus = sorted({gpu for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=since)
+                       if gpu and dict(labels).get("pid") == pid and pts and pts[-1][0] > since})
+        host = {"cpu_seconds_per_second": _rate(history, "gpuwatch.process.cpu.time", pid, since, now),
+                "throttled_seconds_per_second": _rate(history, "gpuwatch.process.cgroup.cpu.throttled.time", pid,
+                                                      since, now),
+                "major_faults_per_second": _rate(history, "gpuwatch.process.paging.faults", pid, since, now,
+                                                 type="major")}
+        who = f"rank {rank}" if rank else "a rank"
+        on = f" on GPU {', '.join(gpus)}" if gpus else ""
+        summary = (f"{who} of NCCL communicator {lab['comm']} (pid {pid}, {lab.get('process', '')}{on}) entered "
+                   f"{last / compared:.0%} of the last {compared:.0f} collectives last, {mean * 1000:.1f} ms after "
+                   f"the rank before it on average: the node's other ranks wait for it")
+        doing = _host_words(host)
+        if doing:
+            summary += f"; meanwhile it {doing}"
+        return Finding(KIND, gpus[0] if gpus else "", "warning", summary,
+                       {"id": f"{lab['comm']}:{rank or pid}", "comm": lab["comm"], "rank": rank, "pid": pid,
+                        "process": lab.get("process", ""), "gpus": gpus, "compared": compared, "entered_last": last,
+                        "share": last / compared, "lateness_seconds": mean, "window_seconds": self.window,
+                        "host": host}, ts=now)
+
+    @staticmethod
+    def samples(findings: Sequence[Finding]) -> list[Sample]:
+        """The findings as metrics, for alert rules."""
+        return [Sample("gpuwatch.nccl.straggler.lateness", f.attrs["lateness_seconds"], f.resource,
+                       {"comm": f.attrs["comm"], "rank": f.attrs["rank"], "pid": f.attrs["pid"],
+                        "process": f.attrs["process"]}, f.ts)
+                for f in findings if f.kind == KIND]
+
+
+def _host_words(host: dict) -> str:
+    """What the host probe saw the process do, in words ("" when it does not follow it)."""
+    words = []
+    cpu, thr, faults = host["cpu_seconds_per_second"], host["throttled_seconds_per_second"], \
+        host["major_faults_per_second"]
+    if cpu is not None:
+        words.append(f"used {cpu:.2f} CPU cores" + (" (CPU-bound)" if cpu >= 0.9 else ""))
+    if thr:
+        words.append(f"was throttled by its CPU quota {thr:.2f} s/s")
+    if faults:
+        words.append(f"made {faults:.0f} major page faults/s")
+    return ", ".join(words)
