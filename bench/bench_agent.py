@@ -60,6 +60,8 @@ def main() -> int:
     ap.add_argument("--idle-seconds", type=float, default=30.0, help="how long to measure ticks alone")
     ap.add_argument("--scrapes", type=int, default=300, help="back-to-back scrapes")
     ap.add_argument("--cold-scrapes", type=int, default=30, help="scrapes one interval apart (new snapshot each)")
+    ap.add_argument("--no-ebpf", action="store_true", help="run the agent without its eBPF probe (RSS and CPU "
+                    "with and without it)")
     ap.add_argument("--out", help="write the result as JSON here")
     a = ap.parse_args()
 
@@ -68,6 +70,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "gpuwatch.agent.cli", "agent", "--config", "",
            "--listen", f"127.0.0.1:{port}", "--state-dir", f"{tmp}/state", "--runtime-dir", f"{tmp}/run",
            "--nvml-interval", str(a.interval), "--log-level", "warning"]
+    if a.no_ebpf:
+        cmd.append("--no-ebpf")
     if a.fixture:
         cmd += ["--nvml-replay", a.fixture, "--nvml-replay-gpus", str(a.gpus),
                 "--nvml-replay-processes-per-gpu", str(a.procs_per_gpu)]
@@ -127,6 +131,7 @@ def main() -> int:
             "cpus": os.cpu_count(), "python": platform.python_version(),
             "source": f"replay {a.fixture} as {a.gpus} GPUs x {a.procs_per_gpu} processes" if a.fixture
                       else "real NVML",
+            "ebpf": not a.no_ebpf,
             "gpus_exported": gpus_seen, "series": series, "exposition_bytes": size,
             "interval_s": a.interval, "ticks_measured": round(ticks, 1),
             "cpu_per_tick_ms": round(cpu_per_tick * 1e3, 3),
