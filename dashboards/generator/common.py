@@ -13,7 +13,7 @@ from grafana_foundation_sdk.models import common as viz_model
 from grafana_foundation_sdk.models import dashboard as model
 from grafana_foundation_sdk.models import prometheus as prometheus_model
 from gpuwatch.agent.metrics import Kind, get
-from gpuwatch.probes.ebpf.symbols import LAUNCH_APIS
+from gpuwatch.probes.ebpf.symbols import COLLECTIVE_APIS, LAUNCH_APIS
 
 # gpuwatch_probe_state's states that are a probe down (disabled is off by the install, not down),
 # as the GpuwatchProbeDown rule has them.
@@ -52,6 +52,10 @@ NEEDS = {
     "host_evicted": "the host probe's page-cache readings on Linux 6.5 or newer (cachestat(2); mincore(2) cannot "
                     "tell evicted pages)",
     "host_bound": "an open host_bound finding",
+    "nccl": "the eBPF probe and NCCL jobs on the node (it hooks their libnccl)",
+    "nccl_ranks": "the eBPF probe and an NCCL communicator with ranks in two or more processes on the node "
+                  "(its collectives' entry times are compared)",
+    "straggler": "an open straggler_rank finding",
     # Other exporters, scraped by the same Prometheus: their panels also say so where the data would be.
     "node_exporter": "node_exporter scraped by this Prometheus",
     "kube_state_metrics": "kube-state-metrics scraped by this Prometheus",
@@ -84,6 +88,7 @@ FOREIGN = {
 # The api label values of kernel launches, as a regex: the eBPF probe's own list, so a new launch hook
 # shows up in the launch panels without an edit here.
 LAUNCHES = "|".join(sorted(LAUNCH_APIS))
+COLLECTIVES = "|".join(sorted(COLLECTIVE_APIS))
 
 
 # --- PromQL from the registry ---------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""gpuwatch / CUDA API: the driver API calls the eBPF probe sees on libcuda."""
+"""gpuwatch / CUDA API: the driver API calls the eBPF probe sees on libcuda, and NCCL's on libnccl."""
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as grafana
 from grafana_foundation_sdk.builders.dashboard import Row
 
 from .common import (
-    LAUNCHES, Q, build_dashboard, datasource_var, node_var, process_var, rate, sel, stat, steps, ts, value_texts,
+    COLLECTIVES, LAUNCHES, Q, build_dashboard, datasource_var, increase, keyed, node_var, process_var, rate, sel, stat,
+    steps, table, ts, value_texts,
 )
+
+COMM_KEYS = ("instance", "pid", "process", "comm", "rank", "size")
 
 
 def outside_allocators(**matchers) -> str:
@@ -92,6 +95,48 @@ def dashboard() -> grafana.Dashboard:
             .description("Who made the live driver allocations, told by the libraries on their call stacks: a "
                          "pool allocator (the grey color where no in-process agent reports) or plain "
                          "cuMemAlloc/cudaMalloc calls outside any allocator (black beyond grey)."),
+            Row("NCCL"),
+            ts("Collectives by function",
+               Q(f'sum by (op) ({rate("gpuwatch.nccl.calls", op=("=~", COLLECTIVES), **proc)})', "{{op}}",
+                 needs="nccl")).unit("ops")
+            .description("ncclAllReduce, ncclAllGather, ncclReduceScatter, ncclBroadcast, ncclReduce calls, seen "
+                         "by the eBPF probe on libnccl (PyTorch's copy included)."),
+            ts("NCCL bytes by process",
+               Q(f'sum by (instance, pid, process) ({rate("gpuwatch.nccl.bytes", **proc)})', who, needs="nccl"))
+            .unit("Bps")
+            .description("count x datatype size of each call: per rank, what it contributes (a send count for "
+                         "all-gather, a receive count for reduce-scatter)."),
+            ts("Mean host enqueue time by function",
+               Q(f'sum by (op) ({rate("gpuwatch.nccl.call.duration", **proc)}) / '
+                 f'sum by (op) ({rate("gpuwatch.nccl.calls", **proc)})', "{{op}}", needs="nccl")).unit("s")
+            .description("Time inside the NCCL call on the host (enqueueing the collective, not running it): "
+                         "long ones block the rank's Python between its kernels."),
+            ts("Share of collectives entered last, by rank",
+               Q(f'sum by (instance, comm, rank, pid, process) ({rate("gpuwatch.nccl.rank.last")}) / on(instance, comm) '
+                 f'group_left sum by (instance, comm) ({rate("gpuwatch.nccl.collectives.compared")})',
+                 "{{comm}} rank {{rank}} ({{process}} {{pid}}) {{instance}}", needs="nccl_ranks"))
+            .unit("percentunit").min(0).max(1)
+            .description("Of the collectives each communicator's ranks on the node entered, the share each rank "
+                         "entered last: about 1/n each when balanced; one rank near 100 % keeps the others "
+                         "waiting (the straggler detector names it)."),
+            ts("Mean lateness when last, by rank",
+               Q(f'sum by (instance, comm, rank, pid, process) ({rate("gpuwatch.nccl.rank.lateness")}) / '
+                 f'sum by (instance, comm, rank, pid, process) ({rate("gpuwatch.nccl.rank.last")})',
+                 "{{comm}} rank {{rank}} ({{process}} {{pid}}) {{instance}}", needs="nccl_ranks")).unit("s")
+            .description("How long after the rank before it a rank entered the collectives it entered last: what "
+                         "the others waited for it each time."),
+            table("NCCL communicators by process",
+                  Q(keyed(increase("gpuwatch.nccl.communicator.collectives", **proc), *COMM_KEYS), needs="nccl"),
+                  Q(keyed(increase("gpuwatch.nccl.communicator.calls", **proc), *COMM_KEYS), needs="nccl"),
+                  Q(keyed(increase("gpuwatch.nccl.communicator.bytes", **proc), *COMM_KEYS), needs="nccl"),
+                  columns={"A": ("collectives", "none"), "B": ("calls", "none"), "C": ("bytes", "bytes")}).span(12)
+            .description("Each process's communicators over the dashboard's range: comm is a hash of the "
+                         "communicator's unique id (the same in every rank's process), rank and size from its "
+                         "init (empty when the probe attached after it, or for a split)."),
+            ts("NCCL errors by function",
+               Q(f'sum by (op) ({rate("gpuwatch.nccl.errors", **proc)})', "{{op}}", needs="nccl")).unit("ops")
+            .description("NCCL calls that returned an error (an ncclResult_t other than ncclSuccess and "
+                         "ncclInProgress); `gpuwatch trace --pid PID` shows the codes."),
             Row("Launches per kernel (CUPTI)"),
             ts("Launches by kernel",
                Q(f'sum by (process, kernel) ({rate("gpuwatch.process.kernel.launches", **proc)})',

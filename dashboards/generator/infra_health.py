@@ -96,6 +96,13 @@ def dashboard() -> grafana.Dashboard:
                Q(with_index(sel("gpuwatch.host_bound.suspected")), GPU + " {{process}} ({{pid}}) {{cause}}",
                  needs="host_bound")).unit("none").min(0).max(1).line_interpolation(STEPPED)
             .description("1 while a finding is open. Alert after 2 minutes: GpuHostBound."),
+            table("Late NCCL ranks",
+                  Q(with_index(sel("gpuwatch.nccl.straggler.lateness")), needs="straggler"),
+                  columns={"A": ("lateness", "s")}).span(24)
+            .description("Open straggler_rank findings: the rank of an NCCL communicator that enters most "
+                         "collectives last on its node, with its pid, GPU and mean lateness (how long the other "
+                         "ranks wait for it each time). Alert after 2 minutes: GpuNcclStragglerRank; `gpuwatch "
+                         "findings --kind straggler_rank` says what its host side was doing."),
             Row("Host side of GPU processes"),
             ts("Process CPU", Q(sel("gpuwatch.process.cpu.utilization"), who, **host)).unit("percentunit").min(0)
             .description("CPU time of each GPU process per second (100 %: one core busy; above is several)."),

@@ -12,8 +12,10 @@ communicator being made. Prints OK/BAD lines and a table; writes OUT/nccl.json.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,6 +28,23 @@ from gpuwatch.agent import control
 HERE = os.path.dirname(os.path.abspath(__file__))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 COLLECTIVES = ("ncclAllReduce", "ncclBroadcast", "ncclAllGather", "ncclReduceScatter", "ncclReduce")
+# NCCL's own log of each collective it is handed (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=COLL): the ground truth
+COLL_LINE = re.compile(r"NCCL INFO (AllReduce|AllGather|ReduceScatter|Broadcast|Reduce): opCount \S+ sendbuff \S+ "
+                       r"recvbuff \S+ count (\d+) datatype (\d+)")
+DTYPE_BYTES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2, 10: 1, 11: 1}
+
+
+def nccl_log(path: str) -> dict[str, list[int]]:
+    """nccl* function -> [calls, bytes] from one process's NCCL_DEBUG_FILE."""
+    out: dict[str, list[int]] = {}
+    with open(path, errors="replace") as f:
+        for line in f:
+            m = COLL_LINE.search(line)
+            if m:
+                acc = out.setdefault("nccl" + m.group(1), [0, 0])
+                acc[0] += 1
+                acc[1] += int(m.group(2)) * DTYPE_BYTES.get(int(m.group(3)), 0)
+    return out
 
 
 def free_port() -> int:
@@ -68,7 +87,8 @@ def main() -> int:
         print(f"{'OK ' if ok else 'BAD'} {name}{': ' + detail if detail else ''}", flush=True)
 
     agent, sock = start_agent(work, free_port(), ebpf=True)
-    env = dict(workload.env(), **NO_MULTICAST, MASTER_PORT=str(free_port()))
+    env = dict(workload.env(), **NO_MULTICAST, MASTER_PORT=str(free_port()), NCCL_DEBUG="INFO",
+               NCCL_DEBUG_SUBSYS="COLL", NCCL_DEBUG_FILE=os.path.join(work, "nccl-%p.log"))
     late = a.late_seconds if a.gpus > 1 else 0.0
     args = [os.path.join(HERE, "nccl_workload.py"), "--work", work, "--late-seconds", str(late),
             "--late-rank", str(a.late_rank), "--late-delay", str(a.late_delay)]
@@ -129,19 +149,26 @@ def main() -> int:
             did = json.load(open(f"{work}/rank-{r}.json"))
             snap = control.call(sock, "trace.snapshot", {"pid": info["pid"]})
             apis = snap["apis"]
-            got = {op: [apis.get(op, {}).get("calls", 0), apis.get(op, {}).get("bytes", 0)] for op in did["counts"]}
-            check(f"rank {r}: calls and bytes per NCCL function", got == did["counts"],
-                  f"got {got}, the job did {did['counts']}")
-            others = {op: a_["calls"] for op, a_ in apis.items() if op.startswith("nccl") and op not in did["counts"]}
+            logged = glob.glob(os.path.join(work, f"nccl-{info['pid']}.log"))
+            truth = nccl_log(logged[0]) if logged else {}
+            got = {op: [apis.get(op, {}).get("calls", 0), apis.get(op, {}).get("bytes", 0)]
+                   for op in sorted(set(truth) | set(COLLECTIVES) & set(apis))}
+            check(f"rank {r}: calls and bytes per collective equal NCCL's own log", bool(truth) and got == truth,
+                  f"probe {got}, NCCL_DEBUG {truth}")
+            asked = {op: v for op, v in did["counts"].items() if v != truth.get(op, [0, 0])}
+            if asked:  # what torch asked for but did not hand to NCCL (world size 1 short-cuts)
+                print(f"    note: torch was asked for {asked}; NCCL was handed {truth}", flush=True)
+            others = {op: a_["calls"] for op, a_ in apis.items() if op.startswith("nccl") and op not in COLLECTIVES}
             comms = [c for c in snap.get("communicators", []) if c["collectives"]]
-            want_coll = sum(n for op, (n, _b) in did["counts"].items() if op in COLLECTIVES)
+            want_coll = sum(n for n, _b in truth.values())
             main = max(comms, key=lambda c: c["collectives"]) if comms else {}
             check(f"rank {r}: its communicator's rank, size and collectives",
                   (main.get("rank"), main.get("size"), main.get("collectives")) == (r, did["world"], want_coll),
-                  f"{main} (the job: rank {r} of {did['world']}, {want_coll} collectives)")
+                  f"{main} (the job: rank {r} of {did['world']}, NCCL logged {want_coll} collectives)")
             mean = {op: apis[op]["mean_latency_s"] for op in COLLECTIVES if op in apis}
             rows.append((r, info["pid"], info["gpu"][:12], got.get("ncclAllReduce"), main.get("comm"), others, mean))
-            result.setdefault("ranks", []).append({"rank": r, **info, "did": did, "apis": apis, "communicators": comms})
+            result.setdefault("ranks", []).append({"rank": r, **info, "did": did, "nccl_log": truth, "apis": apis,
+                                                   "communicators": comms})
         result["nccl_version"], result["torch"] = did["nccl_version"], did["torch"]
         metrics = control.call(sock, "status").get("probes", {})
         result["probes"] = metrics
