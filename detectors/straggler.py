@@ -4,7 +4,8 @@ From the eBPF probe's NCCL counters (probes/ebpf/nccl.py): per communicator, the
 entry times were compared across its ranks on this node, and per rank how many of them it entered
 last and the sum of how long after the rank before it. Over the window, a rank that entered at
 least `share` of the compared collectives last, by `min_lateness` seconds on average, is a
-`straggler_rank` finding: the rank, its pid and process, its GPU (the GPUs NVML lists it on), by
+`straggler_rank` finding: the rank, its pid and process, its GPU (of those NVML lists it on, the one
+it holds the most memory on), by
 how much, and what its host side was doing meanwhile (the host probe's CPU time, CPU quota
 throttling, major page faults, where it follows the process).
 
@@ -88,8 +89,11 @@ class StragglerDetector(Detector):
     def _finding(self, history: History, lab: dict, compared: float, last: float, mean: float, since: float,
                  now: float) -> Finding:
         pid, rank = lab["pid"], lab["rank"]
-        gpus = sorted({gpu for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=since)
-                       if gpu and dict(labels).get("pid") == pid and pts and pts[-1][0] > since})
+        # its GPUs, the one it holds the most memory on first (NCCL's peer access puts a rank on its
+        # peers' process lists too, with little memory)
+        held = {gpu: pts[-1][1] for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=since)
+                if gpu and dict(labels).get("pid") == pid and pts and pts[-1][0] > since}
+        gpus = sorted(held, key=lambda g: (-held[g], g))
         host = {"cpu_seconds_per_second": _rate(history, "gpuwatch.process.cpu.time", pid, since, now),
                 "throttled_seconds_per_second": _rate(history, "gpuwatch.process.cgroup.cpu.throttled.time", pid,
                                                       since, now),

@@ -11,6 +11,7 @@ from gpuwatch.detectors.straggler import KIND, StragglerDetector
 COMM = "9e3779b97f4a7c15"
 T0 = 1_000_000.0
 GPU = "GPU-0af39ec1-0000-0000-0000-000000000001"
+PEER = "GPU-00000000-0000-0000-0000-000000000000"  # sorts first: the order must come from memory
 
 
 def feed(h: History, per_second: dict, seconds: int = 25, compared_per_second: float = 2.0, start: float = T0,
@@ -37,6 +38,8 @@ def test_a_rank_last_every_time_by_tens_of_ms_is_named_with_its_gpu_and_host():
     for i in range(26):  # NVML lists pid 200 on GPU; the host probe follows it: one core busy
         t = T0 + i
         h.append([Sample("gpuwatch.process.gpu.memory.usage", 2e9, GPU, {"pid": "200", "process": "python3"}, t),
+                  # a peer's GPU, where NCCL's peer access puts it with a little memory
+                  Sample("gpuwatch.process.gpu.memory.usage", 5e8, PEER, {"pid": "200", "process": "python3"}, t),
                   Sample("gpuwatch.process.cpu.time", 1.0 * i, "", {"pid": "200", "process": "python3",
                                                                       "mode": "user"}, t),
                   Sample("gpuwatch.process.paging.faults", 30.0 * i, "", {"pid": "200", "process": "python3",
@@ -44,12 +47,12 @@ def test_a_rank_last_every_time_by_tens_of_ms_is_named_with_its_gpu_and_host():
     (f,) = StragglerDetector().observe(h)
     assert (f.kind, f.resource, f.severity, f.ts) == (KIND, GPU, "warning", end)
     a = f.attrs
-    assert (a["comm"], a["rank"], a["pid"], a["gpus"], a["compared"], a["entered_last"]) == (COMM, "1", "200", [GPU], 42, 42)
+    assert (a["comm"], a["rank"], a["pid"], a["gpus"], a["compared"], a["entered_last"]) == (COMM, "1", "200", [GPU, PEER], 42, 42)
     assert a["lateness_seconds"] == pytest.approx(0.030)
     assert a["host"]["cpu_seconds_per_second"] == pytest.approx(1.0)
     assert a["host"]["major_faults_per_second"] == pytest.approx(30.0)
     assert a["host"]["throttled_seconds_per_second"] is None  # not followed: not said
-    assert f.summary == (f"rank 1 of NCCL communicator {COMM} (pid 200, python3 on GPU {GPU}) entered 100% of the last "
+    assert f.summary == (f"rank 1 of NCCL communicator {COMM} (pid 200, python3 on GPU {GPU}, {PEER}) entered 100% of the last "
                          "42 collectives last, 30.0 ms after the rank before it on average: the node's other ranks "
                          "wait for it; meanwhile it used 1.00 CPU cores (CPU-bound), made 30 major page faults/s")
     (s,) = StragglerDetector.samples([f])
