@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-MAX_GPUS = 64  # wire.MAX_GPUS: no node has more; a longer list names no more devices
+MAX_GPUS = 64  # entries looked at: no node has more GPUs (wire.MAX_GPUS bounds ordinals at 1024)
 MAX_VALUE = 4096  # characters of CUDA_VISIBLE_DEVICES looked at: 64 full MIG UUIDs fit
 MAX_ENTRY = 96  # a MIG-GPU-<uuid>/<gi>/<ci> is 60: longer is no device
 MAX_ENVIRON = 1 << 20  # bytes of /proc/PID/environ read; beyond, the variables are unknown, not unset
