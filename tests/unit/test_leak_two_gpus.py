@@ -28,9 +28,10 @@ def growing(base, rate=RATE):
     return lambda i: base + rate * i
 
 
-def build(seconds, per_gpu, others, live=None):
+def build(seconds, per_gpu, others, live=None, extra=None):
     """per_gpu: {uuid: {color: fn of t}}; others: {uuid: bytes other processes hold there};
-    live: eBPF's live bytes of the process (no GPU), a fn of t or None."""
+    live: eBPF's live bytes of the process (no GPU), a fn of t or None; extra: more samples, a fn
+    of the time."""
     metric = {WHITE: "gpuwatch.process.gpu.memory.allocated", GREY: "gpuwatch.process.gpu.memory.reserved",
               BLACK: "gpuwatch.process.gpu.memory.usage"}
     h = History(maxlen=720)
@@ -45,6 +46,8 @@ def build(seconds, per_gpu, others, live=None):
                         Sample("hw.gpu.memory.usage", float(used), gpu, {}, t)]
         if live is not None:
             samples.append(Sample("gpuwatch.process.cuda.memory.live", float(live(i)), "", PROC, t))
+        if extra is not None:
+            samples += extra(t)
         h.append(samples)
     return h
 
@@ -115,3 +118,48 @@ def test_the_same_ebpf_bytes_on_a_one_gpu_process_do_name_the_allocations():
     h = build(400, {GPU1: {BLACK: black1}}, {GPU1: 0.0}, live=live)
     (f,) = LeakDetector().observe(h)
     assert (f.resource, f.attrs["color"], f.attrs["grey_source"], f.attrs["allocator"]) == (GPU1, BLACK, "ebpf", "none")
+
+
+BLACK1 = lambda i: 12 * GIB + 300 * MIB / 60 * i  # noqa: E731
+LIVE = lambda i: 15 * GIB + 300 * MIB / 60 * i  # noqa: E731
+
+
+def nvml_gpu0(count, listed=(), folded=False):
+    """NVML's per-process view of GPU 0: how many processes it counts there, the pids it charges."""
+    def samples(t):
+        out = [Sample("gpuwatch.gpu.processes", float(count), GPU0, {"type": "compute"}, t),
+               Sample("gpuwatch.gpu.processes", 0.0, GPU0, {"type": "graphics"}, t)]
+        out += [Sample("gpuwatch.process.gpu.memory.usage", float(GIB), GPU0, {"pid": pid, "process": "other-job"}, t)
+                for pid in listed]
+        if folded:
+            out.append(Sample("gpuwatch.process.gpu.memory.usage", float(GIB), GPU0,
+                              {"pid": "other", "process": "other"}, t))
+        return out
+    return samples
+
+
+def ebpf_named(extra):
+    """The finding on GPU 1 for the process NVML charges there only, with eBPF's live bytes growing;
+    GPU 0 is on the node, its NVML view as `extra` says."""
+    h = build(400, {GPU1: {BLACK: BLACK1}}, {GPU1: 0.0, GPU0: 0.0}, live=LIVE, extra=extra)
+    h.append([Sample("hw.gpu.memory.limit", float(LIMIT), GPU0, {}, T0 + 399)])
+    (f,) = LeakDetector().observe(h)
+    assert (f.resource, f.attrs["color"]) == (GPU1, BLACK)
+    return f.attrs["grey_source"], f.attrs["allocator"]
+
+
+def test_ebpf_bytes_are_the_one_gpus_when_nvml_lists_every_process_of_the_other():
+    assert ebpf_named(nvml_gpu0(0)) == ("ebpf", "none")
+    assert ebpf_named(nvml_gpu0(1, listed=["777"])) == ("ebpf", "none")  # another process there
+
+
+@pytest.mark.parametrize("extra, why", [
+    (nvml_gpu0(2, listed=["777"]), "NVML counts a process on GPU 0 it charges nothing: it may be this one"),
+    (nvml_gpu0(3, listed=["777"], folded=True), "processes folded into other on GPU 0"),
+    (lambda t: [], "GPU 0 lists no processes at all (not supported)"),
+    (lambda t: nvml_gpu0(0)(t) + [Sample("gpuwatch.process.gpu.memory.allocated.self_reported", float(GIB), GPU0,
+                                         PROC, t)],
+     "the process's own agent says it holds memory on GPU 0"),
+])
+def test_ebpf_bytes_are_not_pinned_on_one_gpu_when_the_process_may_be_on_another(extra, why):
+    assert ebpf_named(extra) == ("none", None), why
