@@ -28,6 +28,7 @@ from gpuwatch.agent.store import Store, StoreError
 from gpuwatch.probes import cupti as cupti_probes
 from gpuwatch.probes import ebpf as ebpf_probes
 from gpuwatch.probes import nvml as nvml_probes
+from gpuwatch.probes.process import cuda_devices
 from gpuwatch.probes.process.identity import identify, is_alive, owns
 from gpuwatch.probes.process.host import HostProcessProbe
 from gpuwatch.probes.process.pagecache import PageCacheProbe
@@ -218,8 +219,9 @@ class Daemon:
         self.ebpf: EbpfCudaProbe | None = next((p for p in probes if p.name == "ebpf"), None)
         # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
         # only reads what processes send.
-        self.inprocess = InProcessReports(gpus=self._nvml_view)
+        self.inprocess = InProcessReports(gpus=self._nvml_view, devices=self._cuda_devices)
         self._view: tuple = (None, {})  # (snapshot, NVML's view of it): one view per snapshot
+        self._nvml_gpus: tuple = (None, [])  # (snapshot, NVML's GPUs in it, in bus order)
         self._kernels_read: tuple[float, dict] = (float("-inf"), {})  # (when, eBPF's top kernels) for `top`
         probes.append(InProcessProbe(self.inprocess))
         # The host side of the GPU processes the runner's snapshot names (their pids and names).
@@ -381,6 +383,15 @@ class Daemon:
                 if pid.isdigit():
                     out.setdefault(int(pid), s.labels.get("process", ""))
         return out
+
+    def _cuda_devices(self, pid: int) -> tuple[str, ...]:
+        """NVML's UUID of each CUDA ordinal of process `pid`, from the CUDA_VISIBLE_DEVICES and
+        CUDA_DEVICE_ORDER it was started with (probes/process/cuda_devices.py): for an in-process
+        report's device that came without a UUID."""
+        snap = self.runner.snapshot
+        if self._nvml_gpus[0] is not snap:
+            self._nvml_gpus = (snap, cuda_devices.nvml_gpus(snap.samples))
+        return cuda_devices.visible_uuids(cuda_devices.read_cuda_environment(pid), self._nvml_gpus[1])
 
     def _nvml_view(self) -> dict:
         """NVML's GPUs and the pids it lists on each, from the runner's latest snapshot (the NVML

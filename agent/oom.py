@@ -16,7 +16,10 @@ was. Evidence, whichever comes first (one event per process and OOM, not one per
 Each becomes a "finding.oom" event (stored and shown by `gpuwatch findings` like the other
 finding events) beside the forecast made when the leak was first found: "forecast 3.0 min, came
 at 3.1 min (+3 %)", and the forecast's error is counted in a histogram per GPU
-(gpuwatch_oom_forecast_error_ratio). The runner owns the one OomRecorder; it calls it from its own
+(gpuwatch_oom_forecast_error_ratio). Forecasts are per process and GPU: a process on two GPUs may
+leak on both, and an OOM is scored against the forecast of the GPU it ran out on (the one its
+evidence names; evidence that names none, as the driver's, takes the fullest of the process's GPUs
+with a forecast). The runner owns the one OomRecorder; it calls it from its own
 thread only.
 """
 from __future__ import annotations
@@ -64,8 +67,9 @@ class _Forecast:
 class OomRecorder:
     def __init__(self, history: History, started: float | None = None) -> None:
         self.history = history
-        self._forecasts: dict[str, _Forecast] = {}  # pid -> the first forecast of its open leak
-        self._closed: dict[str, tuple[_Forecast, float]] = {}  # pid -> forecast of a leak that closed, when
+        # (pid, gpu) -> the first forecast of its open leak there
+        self._forecasts: dict[tuple[str, str], _Forecast] = {}
+        self._closed: dict[tuple[str, str], tuple[_Forecast, float]] = {}  # -> forecast of a leak that closed, when
         self._last_oom: dict[str, float] = {}  # pid -> when its last OOM event was made
         self._exits: dict[str, tuple[_Forecast, float, float]] = {}  # pid -> an exit with the GPU full: forecast, when, fullness
         self.events_total: dict[tuple[str, str], int] = {}  # (gpu, cause) -> OOM events
@@ -74,30 +78,35 @@ class OomRecorder:
 
     def leak_seen(self, f: Finding, wall: float) -> None:
         """A memory-leak finding is open (at the runner's time `wall`): keep the first forecast made
-        for its process."""
+        for its process on its GPU."""
         pid = str(f.attrs.get("pid", ""))
-        if pid and pid not in self._forecasts:
+        key = (pid, f.resource)
+        if pid and key not in self._forecasts:
             if len(self._forecasts) >= MAX_TRACKED:
                 del self._forecasts[next(iter(self._forecasts))]
             tto = f.attrs.get("time_to_oom_seconds")
-            self._forecasts[pid] = _Forecast(f.resource, str(f.attrs.get("process", "")), wall,
+            self._forecasts[key] = _Forecast(f.resource, str(f.attrs.get("process", "")), wall,
                                              float(tto) if isinstance(tto, (int, float)) else None,
                                              str(f.attrs.get("color", "")))
 
     def leak_closed(self, f: Finding, exited: bool, wall: float) -> None:
         """Its leak finding closed: when because the process exited with the GPU nearly full, that
         was the OOM, unless better evidence comes within EXIT_HOLD_S (due() then makes the event).
-        The forecast is forgotten either way."""
+        The forecast is forgotten either way. A process with leaks on two GPUs that exits closes
+        both: the fuller GPU's exit is held."""
         pid = str(f.attrs.get("pid", ""))
-        fc = self._forecasts.pop(pid, None)
+        key = (pid, f.resource)
+        fc = self._forecasts.pop(key, None)
         if fc is not None:
-            self._closed[pid] = (fc, wall)
+            self._closed[key] = (fc, wall)
             if len(self._closed) > MAX_TRACKED:
                 del self._closed[next(iter(self._closed))]
         if not exited or fc is None or self._same_oom(pid, wall):
             return
         full = self._fullness(fc.gpu, wall)
-        if full is not None and full >= FULL and len(self._exits) < MAX_TRACKED:
+        held = self._exits.get(pid)
+        if (full is not None and full >= FULL and (held is not None or len(self._exits) < MAX_TRACKED)
+                and (held is None or full > held[2])):
             self._exits[pid] = (fc, wall, full)
 
     def due(self, wall: float) -> list[Event]:
@@ -115,7 +124,7 @@ class OomRecorder:
         pid = str(ev.attrs.get("pid", ""))
         if not pid.isdigit() or self._same_oom(pid, wall):
             return None
-        fc = self._forecast(pid, wall)
+        fc = self._forecast(pid, "", wall)  # eBPF's counts name no GPU
         detail = f" to {ev.attrs.get('api', 'an allocation')} ({ev.attrs.get('errors', 1)} calls)"
         return self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc, "driver", wall,
                            detail=detail)
@@ -128,7 +137,7 @@ class OomRecorder:
         framework, how = ev.attrs.get("framework"), ev.attrs.get("how")
         if not pid.isdigit() or framework not in ERRORS or how not in HOW or self._same_oom(pid, wall):
             return None
-        fc = self._forecast(pid, wall)
+        fc = self._forecast(pid, ev.resource, wall)
         detail, extra = "", {"framework": framework, "how": how}
         requested, device = ev.attrs.get("requested_bytes"), ev.attrs.get("device")
         if isinstance(requested, int):
@@ -141,15 +150,25 @@ class OomRecorder:
                            "out_of_memory_error", wall, detail=detail, gpu=ev.resource,
                            error=HOW[how].format(error=ERRORS[framework]), extra=extra)
 
-    def _forecast(self, pid: str, wall: float) -> _Forecast | None:
-        """The forecast of the process's open leak, or of one that closed in the last LATE_S. Evidence
-        asking for it replaces the process's held exit, if any."""
+    def _forecast(self, pid: str, gpu: str, wall: float) -> _Forecast | None:
+        """The forecast of the process's open leak on `gpu`, or of one that closed there in the last
+        LATE_S; None when that GPU has none (another GPU's forecast is not about this OOM). With no
+        GPU named: the process's only forecast, or, of several, the one whose GPU is the fullest now
+        (the OOM came where the memory ran out). Evidence asking for it replaces the process's held
+        exit, if any."""
         self._exits.pop(pid, None)
-        fc = self._forecasts.get(pid)
-        if fc is None and pid in self._closed:
-            closed, at = self._closed[pid]
-            fc = closed if 0 <= wall - at <= LATE_S else None
-        return fc
+        found: dict[str, _Forecast] = {}
+        for (p, g), (closed, at) in self._closed.items():
+            if p == pid and 0 <= wall - at <= LATE_S:
+                found[g] = closed
+        for (p, g), fc in self._forecasts.items():
+            if p == pid:
+                found[g] = fc  # an open leak's over one that closed on the same GPU
+        if gpu:
+            return found.get(gpu)
+        if len(found) <= 1:
+            return next(iter(found.values()), None)
+        return max(found.values(), key=lambda fc: (self._fullness(fc.gpu, wall) or 0.0, -fc.found_at))
 
     def _same_oom(self, pid: str, wall: float) -> bool:
         last = self._last_oom.get(pid)

@@ -260,7 +260,28 @@ class LeakDetector(Detector):
             allocators = names()
         self.allocators = dict(allocators)
 
-    def _processes(self, history: History) -> list[_Process]:
+    def _unsure_gpus(self, history: History, now: float) -> set[str]:
+        """GPUs where NVML may not list every process (as reports.nvml_view judges it): it gives no
+        process count, folds some into "other", or counts more than it charges (a process listed
+        with no memory figure). A process seen on one GPU may be on one of these too."""
+        s = self.settings
+        gpus = {gpu for metric in ("hw.gpu.memory.limit", "gpuwatch.gpu.up")
+                for (_, gpu, _), _ in history.series(metric, since=now - s.stale) if gpu}
+        counted: dict[str, float] = {}
+        for (_, gpu, _), pts in history.series("gpuwatch.gpu.processes", since=now - s.stale):
+            if pts and now - pts[-1][0] <= s.stale:
+                counted[gpu] = counted.get(gpu, 0.0) + pts[-1][1]
+        listed: dict[str, int] = {}
+        folded: set[str] = set()
+        for (_, gpu, labels), pts in history.series("gpuwatch.process.gpu.memory.usage", since=now - s.stale):
+            if pts and now - pts[-1][0] <= s.stale:
+                if dict(labels).get("pid", "").isdigit():
+                    listed[gpu] = listed.get(gpu, 0) + 1
+                else:
+                    folded.add(gpu)
+        return {g for g in gpus if g not in counted or g in folded or listed.get(g, 0) < counted[g]}
+
+    def _processes(self, history: History, now: float) -> list[_Process]:
         procs: dict[tuple[str, str], _Process] = {}
         for metric, color in COLOR_METRICS.items():
             for (_, gpu, labels), points in history.series(metric):
@@ -272,10 +293,19 @@ class LeakDetector(Detector):
                 p.colors[color] = points
         # eBPF: grey from its pooled driver allocations when no in-process agent reports it, and what
         # lies outside any allocator. eBPF counts a process on all its GPUs together, so only for a
-        # process on one GPU. Pooled points come with the live point of their collection (same ts).
+        # process known to be on one GPU: none of its bytes may be another GPU's. Pooled points come
+        # with the live point of their collection (same ts).
         gpus_of: dict[str, list[_Process]] = {}
         for p in procs.values():
             gpus_of.setdefault(p.pid, []).append(p)
+        unsure = self._unsure_gpus(history, now)
+        # An in-process agent's word NVML cannot vouch for still says the process is on that GPU.
+        claimed: dict[str, set[str]] = {}
+        for metric in ("gpuwatch.process.gpu.memory.allocated.self_reported",
+                       "gpuwatch.process.gpu.memory.reserved.self_reported"):
+            for (_, gpu, labels), pts in history.series(metric, since=now - self.settings.stale):
+                if pts and now - pts[-1][0] <= self.settings.stale:
+                    claimed.setdefault(dict(labels).get("pid", ""), set()).add(gpu)
         pooled_of: dict[str, dict[str, list[tuple[float, float]]]] = {}
         for (_, _, labels), points in history.series(POOLED):
             lab = dict(labels)
@@ -283,7 +313,7 @@ class LeakDetector(Detector):
         for (_, _, labels), points in history.series(LIVE):
             pid = dict(labels).get("pid", "")
             on = gpus_of.get(pid, [])
-            if len(on) != 1:
+            if len(on) != 1 or (unsure - {on[0].gpu}) or (claimed.get(pid, set()) - {on[0].gpu}):
                 continue
             p = on[0]
             p.pooled = pooled_of.get(pid, {})
@@ -322,7 +352,7 @@ class LeakDetector(Detector):
         # for itself (645 MB on the H200), an error that grows as the OOM comes closer.
         frees = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("gpuwatch.gpu.memory.free")}
         findings = []
-        for p in self._processes(history):
+        for p in self._processes(history, now):
             newest = max((pts[-1][0] for pts in p.colors.values() if pts), default=0.0)
             if now - newest > s.stale:
                 continue  # the process exited (or its GPU went away): its last trend is history

@@ -194,8 +194,14 @@ class BaselineProbe(Probe):
         """Run, judge, store, export; returns what happened (a run or {"gpu", "result", "reason"})."""
         nth = self._nth.get(gpu, 0)
         self._nth[gpu] = nth + 1
-        cmd = child_command(gpu, self.python, self.replay, nth, force)
+        ours = self._uuid(gpu)
         env = dict(os.environ, CUDA_DEVICE_ORDER="PCI_BUS_ID", PYTHONUNBUFFERED="1")
+        by_uuid = bool(ours) and not self.replay
+        if by_uuid:
+            # The GPU by its UUID, as its only device: a CUDA_VISIBLE_DEVICES in the agent's own
+            # environment would otherwise renumber the child's devices and run it on another GPU.
+            env["CUDA_VISIBLE_DEVICES"] = ours
+        cmd = child_command(0 if by_uuid else gpu, self.python, self.replay, nth, force)
         started = self.clock()
         log.info("baseline: running the reference workload on GPU %d", gpu)
         try:
@@ -225,7 +231,7 @@ class BaselineProbe(Probe):
             reason = result.get("error") or f"{_exit_text(proc.returncode)}: {tail[0][:300]}"
             return self._failed(gpu, reason, started)
         self._due[gpu] = started + self.every
-        ours = self._uuid(gpu)
+        result["gpu"] = gpu  # NVML's index: the child knew it as its device 0
         if ours and result["uuid"] != ours:
             # The agent names the GPU it asked for: a replayed run carries the recording's UUID, and
             # a real child numbering GPUs otherwise than NVML (CUDA_VISIBLE_DEVICES) is worth a word.

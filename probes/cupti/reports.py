@@ -13,6 +13,11 @@ server can know it takes from the kernel and NVML, never from the report —
   processes folded beyond its cap, or its pids are not in our PID namespace) the entry is kept as
   *self-reported*: exported under metrics of its own that no detector or alert rule reads.
   Where NVML lists the GPU's processes and this one is not among them, the entry is dropped.
+  An entry names its GPU by the UUID the process's CUDA gave for the device (the in-process agent
+  asks CUDA, so CUDA_VISIBLE_DEVICES's renumbering is the process's own); one that came with the
+  device's ordinal only is named from the process's CUDA_VISIBLE_DEVICES (`devices`,
+  probes/process/cuda_devices.py), or not at all where that is not sure. A UUID the process gave
+  is never replaced by what its environment says: it is the better word.
 
 A report may also say its framework raised an out-of-memory error (`oom`: which framework, caught
 by nobody or seen by PyTorch's allocator, the device and bytes asked for, and a count that rises
@@ -42,7 +47,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 from gpuwatch.agent import wire
 from gpuwatch.agent.api import Event, Probe, Sample
@@ -134,15 +139,22 @@ class Report:
 
     @classmethod
     def build(cls, msg: wire.CuptiReport, who: ProcessIdentity, uid: int, received: float,
-              view: NvmlView) -> tuple["Report", Counter]:
-        """The report as the server knows it, and the memory entries dropped by cause."""
+              view: NvmlView, devices: "Callable[[], Sequence[str]] | None" = None) -> tuple["Report", Counter]:
+        """The report as the server knows it, and the memory entries dropped by cause. devices():
+        NVML's UUID of each of the process's CUDA ordinals from its environment, asked only for an
+        entry that came without a UUID."""
         dropped: Counter = Counter()
         latest: dict[str, wire.ReportMemory] = {}
+        table: Sequence[str] | None = None
         for m in msg.memory:
-            if m.uuid not in view:
+            uuid = m.uuid
+            if not uuid and devices is not None:
+                table = devices() if table is None else table
+                uuid = table[m.device] if m.device < len(table) else ""
+            if uuid not in view:
                 dropped["unknown_gpu"] += 1
-            elif m.uuid not in latest or m.ts >= latest[m.uuid].ts:  # the client's ts orders its own entries
-                latest[m.uuid] = m
+            elif uuid not in latest or m.ts >= latest[uuid].ts:  # the client's ts orders its own entries
+                latest[uuid] = m
         memory = []
         for uuid, m in latest.items():
             pids = view[uuid]
@@ -188,7 +200,10 @@ class InProcessReports:
     snapshot)."""
 
     def __init__(self, gpus: Callable[[], NvmlView] = dict, clock=time.monotonic, wallclock=time.time,
-                 identify: Callable[[int], ProcessIdentity | None] = identify) -> None:
+                 identify: Callable[[int], ProcessIdentity | None] = identify,
+                 devices: Callable[[int], Sequence[str]] = lambda pid: ()) -> None:
+        """devices(pid): NVML's UUID of each CUDA ordinal of process pid, from its environment
+        (probes/process/cuda_devices.visible_uuids; the daemon's), for what comes without a UUID."""
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, int], Report] = {}
         self._watch: dict[tuple[int, int], float] = {}  # key -> monotonic time until which kernels are wanted
@@ -196,6 +211,8 @@ class InProcessReports:
         self._clock = clock
         self._wall = wallclock
         self._identify = identify
+        self._devices = devices
+        self._tables: dict[tuple[int, int], tuple[str, ...]] = {}  # key -> devices(pid), read once: pruned with the reports
         self.refused: Counter = Counter()  # reports, by cause (REFUSED)
         self.memory_refused: Counter = Counter()  # memory entries, by cause (MEMORY_REFUSED)
         self._logged: set[str] = set()
@@ -242,20 +259,21 @@ class InProcessReports:
                 self._count(self.refused, "too_often", 1, f"in-process reports of process {pid} dropped: more "
                             f"than one every {MIN_REPORT_INTERVAL:g} s")
             else:
-                report, dropped = Report.build(msg, who, uid, received, view)
+                report, dropped = Report.build(msg, who, uid, received, view, lambda: self._table(who))
                 for cause, n in dropped.items():
                     why = "a GPU NVML does not know" if cause == "unknown_gpu" else "a GPU NVML does not list it on"
                     self._count(self.memory_refused, cause, n, f"memory entries of process {pid} dropped: {why}")
                 self._reports[report.key] = report
             if msg.oom is not None:  # a report dropped above still tells of its OOM
-                self._oom(msg.oom, who, received, now, report or last)
+                self._oom(msg.oom, who, received, now, report or last, view)
             until = self._watch.get((who.pid, who.start_time), 0.0)
         return {"detail_seconds": round(until - now, 1) if until > now else 0}
 
     def _oom(self, oom: wire.ReportOom, who: ProcessIdentity, received: float, now: float,
-             report: Report | None) -> None:
+             report: Report | None, view: NvmlView) -> None:
         """A rise of the report's OOM count is an OOM: a "framework.oom" event, one per process every
-        OOM_EVENT_INTERVAL at most. Its GPU: the device's memory entry NVML vouches for. Lock held."""
+        OOM_EVENT_INTERVAL at most. Its GPU: the device's memory entry NVML vouches for; without
+        one, the device named from the process's environment where NVML lists it there. Lock held."""
         key = (who.pid, who.start_time)
         count, last_event = self._ooms.get(key, (0, float("-inf")))
         if oom.count <= count:
@@ -268,9 +286,22 @@ class InProcessReports:
             self.events_dropped += 1
             return
         gpu = next((m.uuid for m in (report.memory if report else ()) if m.verified and m.device == oom.device), "")
+        if not gpu and oom.device is not None:
+            table = self._table(who)
+            named = table[oom.device] if oom.device < len(table) else ""
+            pids = view.get(named)
+            gpu = named if pids is not None and who.pid in pids else ""
         self._events.append(Event("framework.oom", gpu, {
             "pid": str(who.pid), "process": who.comm, "framework": oom.framework, "how": oom.how,
             "device": oom.device, "requested_bytes": oom.requested_bytes}, received))
+
+    def _table(self, who: ProcessIdentity) -> tuple[str, ...]:
+        """devices(pid) of the process, read once: the environment it was started with does not
+        change, and a report every 0.1 s must not read it every time. Lock held."""
+        key = (who.pid, who.start_time)
+        if key not in self._tables:
+            self._tables[key] = tuple(self._devices(who.pid))[:wire.MAX_GPUS]
+        return self._tables[key]
 
     def events(self) -> list[Event]:
         with self._lock:
@@ -304,6 +335,7 @@ class InProcessReports:
                 del self._reports[key]
                 self._watch.pop(key, None)
                 self._ooms.pop(key, None)
+                self._tables.pop(key, None)
 
     def current(self) -> list[Report]:
         """Reports of processes alive (or gone for less than STALE), dropping the rest."""

@@ -61,10 +61,12 @@ sys.stdin.readline()
 
 
 class Reporter:
-    def __init__(self, sock: Path, rep: dict, every: float = 0.5, seconds: float = 0.0, rate: float = 0.0):
+    def __init__(self, sock: Path, rep: dict, every: float = 0.5, seconds: float = 0.0, rate: float = 0.0,
+                 env: dict | None = None):
         self.proc = subprocess.Popen([*NOBODY, sys.executable, "-c", REPORTER, str(sock), json.dumps(rep),
                                       str(every), str(seconds), str(rate)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, cwd="/")
+                                     stdout=subprocess.PIPE, text=True, cwd="/",
+                                     env=None if env is None else dict(os.environ, **env))
         self.pid = int(self.proc.stdout.readline())
 
     def go(self) -> None:
@@ -282,4 +284,38 @@ def test_a_flood_of_processes_is_bounded(top):
         events = sqlite3.connect(agent.state / "gpuwatch.db").execute("select count(*) from events").fetchone()[0]
         assert events < 50
     finally:
+        agent.stop()
+
+
+def test_a_device_without_a_uuid_is_named_from_the_processs_own_cuda_visible_devices(top):
+    """An entry that came with its CUDA ordinal only is named from the CUDA_VISIBLE_DEVICES the
+    process was started with (/proc/PID/environ, the process's own text): a UUID prefix names the
+    replayed GPU, "-1" (no GPU visible to it) names none, and a hostile value is read to its bound
+    and resolved as CUDA would (the entries before the first invalid one)."""
+    sock = top / "agent" / "run" / "control.sock"
+    entry = [{"device": 0, "uuid": "", "allocated": GIB, "reserved": 2 * GIB}]
+    by_prefix = Reporter(sock, report(entry), env={"CUDA_VISIBLE_DEVICES": UUID[:8]})
+    hidden = Reporter(sock, report(entry), env={"CUDA_VISIBLE_DEVICES": "-1"})
+    hostile = Reporter(sock, report(entry), env={"CUDA_VISIBLE_DEVICES": "0," + "9" * 100_000 + ",\u00e9"})
+    reporters = (by_prefix, hidden, hostile)
+    agent = start_agent(top, recording(top, [r.pid for r in reporters]))
+    try:
+        for r in reporters:
+            r.go()
+
+        def settled():
+            text = agent.metrics()
+            return text if all(f'pid="{r.pid}"' in text for r in reporters) else ""
+
+        assert wait_for(settled, 20)
+        time.sleep(2)  # a few reports each
+        text = agent.metrics()
+        white = series(text, "gpuwatch_process_gpu_memory_allocated_bytes")
+        assert white == {f'{{gpu="{UUID}",pid="{r.pid}",process="{COMM}"}}': GIB for r in (by_prefix, hostile)}
+        assert not [k for k in series(text, "gpuwatch_process_gpu_memory_allocated_self_reported_bytes")
+                    if str(hidden.pid) in k]
+        assert series(text, "gpuwatch_cupti_memory_refused_total")['{reason="unknown_gpu"}'] >= 1
+    finally:
+        for r in reporters:
+            r.stop()
         agent.stop()

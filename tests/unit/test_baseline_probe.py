@@ -162,3 +162,22 @@ def test_the_schedule_runs_each_gpu_once_per_interval_and_a_busy_one_sooner(tmp_
     now = time.time()
     assert 3500 < due[0] - now <= 3600  # next run in an interval
     assert 500 < due[1] - now <= 600  # a busy GPU is tried again in 10 minutes
+
+
+def test_a_real_run_is_sent_to_its_gpu_by_uuid_whatever_the_agents_cuda_visible_devices(tmp_path, monkeypatch):
+    """The agent started with CUDA_VISIBLE_DEVICES=1,0 (the child would inherit it, and its device 1
+    would be NVML's GPU 0): the child sees only the GPU asked for, named by its UUID, as device 0.
+    The stand-in python says what it was given, as a failed run's error."""
+    tell = tmp_path / "python-that-tells"
+    tell.write_text('#!/bin/sh\neval last=\\${$#}\n'
+                    'printf \'{"error": "CUDA_VISIBLE_DEVICES=%s --gpu %s"}\\n\' "$CUDA_VISIBLE_DEVICES" "$last"\n'
+                    'exit 1\n')
+    tell.chmod(tell.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
+    p = BaselineProbe(None, python=str(tell), gpus=lambda: ["GPU-a", "GPU-b"], first_delay=3600)
+    p.start()
+    try:
+        (r,) = p.run_now(1, timeout=30)
+    finally:
+        p.shutdown()
+    assert r == {"gpu": 1, "result": "failed", "reason": "CUDA_VISIBLE_DEVICES=GPU-b --gpu 0"}

@@ -417,3 +417,95 @@ def test_memory_entries_say_whose_allocators_they_sum():
     (m,) = s.get(7).as_dict()["memory"]
     assert m == {"device": 0, "uuid": UUID, "allocated": 5, "reserved": 9, "self_reported": False,
                  "frameworks": ["cupy", "torch"]}
+
+
+# --- a process on two GPUs, renumbered by CUDA_VISIBLE_DEVICES ------------------------------------
+
+GPU_A = "GPU-0af39ec1-025b-b990-3dc9-475f5d35d110"  # NVML's GPU 0 (the lower PCI bus)
+GPU_B = "GPU-8a3f1c2d-4e5f-6071-8293-a4b5c6d7e8f9"  # NVML's GPU 1
+
+
+@pytest.fixture
+def renumbered():
+    """A real process started with CUDA_VISIBLE_DEVICES=1,0 (its ordinal 0 is NVML's GPU 1), and the
+    daemon's resolution of its ordinals from /proc/PID/environ against two NVML GPUs."""
+    import subprocess
+    import sys
+
+    from gpuwatch.probes.process.cuda_devices import NvmlGpu, read_cuda_environment, visible_uuids
+
+    gpus = [NvmlGpu(GPU_B, "NVIDIA H200", "00000000:2A:00.0"), NvmlGpu(GPU_A, "NVIDIA H200", "00000000:18:00.0")]
+    procs = []
+
+    def start(environment):
+        p = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+                             env=environment, stdout=subprocess.PIPE)
+        assert p.stdout.readline() == b"ready\n"
+        procs.append(p)
+        return identify(p.pid)
+
+    calls = []
+
+    def devices(pid):
+        calls.append(pid)
+        return visible_uuids(read_cuda_environment(pid), gpus)
+
+    yield start, devices, calls
+    for p in procs:
+        p.kill()
+        p.wait()
+        p.stdout.close()
+
+
+def two_gpu_store(who, devices, view):
+    return store(view=view, ids={who.pid: who}, devices=devices)
+
+
+def test_entries_without_a_uuid_are_named_from_the_processs_cuda_visible_devices(renumbered):
+    start, devices, calls = renumbered
+    who = start({"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    s = two_gpu_store(who, devices, {GPU_A: frozenset({who.pid}), GPU_B: frozenset({who.pid})})
+    memory = [{"device": 0, "uuid": "", "allocated": 1 << 30, "reserved": 2 << 30, "ts": 2.0},
+              {"device": 1, "uuid": "", "allocated": 3 << 30, "reserved": 4 << 30, "ts": 2.0}]
+    for _ in range(3):
+        s.accept(parsed(memory=memory), pid=who.pid, uid=0)
+    got = {m.uuid: (m.device, m.allocated, m.verified) for m in s.get(who.pid).memory}
+    assert got == {GPU_B: (0, 1 << 30, True), GPU_A: (1, 3 << 30, True)}  # ordinal 0 is NVML's GPU 1
+    assert calls == [who.pid]  # its environment read once, not at every report
+
+
+def test_a_uuid_the_process_gave_is_not_replaced_by_its_environment(renumbered):
+    start, devices, calls = renumbered
+    who = start({"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    s = two_gpu_store(who, devices, {GPU_A: frozenset({who.pid}), GPU_B: frozenset({who.pid})})
+    # The program set CUDA_VISIBLE_DEVICES=0 itself before CUDA started: /proc still shows "1,0".
+    s.accept(parsed(memory=[{"device": 0, "uuid": GPU_A, "allocated": 1 << 30, "reserved": 1 << 30}]),
+             pid=who.pid, uid=0)
+    assert [(m.uuid, m.device) for m in s.get(who.pid).memory] == [(GPU_A, 0)] and calls == []
+
+
+def test_without_pci_bus_order_an_index_names_no_gpu_and_the_entry_is_dropped(renumbered):
+    start, devices, _ = renumbered
+    who = start({"CUDA_VISIBLE_DEVICES": "1,0"})  # CUDA's default order: fastest first
+    s = two_gpu_store(who, devices, {GPU_A: frozenset({who.pid}), GPU_B: frozenset({who.pid})})
+    s.accept(parsed(memory=[{"device": 0, "uuid": "", "allocated": 1 << 30, "reserved": 1 << 30}]),
+             pid=who.pid, uid=0)
+    assert s.get(who.pid).memory == () and s.memory_refused == {"unknown_gpu": 1}
+    uuids = start({"CUDA_VISIBLE_DEVICES": "GPU-8a3f,GPU-0af3"})  # UUIDs need no order
+    s = two_gpu_store(uuids, devices, {GPU_A: frozenset({uuids.pid}), GPU_B: frozenset({uuids.pid})})
+    s.accept(parsed(memory=[{"device": 1, "uuid": "", "allocated": 1 << 30, "reserved": 1 << 30}]),
+             pid=uuids.pid, uid=0)
+    assert [m.uuid for m in s.get(uuids.pid).memory] == [GPU_A]
+
+
+def test_an_oom_on_a_device_without_memory_entries_is_named_from_the_environment(renumbered):
+    start, devices, _ = renumbered
+    who = start({"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    now = [100.0]
+    s = store(view={GPU_A: frozenset({who.pid}), GPU_B: frozenset()}, ids={who.pid: who}, devices=devices,
+              clock=lambda: now[0])
+    s.accept(parsed(oom=dict(OOM, device=1), memory=[]), pid=who.pid, uid=0)
+    assert [e.resource for e in s.events()] == [GPU_A]  # its device 1 is NVML's GPU 0, which lists it
+    now[0] += R.OOM_EVENT_INTERVAL
+    s.accept(parsed(oom=dict(OOM, count=2, device=0), memory=[]), pid=who.pid, uid=0)
+    assert [e.resource for e in s.events()] == [""]  # NVML's GPU 1, which does not list it: no GPU

@@ -113,7 +113,7 @@ def test_forecasts_and_recent_ooms_are_bounded(monkeypatch):
     rec = OomRecorder(History())
     for pid in range(5):
         rec.leak_seen(leak(pid=str(pid)), float(pid))
-    assert list(rec._forecasts) == ["2", "3", "4"]  # the oldest went
+    assert list(rec._forecasts) == [("2", "GPU-a"), ("3", "GPU-a"), ("4", "GPU-a")]  # the oldest went
     for pid in range(5):
         rec.driver_oom(Event("cuda.oom", "", {"pid": str(100 + pid)}, 0), 10.0)
     assert list(rec._last_oom) == ["102", "103", "104"]
@@ -136,7 +136,8 @@ def framework(pid="42", framework="torch", how="allocator", gpu="", **attrs) -> 
 def test_a_framework_oom_is_scored_against_the_forecast_in_our_words():
     rec = OomRecorder(History(), started=10.0)
     rec.leak_seen(leak(tto=300.0, gpu="GPU-a"), 1000.0)
-    ev = rec.framework_oom(framework(device=1, requested_bytes=3 * GIB, gpu="GPU-other"), 1285.0)
+    # NVML does not list the process on the device's GPU, so the daemon named none: the process's only forecast
+    ev = rec.framework_oom(framework(device=1, requested_bytes=3 * GIB, gpu=""), 1285.0)
     assert (ev.kind, ev.resource) == ("finding.oom", "GPU-a")  # the leak's GPU: its forecast is scored
     assert dict(ev.attrs) == {
         "kind": "oom", "severity": "critical", "pid": "42", "process": "trainer", "cause": "out_of_memory_error",
@@ -203,3 +204,56 @@ def test_an_exit_with_the_gpu_full_gives_way_to_the_programs_own_word_that_comes
     assert ev.attrs["cause"] == "out_of_memory_error" and ev.attrs["came_after_seconds"] == 103.0
     assert rec.due(1100.0 + oom_mod.EXIT_HOLD_S) == [] and rec.due(2000.0) == []
     assert rec.events_total == {("GPU-a", "out_of_memory_error"): 1}
+
+
+# --- a process on two GPUs: a forecast per GPU ---------------------------------------------------
+
+def test_a_process_leaking_on_two_gpus_keeps_a_forecast_for_each():
+    rec = OomRecorder(History())
+    rec.leak_seen(leak(tto=600.0, gpu="GPU-0"), 1000.0)
+    rec.leak_seen(leak(tto=100.0, gpu="GPU-1"), 1050.0)  # found later, on the other GPU: kept too
+    ev = rec.framework_oom(framework(gpu="GPU-1", device=1), 1160.0)
+    assert ev.resource == "GPU-1"
+    assert (ev.attrs["forecast_seconds"], ev.attrs["came_after_seconds"]) == (100.0, 110.0)
+
+
+def test_closing_one_gpus_leak_keeps_the_other_gpus_forecast():
+    rec = OomRecorder(History())
+    rec.leak_seen(leak(tto=600.0, gpu="GPU-0"), 1000.0)
+    rec.leak_seen(leak(tto=100.0, gpu="GPU-1"), 1000.0)
+    rec.leak_closed(leak(gpu="GPU-0"), exited=False, wall=1050.0)  # GPU 0's growth stopped
+    ev = rec.framework_oom(framework(gpu="GPU-1"), 1100.0)
+    assert (ev.resource, ev.attrs["forecast_seconds"]) == ("GPU-1", 100.0)
+
+
+def test_an_oom_on_a_gpu_without_a_forecast_is_not_scored_against_another_gpus():
+    rec = OomRecorder(History())
+    rec.leak_seen(leak(tto=100.0, gpu="GPU-1"), 1000.0)
+    ev = rec.framework_oom(framework(gpu="GPU-0"), 1100.0)
+    assert ev.resource == "GPU-0" and ev.attrs["summary"].endswith("no leak was forecast for it")
+    assert rec.errors == {}
+
+
+def test_a_driver_oom_naming_no_gpu_takes_the_fullest_gpu_with_a_forecast():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(tto=100.0, gpu="GPU-0"), 1000.0)
+    rec.leak_seen(leak(tto=300.0, gpu="GPU-1"), 1010.0)
+    gpu_memory(h, "GPU-0", [(1098.0, 60 * GIB)])
+    gpu_memory(h, "GPU-1", [(1098.0, 99 * GIB)])
+    ev = rec.driver_oom(Event("cuda.oom", "", {"pid": "42"}, 0), 1100.0)
+    assert (ev.resource, ev.attrs["forecast_seconds"]) == ("GPU-1", 300.0)
+
+
+def test_a_two_gpu_process_exiting_holds_one_exit_the_fuller_gpus():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(tto=100.0, gpu="GPU-0"), 1000.0)
+    rec.leak_seen(leak(tto=200.0, gpu="GPU-1"), 1000.0)
+    gpu_memory(h, "GPU-0", [(1099.0, 96 * GIB)])
+    gpu_memory(h, "GPU-1", [(1099.0, 99 * GIB)])
+    rec.leak_closed(leak(gpu="GPU-0"), exited=True, wall=1100.0)
+    rec.leak_closed(leak(gpu="GPU-1"), exited=True, wall=1100.0)
+    (ev,) = rec.due(1100.0 + oom_mod.EXIT_HOLD_S)
+    assert (ev.resource, ev.attrs["forecast_seconds"], ev.attrs["evidence"]) == (
+        "GPU-1", 200.0, "it exited with its GPU 99% full")
