@@ -243,6 +243,7 @@ class Daemon:
         from gpuwatch.detectors.health import HealthDetector
         from gpuwatch.detectors.launch import LaunchDetector
         from gpuwatch.detectors.leak import LeakDetector
+        from gpuwatch.detectors.nvlink import NvlinkDetector
         from gpuwatch.detectors.thermal import ThermalDetector
         from gpuwatch.detectors.host_bound import HostBoundDetector
         from gpuwatch.detectors.straggler import StragglerDetector
@@ -263,7 +264,7 @@ class Daemon:
 
         leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
         self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector(),
-                                                HostBoundDetector(), StragglerDetector()],
+                                                HostBoundDetector(), StragglerDetector(), NvlinkDetector()],
                              exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 

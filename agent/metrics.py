@@ -248,11 +248,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.gpu.pcie.replays", "", Kind.COUNTER, "PCIe replay counter.", _G),
     Metric("gpuwatch.gpu.pcie.link.generation", "", Kind.GAUGE, "PCIe link generation.", ("gpu", "state")),
     Metric("gpuwatch.gpu.pcie.link.width", "", Kind.GAUGE, "PCIe link width (lanes).", ("gpu", "state")),
-    Metric("gpuwatch.gpu.nvlink.up", "", Kind.GAUGE, "1 when the NVLink link is active.", ("gpu", "link")),
+    Metric("gpuwatch.gpu.nvlink.up", "", Kind.GAUGE, "1 when the NVLink link is active, 0 when it is not.",
+           ("gpu", "link")),
     Metric("gpuwatch.gpu.nvlink.io", "By", Kind.COUNTER, "NVLink data bytes by direction, all links.",
            ("gpu", "direction")),
-    Metric("gpuwatch.gpu.nvlink.errors", "", Kind.COUNTER, "NVLink error counters by link and type.",
-           ("gpu", "link", "type")),
+    # Its own metric, not a `link` label on the one above: sum() over either stays right.
+    Metric("gpuwatch.gpu.nvlink.link.io", "By", Kind.COUNTER, "NVLink data bytes by link and direction.",
+           ("gpu", "link", "direction")),
+    Metric("gpuwatch.gpu.nvlink.errors", "", Kind.COUNTER,
+           "NVLink error counters by link and type: dl_replay, dl_recovery, dl_crc (what `nvidia-smi nvlink "
+           "-e` shows; since the driver loaded); drivers without per-link field values give dl_crc_flit, "
+           "dl_crc_data and dl_ecc_data instead of dl_crc.", ("gpu", "link", "type")),
     # --- errors -------------------------------------------------------------------------------
     Metric("hw.errors", "", Kind.COUNTER,
            "ECC errors: type corrected|uncorrected, counter volatile (since driver load) or aggregate (lifetime).",

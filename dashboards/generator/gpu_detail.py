@@ -87,6 +87,20 @@ def dashboard() -> grafana.Dashboard:
             ts("NVLink errors",
                Q(f'sum by (type) ({rate("gpuwatch.gpu.nvlink.errors")})', "{{type}}",
                  needs="nvlink")).unit("cps"),
+            ts("NVLink state per link", Q(sel("gpuwatch.gpu.nvlink.up"), "link {{link}}", needs="nvlink"))
+            .unit("none").min(0).max(1).line_interpolation(STEPPED).span(8)
+            .description("1 while the link is active, 0 while it is down; a link that was up and went down "
+                         "is an nvlink_down finding and the GpuNvlinkDown alert."),
+            ts("NVLink traffic per link",
+               Q(rate("gpuwatch.gpu.nvlink.link.io"), "link {{link}} {{direction}}", needs="nvlink"))
+            .unit("Bps").min(0).span(8)
+            .description("Data bytes per link (NVML per-link field values). The links of a GPU carry alike "
+                         "under NCCL; one far below the others is degraded or routed around."),
+            ts("NVLink error rate per link and type",
+               Q(f'{rate("gpuwatch.gpu.nvlink.errors")} > 0', "link {{link}} {{type}}", needs="nvlink"))
+            .unit("cps").min(0).span(8)
+            .description("Only links whose counters move. dl_recovery is the link retraining (critical); "
+                         "dl_replay and dl_crc are retried transfers (GpuNvlinkErrors)."),
             Row("Errors"),
             table("ECC error counters", Q(sel("hw.errors")), columns={"A": ("errors", "none")}).span(8)
             .description("volatile: since the driver loaded; aggregate: over the GPU's life."),

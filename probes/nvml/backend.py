@@ -237,6 +237,18 @@ NVLINK_ERRORS = {
 }
 NVLINK_THROUGHPUT_FIELDS = {"tx": N.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
                             "rx": N.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX}
+# Field ids read per link (scopeId = link) in one nvmlDeviceGetFieldValues batch per GPU: the
+# counters `nvidia-smi nvlink -e` shows (replay, recovery, CRC), the state and the data bytes.
+# The per-lane-named NVML_FI_DEV_NVLINK_*_ERROR_COUNT_L0..L11 stop at link 11; an H200 has 18.
+NVLINK_LINK_FIELDS = {
+    "state": N.NVML_FI_DEV_NVLINK_GET_STATE,
+    "dl_replay": N.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY,
+    "dl_recovery": N.NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY,
+    "dl_crc": N.NVML_FI_DEV_NVLINK_ERROR_DL_CRC,
+    **NVLINK_THROUGHPUT_FIELDS,
+}
+NVLINK_LINK_ERRORS = ("dl_replay", "dl_recovery", "dl_crc")
+NVLINK_ACTIVE = 1  # NVML_NVLINK_STATE_ACTIVE (0 inactive, 2 sleep) and NVML_FEATURE_ENABLED alike
 PCIE_COUNTERS = {"tx": N.NVML_PCIE_UTIL_TX_BYTES, "rx": N.NVML_PCIE_UTIL_RX_BYTES}
 GPM_METRICS = {
     "sm_util": N.NVML_GPM_METRIC_SM_UTIL,
@@ -251,8 +263,37 @@ GPM_METRICS = {
 # Ops whose answers only grow (until the driver reloads): replay keeps them growing when it loops.
 MONOTONIC_OPS = frozenset({
     "total_energy", "violation_times", "violation_status", "pcie_replay_counter", "ecc_errors",
-    "nvlink_error_counter", "nvlink_throughput",
+    "nvlink_error_counter", "nvlink_throughput", "nvlink_fields",
 })
+
+
+def is_state_key(op: str, key: str) -> bool:
+    """A key of a monotonic op's dict answer that is a state, not a counter: replay must not grow it."""
+    return op == "nvlink_fields" and key.endswith(" state")
+
+
+def _nvlink_fields(b: RealBackend, h: Any, gpu: int, links: int) -> dict:
+    """{"<link> <field>" (NVLINK_LINK_FIELDS) and "all tx|rx": value, or NVML's error name} in ONE
+    nvmlDeviceGetFieldValues call. A field once NOT_SUPPORTED is left out of later batches (NVML
+    need not look again) and answered with the same error, so every tick's answer has one shape."""
+    unsupported = b._nvlink_unsupported.setdefault(gpu, {})
+    wanted = [(f"{link} {name}", field_id, link) for link in range(links)
+              for name, field_id in NVLINK_LINK_FIELDS.items()]
+    wanted += [(f"all {d}", field_id, _ALL_LINKS) for d, field_id in NVLINK_THROUGHPUT_FIELDS.items()]
+    asked = [w for w in wanted if w[0] not in unsupported]
+    out: dict[str, Any] = dict(unsupported)
+    if asked:
+        values = N.nvmlDeviceGetFieldValues(h, [(field_id, scope) for _, field_id, scope in asked])
+        for (key, _, _), v in zip(asked, values):
+            if v.nvmlReturn == N.NVML_SUCCESS:
+                out[key] = int(getattr(v.value, _FIELD_MEMBERS[v.valueType]))
+            elif v.nvmlReturn == N.NVML_ERROR_GPU_IS_LOST:
+                raise N.NVMLError(v.nvmlReturn)
+            else:
+                out[key] = error_name(v.nvmlReturn)
+                if out[key] in NOT_SUPPORTED_ERRORS:
+                    unsupported[key] = out[key]
+    return {key: out[key] for key, _, _ in wanted}
 
 
 def _process_name(b: RealBackend, pid: int) -> str:
@@ -422,6 +463,7 @@ _GPU_OPS: dict[str, Callable[..., Any]] = {
         N.nvmlDeviceGetNvLinkErrorCounter(h, link, NVLINK_ERRORS[kind])),
     "nvlink_throughput": lambda b, h, g, direction: int(
         _field(h, NVLINK_THROUGHPUT_FIELDS[direction], _ALL_LINKS)),
+    "nvlink_fields": _nvlink_fields,
     "ecc_errors": lambda b, h, g, kind, counter: int(
         N.nvmlDeviceGetTotalEccErrors(h, ECC_TYPES[kind], ECC_COUNTERS[counter])),
     "remapped_rows": lambda b, h, g: dict(
@@ -456,6 +498,7 @@ class RealBackend(Backend):
         self._next_event_set = 0
         self._gpm: dict[int, dict] = {}
         self._utilization_seen: dict[int, int] = {}
+        self._nvlink_unsupported: dict[int, dict[str, str]] = {}  # gpu -> {field key: error name}
 
     def _call(self, op: str, gpu: int | None, args: tuple) -> Any:
         table = _SYSTEM_OPS if gpu is None else _GPU_OPS
@@ -506,6 +549,7 @@ class RealBackend(Backend):
             event_sets, self._event_sets = self._event_sets, {}
             self._handles.clear()
             self._utilization_seen.clear()
+            self._nvlink_unsupported.clear()
         try:
             for state in gpm.values():
                 N.nvmlGpmSampleFree(state["previous"])

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gpuwatch.probes.nvml.backend import (
-    MONOTONIC_OPS, VIOLATION_POLICIES, Backend, NvmlError, RealBackend, RecordingError, call_key,
+    MONOTONIC_OPS, NVLINK_ERRORS, VIOLATION_POLICIES, Backend, NvmlError, RealBackend, RecordingError, call_key,
+    is_state_key,
 )
 from gpuwatch.probes.nvml.events import XID_CRITICAL_ERROR
 from gpuwatch.probes.nvml.probe import NvmlProbe
@@ -162,7 +163,7 @@ def record(out_path: str | Path, ticks: int = 5, interval: float = 1.0,
         for t in range(ticks):
             began = time.monotonic()
             probe.collect()
-            _record_fallbacks(recorder, len(probe._gpus))
+            _record_fallbacks(recorder, [gpu.nvlink_links for gpu in probe._gpus])
             if progress is not None:
                 progress(t + 1, ticks)
             if t < ticks - 1:
@@ -181,14 +182,19 @@ def record(out_path: str | Path, ticks: int = 5, interval: float = 1.0,
             "most_cpu_us": {op: t["cpu_us_median"] for op, t in costly}}
 
 
-def _record_fallbacks(recorder: RecordingBackend, gpus: int) -> None:
-    """Also record what the probe asks only on older drivers, so replays can test that path too."""
-    for gpu in range(gpus):
-        for policy in VIOLATION_POLICIES:
-            try:
-                recorder.call("violation_status", gpu, policy)
-            except NvmlError:
-                pass
+def _record_fallbacks(recorder: RecordingBackend, nvlink_links: list[int]) -> None:
+    """Also record what the probe asks only on older drivers, so replays can test that path too:
+    per-policy violation times, and NVLink one call per link and counter (nvlink_links: per GPU)."""
+    calls = [(gpu, "violation_status", (policy,)) for gpu in range(len(nvlink_links)) for policy in VIOLATION_POLICIES]
+    for gpu, links in enumerate(nvlink_links):
+        calls += [(gpu, "nvlink_state", (link,)) for link in range(links)]
+        calls += [(gpu, "nvlink_error_counter", (link, kind)) for link in range(links) for kind in NVLINK_ERRORS]
+        calls += [(gpu, "nvlink_throughput", (d,)) for d in ("tx", "rx")] if links else []
+    for gpu, op, args in calls:
+        try:
+            recorder.call(op, gpu, *args)
+        except NvmlError:
+            pass
 
 
 def _answer_or_none(backend: Backend, op: str) -> Any:
@@ -356,7 +362,7 @@ class ReplayBackend(Backend):
         if isinstance(value, (dict, list)):
             value = copy.deepcopy(value)  # the caller may keep or change it; the recording must not change
         if op in MONOTONIC_OPS and passes:
-            value = _grow(value, self._step((source, key), answers), passes)
+            value = _grow(value, self._step(op, (source, key), answers), passes)
         return self._present(op, gpu, source, value)
 
     def _pick(self, answers: list, tick: int) -> tuple[dict, int]:
@@ -377,7 +383,7 @@ class ReplayBackend(Backend):
                     return answers[k], passes - 1
         return next(a for a in answers if a is not None), 0
 
-    def _step(self, cache_key: tuple, answers: list) -> Any:
+    def _step(self, op: str, cache_key: tuple, answers: list) -> Any:
         """How much a monotonic answer grows over one loop (ticks 1..n-1), at its recorded rate."""
         with self._lock:
             if cache_key in self._steps:
@@ -389,6 +395,8 @@ class ReplayBackend(Backend):
         if len(points) >= 2:
             (k0, v0), (k1, v1) = points[0], points[-1]
             step = _scale_difference(v0, v1, (n - 1) / (k1 - k0))
+            if isinstance(step, dict):  # a link's state rides with its counters: it does not grow
+                step = {k: v for k, v in step.items() if not is_state_key(op, k)}
         with self._lock:
             self._steps[cache_key] = step
         return step
@@ -448,7 +456,8 @@ class ReplayBackend(Backend):
 
 def _scale_difference(v0: Any, v1: Any, scale: float) -> Any:
     if isinstance(v0, dict):
-        return {f: _scale_difference(v0[f], v1[f], scale) for f in v0 if _is_number(v0[f]) and f in v1}
+        return {f: _scale_difference(v0[f], v1[f], scale) for f in v0
+                if _is_number(v0[f]) and _is_number(v1.get(f))}
     diff = max(0, v1 - v0) * scale
     return round(diff) if isinstance(v0, int) and isinstance(v1, int) else diff
 

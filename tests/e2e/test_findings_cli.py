@@ -28,7 +28,7 @@ def test_leaks_and_findings_on_a_healthy_node(agent_factory):
         "open": [], "recent": [], "ooms": [],
         "blind": [{"detector": "straggler", "kinds": ["straggler_rank"],
                    "reason": "probe ebpf is off in this agent's config"}],
-        "seeing": ["leak", "thermal", "launch", "health", "host_bound"]}
+        "seeing": ["leak", "thermal", "launch", "health", "host_bound", "nvlink"]}
     out = gpuwatch("findings", "--socket", str(agent.socket), "--kind", "memory_leak")
     assert out.stdout.strip() == "no open memory_leak findings"
     with pytest.raises(control.ControlError, match=r'findings refused: kind: must be a string, got int'):
@@ -62,7 +62,7 @@ def test_blind_detectors_say_so_and_why_and_exit_2(agent_factory, tmp_path):
                         "recording (`gpuwatch debug record-nvml` writes them): format None, expected "
                         "'gpuwatch-nvml-recording/1'"), lines
     found = json.loads(gpuwatch("findings", "--socket", str(agent.socket), "--json").stdout)
-    assert [b["detector"] for b in found["blind"]] == ["leak", "thermal", "health", "host_bound", "straggler"]
+    assert [b["detector"] for b in found["blind"]] == ["leak", "thermal", "health", "host_bound", "straggler", "nvlink"]
     assert found["seeing"] == ["launch"]  # the in-process reports still come
     health = next(b for b in found["blind"] if b["detector"] == "health")
     assert health["reason"] == "probe baseline is off in this agent's config"

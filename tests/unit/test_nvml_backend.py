@@ -198,3 +198,103 @@ def test_record_then_replay_gives_the_same_samples(tmp_path):
     again = ReplayBackend(out)
     assert samples_over(again, 4) == samples_over(original, 4)
     assert not again.unrecorded
+
+
+# ---- NVLink per-link field values ------------------------------------------------------------
+
+class FakeFieldValues:
+    """Stands in for pynvml's nvmlDeviceGetFieldValues: answers from {(field id, scope): value or
+    error code}, recording each batch asked."""
+
+    def __init__(self, answers):
+        self.answers = answers
+        self.batches = []
+
+    def __call__(self, handle, requests):
+        import pynvml as N
+        self.batches.append(list(requests))
+        out = []
+        for field_id, scope in requests:
+            answer = self.answers.get((field_id, scope), ("error", N.NVML_ERROR_NOT_SUPPORTED))
+            value = N.c_nvmlFieldValue_t()
+            value.fieldId, value.scopeId = field_id, scope
+            if isinstance(answer, tuple):  # ("error", code)
+                value.nvmlReturn = answer[1]
+            else:
+                value.nvmlReturn, value.valueType = N.NVML_SUCCESS, N.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                value.value.ullVal = answer
+            out.append(value)
+        return out
+
+
+def test_nvlink_fields_is_one_batch_and_leaves_unsupported_fields_out_later(monkeypatch):
+    import pynvml as N
+    from gpuwatch.probes.nvml import backend as B
+    answers = {(N.NVML_FI_DEV_NVLINK_GET_STATE, 0): 1, (N.NVML_FI_DEV_NVLINK_GET_STATE, 1): 0,
+               (N.NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY, 0): 4, (N.NVML_FI_DEV_NVLINK_ERROR_DL_RECOVERY, 0): 1,
+               (N.NVML_FI_DEV_NVLINK_ERROR_DL_CRC, 1): ("error", N.NVML_ERROR_UNKNOWN),
+               (N.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0): 100, (N.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0xFFFFFFFF): 100}
+    fake = FakeFieldValues(answers)
+    monkeypatch.setattr(N, "nvmlDeviceGetFieldValues", fake)
+    backend = RealBackend()
+    first = B._nvlink_fields(backend, object(), 0, 2)
+    second = B._nvlink_fields(backend, object(), 0, 2)
+    assert first == second
+    assert first["0 state"] == 1 and first["1 state"] == 0 and first["0 dl_replay"] == 4
+    assert first["0 tx"] == 100 and first["all tx"] == 100
+    assert first["1 dl_crc"] == "NVML_ERROR_UNKNOWN"  # asked again: it may answer next time
+    assert first["1 dl_replay"] == "NVML_ERROR_NOT_SUPPORTED"
+    assert len(first) == 2 * 6 + 2
+    assert len(fake.batches) == 2 and len(fake.batches[0]) == 14
+    # the second batch asks only what answered or failed other than NOT_SUPPORTED
+    assert sorted(fake.batches[1]) == sorted(k for k in answers)
+    backend.close()
+
+
+def test_nvlink_fields_of_a_lost_gpu_raise(monkeypatch):
+    import pynvml as N
+    from gpuwatch.probes.nvml import backend as B
+    monkeypatch.setattr(N, "nvmlDeviceGetFieldValues", FakeFieldValues(
+        {(N.NVML_FI_DEV_NVLINK_GET_STATE, 0): ("error", N.NVML_ERROR_GPU_IS_LOST)}))
+    with pytest.raises(N.NVMLError) as caught:
+        B._nvlink_fields(RealBackend(), object(), 0, 1)
+    assert caught.value.value == N.NVML_ERROR_GPU_IS_LOST
+
+
+def test_replay_grows_nvlink_counters_not_link_states(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    n = data["ticks"]
+    data["gpus"][0]["nvlink_fields 1"] = [
+        {"value": {"0 state": t % 2, "0 dl_replay": 10 * t, "0 dl_crc": "NVML_ERROR_NOT_SUPPORTED"}}
+        for t in range(n)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(data))
+    backend = ReplayBackend(path)
+    answers = []
+    for _ in range(3 * n):
+        backend.begin_tick()
+        answers.append(backend.call("nvlink_fields", 0, 1))
+    replays = [a["0 dl_replay"] for a in answers]
+    assert all(b >= a for a, b in zip(replays, replays[1:])) and replays[-1] > 10 * (n - 1)
+    assert {a["0 state"] for a in answers} == {0, 1}
+    assert {a["0 dl_crc"] for a in answers} == {"NVML_ERROR_NOT_SUPPORTED"}
+
+
+def test_record_keeps_the_nvlink_batch_and_the_older_calls(tmp_path):
+    data = json.loads(FIXTURE.read_text())
+    n = data["ticks"]
+    gpu = data["gpus"][0]
+    gpu["nvlink_link_count"] = [{"value": 2}] * n
+    gpu["nvlink_fields 2"] = [{"value": {"0 state": 1, "0 dl_replay": t, "1 state": 0, "1 dl_replay": 0}}
+                              for t in range(n)]
+    for link in range(2):
+        gpu[f"nvlink_state {link}"] = [{"value": 1 - link}] * n
+    source = tmp_path / "source.json"
+    source.write_text(json.dumps(data))
+    out = tmp_path / "again.json"
+    record(out, ticks=3, interval=0.0, backend_factory=lambda: ReplayBackend(source))
+    calls = json.loads(out.read_text())["gpus"][0]
+    assert [a["value"]["0 dl_replay"] for a in calls["nvlink_fields 2"]] == [0, 1, 2]
+    assert calls["nvlink_state 1"] == [{"value": 0}] * 3
+    assert calls["nvlink_error_counter 1 dl_crc_flit"] == [{"error": "NVML_ERROR_NOT_SUPPORTED"}] * 3
+    assert ReplayBackend(out).call("nvlink_fields", 0, 2)["1 state"] == 0

@@ -420,10 +420,36 @@ def every_tick(value):
 NVLINK_KINDS = ("dl_replay", "dl_recovery", "dl_crc_flit", "dl_crc_data", "dl_ecc_data")
 
 
+def nvlink_fields_answer(tick):
+    """An nvlink_fields answer as RealBackend returns it ({"<link> <field>": value or NVML error name}),
+    for an H200 SXM's 18 links (NVML_FI_DEV_NVLINK_LINK_COUNT): link 3 inactive
+    (NVML_FI_DEV_NVLINK_GET_STATE 0), link 7 NOT_SUPPORTED for every field, link 9's CRC counter
+    UNKNOWN; replay errors on link 0 rise by 2 a tick; link l moves (l + 1) MiB a tick each way."""
+    answer = {}
+    for link in range(18):
+        answer.update({f"{link} state": 0 if link == 3 else 1, f"{link} dl_replay": 0, f"{link} dl_recovery": 0,
+                       f"{link} dl_crc": 0, f"{link} tx": (link + 1) * 1024 * tick,
+                       f"{link} rx": (link + 1) * 512 * tick})
+    answer["0 dl_replay"] = 5 + 2 * tick
+    answer["17 dl_crc"] = 12
+    for field in ("state", "dl_replay", "dl_recovery", "dl_crc", "tx", "rx"):
+        answer[f"7 {field}"] = "NVML_ERROR_NOT_SUPPORTED"
+    answer["9 dl_crc"] = "NVML_ERROR_UNKNOWN"
+    answer["all tx"] = sum(v for k, v in answer.items() if k.endswith(" tx") and isinstance(v, int))
+    answer["all rx"] = sum(v for k, v in answer.items() if k.endswith(" rx") and isinstance(v, int))
+    return answer
+
+
+def with_nvlink_fields(gpu, system):
+    # EDITED, not recorded: the H200 of the recording (a one-GPU VM) answers NOT_SUPPORTED for NVLink.
+    gpu["nvlink_link_count"] = every_tick(18)
+    gpu["nvlink_fields 18"] = [{"value": nvlink_fields_answer(t)} for t in range(6)]
+
+
 def with_nvlink(gpu, system):
-    # EDITED, not recorded: the H200 of the recording (PCIe) answers NVML_ERROR_NOT_SUPPORTED for
-    # NVLink. Here it has 18 links (an H200 SXM's count, NVML_FI_DEV_NVLINK_LINK_COUNT): link 3 is
-    # down (nvmlDeviceGetNvLinkState answers NVML_FEATURE_DISABLED, 0), link 7 answers NOT_SUPPORTED,
+    # EDITED, not recorded: a driver without per-link field values (no "nvlink_fields" answer: replay
+    # says NOT_SUPPORTED), asked one call per value. 18 links: link 3 is down
+    # (nvmlDeviceGetNvLinkState answers NVML_FEATURE_DISABLED, 0), link 7 answers NOT_SUPPORTED,
     # link 9 UNKNOWN; the others are up (NVML_FEATURE_ENABLED, 1). Error counters are 0 but for
     # three; throughput (NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX/RX, all links) in KiB.
     gpu["nvlink_link_count"] = every_tick(18)
@@ -440,7 +466,49 @@ def with_nvlink(gpu, system):
     gpu["nvlink_throughput rx"] = every_tick(26214400)
 
 
-def test_nvlink_series_from_an_edited_recording(tmp_path):
+def test_nvlink_per_link_series_from_one_batch(tmp_path, caplog):
+    backend = ReplayBackend(edited_recording(tmp_path, with_nvlink_fields))
+    with caplog.at_level(logging.INFO, logger="gpuwatch.nvml"):
+        ticks = run(backend, 3)
+    samples = ticks[1]
+    got = {k: v for k, v in series(samples).items() if k[0].startswith("gpuwatch.gpu.nvlink.")}
+    links = [link for link in range(18) if link != 7]  # 7 answers nothing: no series at all
+    expected = {}
+    for link in links:
+        expected[key("gpuwatch.gpu.nvlink.up", link=str(link))] = 0.0 if link == 3 else 1.0
+        for kind in ("dl_replay", "dl_recovery", "dl_crc"):
+            expected[key("gpuwatch.gpu.nvlink.errors", link=str(link), type=kind)] = 0.0
+        # tick 1: (link + 1) MiB sent, half that received; KiB -> bytes
+        expected[key("gpuwatch.gpu.nvlink.link.io", link=str(link), direction="transmit")] = (link + 1) * 1048576.0
+        expected[key("gpuwatch.gpu.nvlink.link.io", link=str(link), direction="receive")] = (link + 1) * 524288.0
+    del expected[key("gpuwatch.gpu.nvlink.errors", link="9", type="dl_crc")]  # UNKNOWN: no sample
+    expected[key("gpuwatch.gpu.nvlink.errors", link="0", type="dl_replay")] = 7.0
+    expected[key("gpuwatch.gpu.nvlink.errors", link="17", type="dl_crc")] = 12.0
+    expected[key("gpuwatch.gpu.nvlink.io", direction="transmit")] = sum(link + 1 for link in links) * 1048576.0
+    expected[key("gpuwatch.gpu.nvlink.io", direction="receive")] = sum(link + 1 for link in links) * 524288.0
+    assert got == expected
+    assert one(ticks[2], "gpuwatch.gpu.nvlink.errors", link="0", type="dl_replay") == 9.0
+    assert not backend.unrecorded
+    # One batch per GPU per tick, none of the per-value calls it replaces.
+    assert backend.asked[("nvlink_fields", 0)] == 3
+    assert not any(backend.asked[(op, 0)] for op in ("nvlink_state", "nvlink_error_counter", "nvlink_throughput"))
+    # Each field that answers an error is said once, not every tick; UNKNOWN is counted as errors are.
+    said = [r.getMessage() for r in caplog.records if "NVLink field" in r.getMessage()]
+    assert len(said) == 7 and sum("NVML_ERROR_NOT_SUPPORTED" in m for m in said) == 6, said
+    assert one(ticks[2], "gpuwatch.nvml.call.errors", error="NVML_ERROR_UNKNOWN") == 3.0
+
+
+def test_nvlink_one_batch_per_gpu_per_tick_on_eight_gpus(tmp_path):
+    backend = ReplayBackend(edited_recording(tmp_path, with_nvlink_fields), gpus=8)
+    samples = run(backend, 2)[-1]
+    assert {g: backend.asked[("nvlink_fields", g)] for g in range(8)} == {g: 2 for g in range(8)}
+    assert sum(n for (op, _), n in backend.asked.items() if op.startswith("nvlink_") and op != "nvlink_link_count") == 16
+    ups = pick(samples, "gpuwatch.gpu.nvlink.up")
+    assert len(ups) == 8 * 17 and len({s.resource for s in ups}) == 8
+    assert sorted(s.resource for s in ups if s.value == 0.0) == sorted({s.resource for s in ups})  # link 3 each
+
+
+def test_nvlink_series_per_call_on_drivers_without_the_batch(tmp_path):
     backend = ReplayBackend(edited_recording(tmp_path, with_nvlink))
     samples = run(backend, 1)[0]
     got = {k: v for k, v in series(samples).items() if k[0].startswith("gpuwatch.gpu.nvlink.")}
@@ -457,17 +525,19 @@ def test_nvlink_series_from_an_edited_recording(tmp_path):
     expected[key("gpuwatch.gpu.nvlink.io", direction="transmit")] = 53687091200.0
     expected[key("gpuwatch.gpu.nvlink.io", direction="receive")] = 26843545600.0
     assert got == expected
-    assert not backend.unrecorded
+    assert backend.unrecorded == {("nvlink_fields", 0, (18,))}  # tried once, then the older calls
+    assert backend.asked[("nvlink_fields", 0)] == 1
     assert backend.asked[("nvlink_error_counter", 0)] == 15 * 5
     assert series(samples)[key("gpuwatch.nvml.call.errors", error="NVML_ERROR_UNKNOWN")] == 1.0
     assert len({s.ts for s in samples}) == 1
 
 
-def test_nvlink_throughput_without_links_is_not_asked():
+def test_nvlink_without_links_is_not_asked():
     backend = ReplayBackend(FIXTURE)
     samples = run(backend, 2)[-1]
     assert not [s for s in samples if s.metric.startswith("gpuwatch.gpu.nvlink.")]
-    assert backend.asked[("nvlink_throughput", 0)] == 0 and backend.asked[("nvlink_state", 0)] == 0
+    assert not any(backend.asked[(op, 0)] for op in
+                   ("nvlink_fields", "nvlink_throughput", "nvlink_state", "nvlink_error_counter"))
 
 
 def with_fans_and_processes(gpu, system):
