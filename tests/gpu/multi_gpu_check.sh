@@ -18,7 +18,9 @@ OUT=$OUT/nccl GPUS=$GPUS tests/gpu/nccl_check.sh; rc_nccl=$?
 shim=$(mktemp -d)/site; mkdir -p "$shim/gpuwatch"
 for d in agent probes exporters detectors; do ln -s "$PWD/$d" "$shim/gpuwatch/$d"; done
 elf=$(ls "$PWD"/.gpu-extra/pyelftools-*.whl 2>/dev/null | head -1)
-PYTHONPATH=$shim:$elf python3 tests/gpu/nvlink_check.py --out "$OUT/nvlink.json" > "$OUT/nvlink.txt" 2>&1; rc_nvlink=$?
+# (records the NVML fixture too: OUT/nvml-h200x8.json, for tests/fixtures/)
+PYTHONPATH=$shim:$elf python3 tests/gpu/nvlink_check.py --record "$OUT/nvml-h200x8.json" --ticks 6 \
+    --out "$OUT/nvlink.json" > "$OUT/nvlink.txt" 2>&1; rc_nvlink=$?
 # shellcheck disable=SC1091
 source .gpu-bundle/activate.sh
 for mode in ebpf no-ebpf; do
@@ -27,13 +29,11 @@ for mode in ebpf no-ebpf; do
         $([ $mode = no-ebpf ] && echo --no-ebpf) --out "$OUT/bench-agent-$mode.json" > "$OUT/bench-agent-$mode.txt" 2>&1
 done
 PYTHONPATH=$shim python3 bench/nvml_call_cost.py > "$OUT/nvml-call-cost.txt" 2>&1
-PYTHONPATH=$shim:$elf python3 -m gpuwatch.agent.cli debug record-nvml --out "$OUT/nvml-h200x8.json" --ticks 5 \
-    > "$OUT/record.txt" 2>&1
 echo "== summary (nccl rc $rc_nccl, nvlink rc $rc_nvlink)"
 grep -h "^OK\|^BAD" "$OUT/nccl/nccl.txt" "$OUT/nvlink.txt" | head -40
 for mode in ebpf no-ebpf; do
     grep -E "^(ebpf|gpus_exported|cpu_per_tick_ms|new_snapshot_scrape_p99_ms|back_to_back_scrape_p99_ms|rss_mib) " \
         "$OUT/bench-agent-$mode.txt" | tr -s ' ' | paste -sd' '
 done
-tail -3 "$OUT/record.txt"; ls -la "$OUT/nvml-h200x8.json"
+tail -12 "$OUT/nvlink.txt"; ls -la "$OUT/nvml-h200x8.json"
 exit $((rc_nccl || rc_nvlink))
