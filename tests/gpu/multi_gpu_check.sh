@@ -5,7 +5,8 @@
 #   2. tests/gpu/nvlink_check.py: every link's state and error counters against `nvidia-smi nvlink -s/-e`;
 #   3. the agent's cost on N real GPUs (bench/bench_agent.py with and without eBPF) and NVML's own
 #      cost per call (bench/nvml_call_cost.py);
-#   4. a recording of this machine's NVML for CI: OUT/nvml-h200x8.json (to tests/fixtures/).
+#   4. tests/gpu/cuda_devices_check.py: CUDA_VISIBLE_DEVICES resolved from outside equals CUDA's own answer;
+#   5. a recording of this machine's NVML for CI: OUT/nvml-h200x8.json (to tests/fixtures/).
 # Carry .gpu-bundle/ (../shared/device/bundle-bcc.sh .gpu-bundle) and .gpu-extra/ (pip download
 # pyelftools -d .gpu-extra). NVLink multicast stays off. Usage: OUT=/tmp/out tests/gpu/multi_gpu_check.sh
 set -uo pipefail
@@ -21,6 +22,9 @@ elf=$(ls "$PWD"/.gpu-extra/pyelftools-*.whl 2>/dev/null | head -1)
 # (records the NVML fixture too: OUT/nvml-h200x8.json, for tests/fixtures/)
 PYTHONPATH=$shim:$elf python3 tests/gpu/nvlink_check.py --record "$OUT/nvml-h200x8.json" --ticks 6 \
     --out "$OUT/nvlink.json" > "$OUT/nvlink.txt" 2>&1; rc_nvlink=$?
+# CUDA_VISIBLE_DEVICES resolved from outside against CUDA's own answer, on N GPUs
+PYTHONPATH=$shim python3 tests/gpu/cuda_devices_check.py --out "$OUT/cuda_devices.json" > "$OUT/cuda_devices.txt" 2>&1
+rc_devices=$?
 # shellcheck disable=SC1091
 source .gpu-bundle/activate.sh
 for mode in ebpf no-ebpf; do
@@ -29,11 +33,12 @@ for mode in ebpf no-ebpf; do
         $([ $mode = no-ebpf ] && echo --no-ebpf) --out "$OUT/bench-agent-$mode.json" > "$OUT/bench-agent-$mode.txt" 2>&1
 done
 PYTHONPATH=$shim python3 bench/nvml_call_cost.py > "$OUT/nvml-call-cost.txt" 2>&1
-echo "== summary (nccl rc $rc_nccl, nvlink rc $rc_nvlink)"
-grep -h "^OK\|^BAD" "$OUT/nccl/nccl.txt" "$OUT/nvlink.txt" | head -40
+echo "== summary (nccl rc $rc_nccl, nvlink rc $rc_nvlink, devices rc $rc_devices)"
+grep -h "^OK\|^BAD" "$OUT/nccl/nccl.txt" "$OUT/nvlink.txt" "$OUT/cuda_devices.txt" | head -50
+tail -1 "$OUT/cuda_devices.txt"
 for mode in ebpf no-ebpf; do
     grep -E "^(ebpf|gpus_exported|cpu_per_tick_ms|new_snapshot_scrape_p99_ms|back_to_back_scrape_p99_ms|rss_mib) " \
         "$OUT/bench-agent-$mode.txt" | tr -s ' ' | paste -sd' '
 done
 tail -12 "$OUT/nvlink.txt"; ls -la "$OUT/nvml-h200x8.json"
-exit $((rc_nccl || rc_nvlink))
+exit $((rc_nccl || rc_nvlink || rc_devices))
