@@ -41,8 +41,8 @@ SMI_ERROR_TYPES = {"Replay": "dl_replay", "Recovery": "dl_recovery", "CRC": "dl_
 SPEED = re.compile(r"^(?P<speed>[\d.]+) GB/s$")
 
 
-def parse_status(text: str) -> dict[int, dict[str, Any]]:
-    """`nvidia-smi nvlink -s` -> {gpu index: {"uuid", "links": {link: GB/s, None when inactive}}}."""
+def _per_gpu(text: str, link_line: re.Pattern, add) -> dict[int, dict[str, Any]]:
+    """nvidia-smi's per-GPU blocks: {gpu index: {"uuid", "links": {...}}}, add(links, match) per link line."""
     gpus: dict[int, dict[str, Any]] = {}
     current = None
     for line in text.splitlines():
@@ -50,28 +50,26 @@ def parse_status(text: str) -> dict[int, dict[str, Any]]:
         if m:
             current = gpus.setdefault(int(m["index"]), {"uuid": m["uuid"], "links": {}})
             continue
-        m = STATUS_LINE.match(line)
+        m = link_line.match(line)
         if m and current is not None:
-            speed = SPEED.match(m["value"])
-            current["links"][int(m["link"])] = float(speed["speed"]) if speed else None
+            add(current["links"], m)
     return gpus
+
+
+def parse_status(text: str) -> dict[int, dict[str, Any]]:
+    """`nvidia-smi nvlink -s` -> {gpu index: {"uuid", "links": {link: GB/s, None when inactive}}}."""
+    def add(links: dict, m: re.Match) -> None:
+        speed = SPEED.match(m["value"])
+        links[int(m["link"])] = float(speed["speed"]) if speed else None
+    return _per_gpu(text, STATUS_LINE, add)
 
 
 def parse_errors(text: str) -> dict[int, dict[str, Any]]:
     """`nvidia-smi nvlink -e` -> {gpu index: {"uuid", "links": {link: {dl_replay|dl_recovery|dl_crc: n}}}}.
     A counter nvidia-smi names otherwise is kept under its own words (and then compared with nothing)."""
-    gpus: dict[int, dict[str, Any]] = {}
-    current = None
-    for line in text.splitlines():
-        m = GPU_LINE.match(line)
-        if m:
-            current = gpus.setdefault(int(m["index"]), {"uuid": m["uuid"], "links": {}})
-            continue
-        m = ERROR_LINE.match(line)
-        if m and current is not None:
-            kind = SMI_ERROR_TYPES.get(m["counter"], m["counter"])
-            current["links"].setdefault(int(m["link"]), {})[kind] = int(m["count"])
-    return gpus
+    def add(links: dict, m: re.Match) -> None:
+        links.setdefault(int(m["link"]), {})[SMI_ERROR_TYPES.get(m["counter"], m["counter"])] = int(m["count"])
+    return _per_gpu(text, ERROR_LINE, add)
 
 
 class CountingBackend(Backend):
