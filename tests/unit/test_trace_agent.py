@@ -274,6 +274,7 @@ def test_summarize_exact_document():
         # a snapshot without "graphs" (an older agent): zeros, every field there
         "graphs": {"launches": 0, "kernel_launches": 0, "unknown_content_launches": 0,
                    "partial_content_launches": 0, "graphs": 0, "executable_graphs": 0},
+        "communicators": [],  # no NCCL communicators in the snapshot
         "memory": {"live_bytes": 10, "live_allocations": 2, "allocations": 3, "frees": 1},
         "stacks": snap["stacks"][:3],
         "dropped_events": 2,
