@@ -29,20 +29,16 @@ LATENESS = "gpuwatch.nccl.rank.lateness"
 GPU_MEMORY = "gpuwatch.process.gpu.memory.usage"  # NVML: which GPUs the process is on
 
 
-def _rate(history: History, metric: str, pid: str, since: float, now: float, **labels: str) -> float | None:
-    """The summed rate of a process's counter series (those with these labels) over [since, now]."""
-    total, span = 0.0, 0.0
-    found = False
+def _rate(history: History, metric: str, pid: str, since: float, **labels: str) -> float | None:
+    """The summed rate since `since` of a process's counter series with these labels; None when none
+    has two points in the window. (since= hands over the point before the window too: each series'
+    rate is over all the points it gives.)"""
+    rates = []
     for (_, _, lab), pts in history.series(metric, since=since):
         lab = dict(lab)
-        if lab.get("pid") != pid or any(lab.get(k) != v for k, v in labels.items()):
-            continue
-        if len(pts) < 2 or pts[-1][0] < since:
-            continue
-        found = True  # (since= hands over the point before the window too: the rate is over all of them)
-        total += increase(pts, pts[0][0])
-        span = max(span, pts[-1][0] - pts[0][0])
-    return total / span if found and span > 0 else None
+        if lab.get("pid") == pid and all(lab.get(k) == v for k, v in labels.items()) and len(pts) >= 2:
+            rates.append(increase(pts, pts[0][0]) / (pts[-1][0] - pts[0][0]))
+    return sum(rates) if rates else None
 
 
 class StragglerDetector(Detector):
@@ -94,14 +90,15 @@ class StragglerDetector(Detector):
         held = {gpu: pts[-1][1] for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=since)
                 if gpu and dict(labels).get("pid") == pid and pts and pts[-1][0] > since}
         gpus = sorted(held, key=lambda g: (-held[g], g))
-        host = {"cpu_seconds_per_second": _rate(history, "gpuwatch.process.cpu.time", pid, since, now),
+        host = {"cpu_seconds_per_second": _rate(history, "gpuwatch.process.cpu.time", pid, since),
                 "throttled_seconds_per_second": _rate(history, "gpuwatch.process.cgroup.cpu.throttled.time", pid,
-                                                      since, now),
-                "major_faults_per_second": _rate(history, "gpuwatch.process.paging.faults", pid, since, now,
+                                                      since),
+                "major_faults_per_second": _rate(history, "gpuwatch.process.paging.faults", pid, since,
                                                  type="major")}
         who = f"rank {rank}" if rank else "a rank"
         on = f" on GPU {', '.join(gpus)}" if gpus else ""
-        summary = (f"{who} of NCCL communicator {lab['comm']} (pid {pid}, {lab.get('process', '')}{on}) entered "
+        process = lab.get("process", "")
+        summary = (f"{who} of NCCL communicator {lab['comm']} (pid {pid}{', ' + process if process else ''}{on}) entered "
                    f"{last / compared:.0%} of the last {compared:.0f} collectives last, {mean * 1000:.1f} ms after "
                    f"the rank before it on average: the node's other ranks wait for it")
         doing = _host_words(host)
@@ -109,7 +106,7 @@ class StragglerDetector(Detector):
             summary += f"; meanwhile it {doing}"
         return Finding(KIND, gpus[0] if gpus else "", "warning", summary,
                        {"id": f"{lab['comm']}:{rank or pid}", "comm": lab["comm"], "rank": rank, "pid": pid,
-                        "process": lab.get("process", ""), "gpus": gpus, "compared": compared, "entered_last": last,
+                        "process": process, "gpus": gpus, "compared": compared, "entered_last": last,
                         "share": last / compared, "lateness_seconds": mean, "window_seconds": self.window,
                         "host": host}, ts=now)
 

@@ -63,3 +63,21 @@ def test_forget_drops_exited_processes_and_gone_communicators():
 def test_comm_label():
     assert comm_label({"id": 0x1F, "comm": 0x55}) == "000000000000001f"
     assert comm_label({"id": 0, "comm": 0x55}) == "unmatched-55"
+
+
+def test_every_mismatch_is_counted_and_the_collectives_after_it_are_still_compared():
+    al = RankAligner()
+    other = [(0, "ncclAllGather", 0), (1, "ncclBroadcast", MS), (2, "ncclAllReduce", 2 * MS)]
+    al.update([comm(1, 0, ring(3, 0, MS)), comm(2, 1, other)])
+    assert (al.mismatched[0xABC], al.compared[0xABC]) == (2, 1)
+
+
+def test_forget_keeps_what_is_still_there():
+    al = RankAligner()
+    al.update([comm(7, 0, ring(2, 0, MS), cid=5), comm(1, 0, ring(2, 0, MS)), comm(2, 1, ring(2, MS, MS)),
+               comm(3, 2, ring(2, 2 * MS, MS))])  # id 5: one rank only, looked past
+    assert al.ranks[(0xABC, 3, 2)].last == 2
+    al.forget({9}, {0xABC})
+    assert list(al.ranks) == [(0xABC, 3, 2)]
+    al.forget(set(), {5})
+    assert al.ranks == {}
