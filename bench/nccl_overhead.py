@@ -60,7 +60,7 @@ def main() -> int:
     line = w.stdout.readline().split()
     assert line[:1] == ["ready"], line
     pid = int(line[1])
-    libs = loader.hooked_libraries_in(pid)
+    libs = loader.libraries_in(pid, *loader.HOOKED_LIBRARIES)
     probe = EbpfCudaProbe(libraries=libs, pid=pid, driver_names=False)
     probe.start()  # compiled (or cached) once; detached and attached again by round
     probe.shutdown()

@@ -114,10 +114,13 @@ def cuda_libraries(target: Target, library: str | None = None, proc: str = "/pro
     """The libcuda files to attach to, and the libnccl files the process maps beside them (its
     collectives); [] when it maps no libcuda (yet)."""
     if library is not None:
-        cuda = [library] if maps_file(target.pid, library, proc) else []
-    else:
-        cuda = loader.libcuda_in(target.pid)
-    return cuda + loader.libnccl_in(target.pid) if cuda else []
+        if not maps_file(target.pid, library, proc):
+            return []
+        return [library] + loader.libraries_in(target.pid, loader.LIBNCCL_RE)
+    found = loader.libraries_in(target.pid, *loader.HOOKED_LIBRARIES)  # one read of its maps
+    if not any(loader.LIBCUDA_RE.search(p) for p in found):
+        return []
+    return sorted(found, key=lambda p: not loader.LIBCUDA_RE.search(p))  # libcuda first, as before
 
 
 def no_cuda_message(target: Target, library: str | None) -> str:

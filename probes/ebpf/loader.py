@@ -144,20 +144,15 @@ def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
     return list(found)
 
 
+def libraries_in(pid: int, *patterns: re.Pattern) -> list[str]:
+    """The files a process maps whose path matches one of patterns, as paths reachable from here
+    (through /proc/PID/root)."""
+    return [f"/proc/{pid}/root{path}" for path in mapped_files(pid) if any(p.search(path) for p in patterns)]
+
+
 def libcuda_in(pid: int) -> list[str]:
     """The libcuda files mapped by a process, as paths reachable from here (through /proc/PID/root)."""
-    return [f"/proc/{pid}/root{path}" for path in mapped_files(pid) if LIBCUDA_RE.search(path)]
-
-
-def libnccl_in(pid: int) -> list[str]:
-    """The libnccl files mapped by a process, as paths reachable from here."""
-    return [f"/proc/{pid}/root{path}" for path in mapped_files(pid) if LIBNCCL_RE.search(path)]
-
-
-def hooked_libraries_in(pid: int) -> list[str]:
-    """The libcuda and libnccl files mapped by a process, as paths reachable from here."""
-    return [f"/proc/{pid}/root{path}" for path in mapped_files(pid)
-            if any(r.search(path) for r in HOOKED_LIBRARIES)]
+    return libraries_in(pid, LIBCUDA_RE)
 
 
 def file_id(path: str) -> tuple[int, int] | None:
@@ -176,7 +171,7 @@ def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     seen: dict[tuple[int, int], str] = {}
     for pid in pids:
-        for path in hooked_libraries_in(pid):
+        for path in libraries_in(pid, *HOOKED_LIBRARIES):
             fid = file_id(path)
             if fid is not None and fid not in seen:
                 own = path[len(f"/proc/{pid}/root"):]
@@ -249,6 +244,7 @@ class Library:
     fds: list[int] = field(default_factory=list)  # links, then perf events: closing them detaches
     launch_probes: list[tuple[int, int]] = field(default_factory=list)  # (offset, cookie): links mode
     launch_fd: int | None = None  # the link of the launch entries, while they are on
+    nccl: bool = False  # a libnccl (NCCL's hooks attached), not a libcuda
 
 
 class Loader:
@@ -352,8 +348,8 @@ class Loader:
             present = {}
         entries, returns = [], []  # (offset, cookie)
         # a libnccl gets NCCL's hooks, anything else the driver's: what it lacks of the other's is no news
-        nccl = any(h.group == "nccl" and h.name in present for h in self.hooks)
-        for hook in (h for h in self.hooks if (h.group == "nccl") == nccl):
+        lib.nccl = any(h.group == "nccl" and h.name in present for h in self.hooks)
+        for hook in (h for h in self.hooks if (h.group == "nccl") == lib.nccl):
             off = present.get(hook.name)
             if off is None:
                 lib.skipped.append(hook.name)

@@ -304,7 +304,7 @@ class EbpfCudaProbe(Probe):
         if self.driver_names and self.pid is not None:
             # a trace names kernels at its first refresh: calibrate meanwhile, not then
             for lib in ld.libraries.values():
-                if lib.attached and not set(lib.attached) <= NCCL_APIS:  # a libcuda, not a libnccl
+                if not lib.nccl:  # kernel names are libcuda's
                     self._calibration(lib.file, lib.path)
         log.info("eBPF probe %s in %.3f s (%s), %d uprobes on %d libraries", "loaded" if ld.cached else "compiled",
                  ld.load_seconds, _ATTACH_WORDS[ld.method], ld.uprobe_count, len(ld.libraries))
@@ -971,14 +971,11 @@ class EbpfCudaProbe(Probe):
         ranks in two or more processes here: collectives compared, and per rank how often and by
         how much it entered last (nccl.RankAligner)."""
         out: list[Sample] = []
-        ranks: dict[tuple[int, int], str] = {}
         for c in sorted(comms, key=lambda c: (c["pid"], c["comm"])):
-            rank = str(c["rank"]) if c["rank"] >= 0 else ""
-            ranks[(c["id"], c["pid"])] = rank
             if c["pid"] not in kept:
                 continue
             labels = {"pid": str(c["pid"]), "process": self._name(c["pid"]), "comm": nccl_.comm_label(c),
-                      "rank": rank, "size": str(c["nranks"]) if c["nranks"] else ""}
+                      "rank": str(c["rank"]) if c["rank"] >= 0 else "", "size": str(c["nranks"]) if c["nranks"] else ""}
             out += [Sample("gpuwatch.nccl.communicator.calls", float(c["calls"]), "", labels, wall),
                     Sample("gpuwatch.nccl.communicator.bytes", float(c["bytes"]), "", labels, wall),
                     Sample("gpuwatch.nccl.communicator.collectives", float(c["seq"]), "", labels, wall)]

@@ -201,11 +201,16 @@ _FIELD_MEMBERS = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5
 _ALL_LINKS = 0xFFFFFFFF  # field scope that sums a per-link NVLink counter over all links
 
 
+def _field_value(v: Any) -> int | float:
+    """The number in one nvmlFieldValue_t that answered NVML_SUCCESS (its union member by type)."""
+    return getattr(v.value, _FIELD_MEMBERS[v.valueType])
+
+
 def _field(h: Any, field_id: int, scope: int = 0) -> int | float:
     value = N.nvmlDeviceGetFieldValues(h, [(field_id, scope)])[0]
     if value.nvmlReturn != N.NVML_SUCCESS:
         raise N.NVMLError(value.nvmlReturn)
-    return getattr(value.value, _FIELD_MEMBERS[value.valueType])
+    return _field_value(value)
 
 
 def _processes(infos: list) -> list[dict]:
@@ -286,7 +291,7 @@ def _nvlink_fields(b: RealBackend, h: Any, gpu: int, links: int) -> dict:
         values = N.nvmlDeviceGetFieldValues(h, [(field_id, scope) for _, field_id, scope in asked])
         for (key, _, _), v in zip(asked, values):
             if v.nvmlReturn == N.NVML_SUCCESS:
-                out[key] = int(getattr(v.value, _FIELD_MEMBERS[v.valueType]))
+                out[key] = int(_field_value(v))
             elif v.nvmlReturn == N.NVML_ERROR_GPU_IS_LOST:
                 raise N.NVMLError(v.nvmlReturn)
             else:
@@ -338,7 +343,7 @@ def _violation_times(h: Any) -> dict:
     """{policy: nanoseconds clocks were held back} for every policy the driver answers."""
     policies = [p for p, f in _VIOLATION_FIELDS.items() if f is not None]
     values = N.nvmlDeviceGetFieldValues(h, [_VIOLATION_FIELDS[p] for p in policies])
-    out = {p: int(getattr(v.value, _FIELD_MEMBERS[v.valueType]))
+    out = {p: int(_field_value(v))
            for p, v in zip(policies, values) if v.nvmlReturn == N.NVML_SUCCESS}
     if not out:
         raise N.NVMLError(N.NVML_ERROR_NOT_SUPPORTED)
