@@ -3,6 +3,7 @@
 the rank that sleeps before each collective, through `gpuwatch findings` and the metrics."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,14 @@ from tests.ebpf.test_ebpf_nccl import Rank
 
 pytestmark = pytest.mark.root
 DELAY_MS = 20
+
+
+def replayed_gpus(pid: int) -> list[str]:
+    """The GPUs the replayed NVML lists `pid` on: its recording's pids are real pids here too (CI's
+    rank once got pid 425, the recorded job's), and the finding then rightly names that GPU."""
+    gpus = json.loads(FIXTURE.read_text())["gpus"]
+    return [g["uuid"][0]["value"] for g in gpus
+            if any(p["pid"] == pid for tick in g["compute_processes"] for p in tick["value"] or [])]
 
 
 def test_the_rank_that_sleeps_before_each_collective_is_named(tmp_path, fake_nccl):
@@ -44,7 +53,9 @@ def test_the_rank_that_sleeps_before_each_collective_is_named(tmp_path, fake_ncc
         assert (f["rank"], f["pid"], f["process"]) == ("1", str(ranks[1].pid), "nccl_driver")
         assert 0.5 * DELAY_MS / 1000 < f["lateness_seconds"] < 5 * DELAY_MS / 1000
         assert f["share"] == 1.0 and f["compared"] >= 10
-        assert f["summary"].startswith(f"rank 1 of NCCL communicator {f['comm']} (pid {ranks[1].pid}, nccl_driver) "
+        assert f["gpus"] == replayed_gpus(ranks[1].pid)
+        on = f" on GPU {', '.join(f['gpus'])}" if f["gpus"] else ""
+        assert f["summary"].startswith(f"rank 1 of NCCL communicator {f['comm']} (pid {ranks[1].pid}, nccl_driver{on}) "
                                        "entered 100% of the last")
         out = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "findings", "--socket", str(agent.socket),
                               "--kind", "straggler_rank"], capture_output=True, text=True, timeout=30)
