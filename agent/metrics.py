@@ -300,7 +300,8 @@ METRICS: tuple[Metric, ...] = (
            ("pid", "process")),
     # --- NCCL, from eBPF uprobes on libnccl -------------------------------------------------
     # Per process and NCCL function (op), and per communicator (comm: a hash of its unique id, the
-    # same in every rank's process; rank and size from its init, "" when the init was not seen).
+    # same in every rank's process; rank and size from its init, "" when the init was not seen;
+    # a process's communicators past its 32 busiest are summed as comm="other").
     Metric("gpuwatch.nccl.calls", "", Kind.COUNTER,
            "NCCL API calls seen by the eBPF probe on libnccl (collectives, send/recv, group and "
            "communicator calls).", ("pid", "process", "op")),
@@ -314,7 +315,8 @@ METRICS: tuple[Metric, ...] = (
            "Bytes given to NCCL calls: count x the datatype's size (per rank: a send count for "
            "all-gather, a receive count for reduce-scatter).", ("pid", "process", "op")),
     Metric("gpuwatch.nccl.communicator.calls", "", Kind.COUNTER,
-           "NCCL calls on one communicator of the process (collectives and send/recv).",
+           "NCCL calls on one communicator of the process (collectives and send/recv); comm=\"other\": "
+           "the process's communicators past its 32 busiest, summed.",
            ("pid", "process", "comm", "rank", "size")),
     Metric("gpuwatch.nccl.communicator.bytes", "By", Kind.COUNTER,
            "Bytes of the NCCL calls on one communicator of the process.", ("pid", "process", "comm", "rank", "size")),

@@ -119,6 +119,10 @@ _ATTACH_WORDS = {_loader.LINKS: "multi-uprobe links",
                                       "so attaching and detaching take ~0.1 s per probe"}
 CUDA_ERROR_OUT_OF_MEMORY = 2
 MAX_EVENTS = 256  # undrained "cuda.oom" events kept
+# A process's communicators with series of their own, the busiest first: a job's rank is in a few
+# dozen at most (Megatron's tensor/pipeline/data/context/expert groups); any user can make
+# thousands (a libnccl of their own will do), which would crowd every other series out of History.
+MAX_COMMUNICATORS = 32
 POOL_PASS_SHARE = 0.05  # of the time at most for reading every live allocation (_pooled) ...
 POOL_PASS_CHEAP = 0.05  # ... once a pass takes longer than this (s); quicker ones run at every collection
 STARTING = "it is starting (compiling takes a few seconds): try again shortly"  # why, before the first start
@@ -200,7 +204,8 @@ class EbpfCudaProbe(Probe):
                  clock: Callable[[], float] = time.monotonic, launch_latency: bool = False,
                  driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
                  max_events: int = 5_000_000, attach: str = "auto", launch_sampling: float = 1.0,
-                 sampling_period: float = 10.0, pools: Iterable[pools_.Pool] = pools_.POOLS) -> None:
+                 sampling_period: float = 10.0, pools: Iterable[pools_.Pool] = pools_.POOLS,
+                 max_communicators: int = MAX_COMMUNICATORS) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
         entry and return probes on the launch APIs too (latency and errors; see the module doc);
@@ -211,7 +216,8 @@ class EbpfCudaProbe(Probe):
         attach: auto | links | perf_events (loader.attach_method); launch_sampling: the fraction of
         each sampling_period (seconds) during which the launch APIs' probes are attached (1: always;
         links only), their counts estimated from those windows (see _sample_launches); pools: the
-        pool allocators live bytes are attributed to by allocating stack (pools.py)."""
+        pool allocators live bytes are attributed to by allocating stack (pools.py); max_communicators:
+        the NCCL communicators of one process with series of their own (the rest: comm="other")."""
         self.attach_mode = attach
         if not 0 < launch_sampling <= 1:
             raise ValueError(f"launch_sampling {launch_sampling}: a fraction in (0, 1]")
@@ -232,6 +238,7 @@ class EbpfCudaProbe(Probe):
         self.interval = interval
         self.rescan_interval = rescan_interval
         self.max_processes = max_processes
+        self.max_communicators = max_communicators
         self._clock = clock
         self._loader: _loader.Loader | None = None
         self._next_rescan = 0.0
@@ -967,22 +974,39 @@ class EbpfCudaProbe(Probe):
                 Sample(f"{family}.bytes", float(nbytes), "", labels, wall)]
 
     def _nccl_samples(self, comms: list[dict], kept: set[int], wall: float) -> list[Sample]:
-        """Per communicator of each kept process: calls, bytes, collectives; per communicator id with
-        ranks in two or more processes here: collectives compared, and per rank how often and by
-        how much it entered last (nccl.RankAligner)."""
+        """Per communicator of each kept process (its max_communicators busiest; the rest summed as
+        comm="other"): calls, bytes, collectives; per communicator id of those with ranks in two or
+        more processes here: collectives compared, and per rank how often and by how much it entered
+        last (nccl.RankAligner)."""
         out: list[Sample] = []
-        for c in sorted(comms, key=lambda c: (c["pid"], c["comm"])):
-            if c["pid"] not in kept:
-                continue
-            labels = {"pid": str(c["pid"]), "process": self._name(c["pid"]), "comm": nccl_.comm_label(c),
-                      "rank": str(c["rank"]) if c["rank"] >= 0 else "", "size": str(c["nranks"]) if c["nranks"] else ""}
-            out += [Sample("gpuwatch.nccl.communicator.calls", float(c["calls"]), "", labels, wall),
-                    Sample("gpuwatch.nccl.communicator.bytes", float(c["bytes"]), "", labels, wall),
-                    Sample("gpuwatch.nccl.communicator.collectives", float(c["seq"]), "", labels, wall)]
+        by_pid: dict[int, list[dict]] = defaultdict(list)
+        for c in comms:
+            if c["pid"] in kept:
+                by_pid[c["pid"]].append(c)
+        shown: set[int] = set()  # the ids of communicators with series of their own
+        for pid, mine in sorted(by_pid.items()):
+            mine.sort(key=lambda c: (-c["seq"], -c["calls"], c["comm"]))
+            own, rest = mine[:self.max_communicators], mine[self.max_communicators:]
+            process = self._name(pid)
+            rows = [({"comm": nccl_.comm_label(c), "rank": str(c["rank"]) if c["rank"] >= 0 else "",
+                      "size": str(c["nranks"]) if c["nranks"] else ""}, c["calls"], c["bytes"], c["seq"]) for c in own]
+            if rest:
+                rows.append(({"comm": "other", "rank": "", "size": ""}, sum(c["calls"] for c in rest),
+                             sum(c["bytes"] for c in rest), sum(c["seq"] for c in rest)))
+            shown.update(c["id"] for c in own if c["id"])
+            for comm, calls, nbytes, seq in rows:
+                labels = {"pid": str(pid), "process": process, **comm}
+                out += [Sample("gpuwatch.nccl.communicator.calls", float(calls), "", labels, wall),
+                        Sample("gpuwatch.nccl.communicator.bytes", float(nbytes), "", labels, wall),
+                        Sample("gpuwatch.nccl.communicator.collectives", float(seq), "", labels, wall)]
         al = self._aligner
         for cid, n in sorted(al.compared.items()):
+            if cid not in shown:
+                continue
             out.append(Sample("gpuwatch.nccl.collectives.compared", float(n), "", {"comm": f"{cid:016x}"}, wall))
         for (cid, pid, rank), counts in sorted(al.ranks.items()):
+            if cid not in shown:
+                continue
             labels = {"comm": f"{cid:016x}", "rank": str(rank) if rank >= 0 else "", "pid": str(pid),
                       "process": self._name(pid)}
             out += [Sample("gpuwatch.nccl.rank.last", float(counts.last), "", labels, wall),

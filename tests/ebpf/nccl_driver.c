@@ -1,12 +1,14 @@
 /* One "rank" of a job over the fake libnccl.so.2, with known NCCL calls, for the eBPF tests.
  *
- * nccl_driver RANK NRANKS ID_HEX DELAY_MS LOOPS: ID_HEX is the communicator's ncclUniqueId (256 hex
+ * nccl_driver RANK NRANKS ID_HEX DELAY_MS LOOPS [EXTRA]: ID_HEX is the communicator's ncclUniqueId (256 hex
  * digits: the test gives every rank the same one, as a launcher would). Protocol on stdin/stdout:
  * prints "ready <pid>", waits for a line, then makes the communicator (rank 0 through
  * ncclCommInitRank, the others through ncclCommInitRankConfig: the probe reads the id both ways),
  * splits it (color 0), runs LOOPS times the workload below, sleeping DELAY_MS before each
- * collective (the planted straggler), destroys both, prints "done", waits for a line or EOF and
- * exits 0. The counts are mirrored in test_ebpf_nccl.py (PER_LOOP); keep the two in step.
+ * collective (the planted straggler), destroys both, then makes EXTRA more communicators of one
+ * rank each (ids differing in bytes 8-11, kept until exit: a process flooding the probe with
+ * communicators) with one all-reduce of 4 floats on each, prints "done", waits for a line or EOF
+ * and exits 0. The counts are mirrored in test_ebpf_nccl.py (PER_LOOP); keep the two in step.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,8 +92,8 @@ static void workload(ncclComm_t comm, ncclComm_t sub, int peer) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6 || strlen(argv[3]) != 256) {
-        fprintf(stderr, "usage: nccl_driver RANK NRANKS ID_HEX(256) DELAY_MS LOOPS\n");
+    if ((argc != 6 && argc != 7) || strlen(argv[3]) != 256) {
+        fprintf(stderr, "usage: nccl_driver RANK NRANKS ID_HEX(256) DELAY_MS LOOPS [EXTRA]\n");
         return 2;
     }
     int rank = atoi(argv[1]), nranks = atoi(argv[2]), loops = atoi(argv[5]);
@@ -118,6 +120,13 @@ int main(int argc, char **argv) {
         workload(comm, sub, (rank + 1) % nranks);
     check(ncclCommDestroy(sub), "ncclCommDestroy");
     check(ncclCommDestroy(comm), "ncclCommDestroy");
+    int extra = argc == 7 ? atoi(argv[6]) : 0;
+    for (int i = 0; i < extra; i++) {
+        ncclComm_t c;
+        memcpy(id.internal + 8, &i, sizeof(i));
+        check(ncclCommInitRank(&c, 1, id, 0), "ncclCommInitRank (extra)");
+        check(ncclAllReduce(buf, buf, 4, FLOAT32, 0, c, stream), "ncclAllReduce (extra)");
+    }
     printf("done\n");
     fflush(stdout);
     fgets(line, sizeof(line), stdin);

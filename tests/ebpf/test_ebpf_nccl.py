@@ -32,8 +32,9 @@ ONCE = {"ncclCommSplit": 1, "ncclCommDestroy": 2}  # and rank 0 ncclCommInitRank
 
 
 class Rank:
-    def __init__(self, driver: str, rank: int, nranks: int, uid: str, delay_ms: int, loops: int) -> None:
-        self.proc = subprocess.Popen([driver, str(rank), str(nranks), uid, str(delay_ms), str(loops)],
+    def __init__(self, driver: str, rank: int, nranks: int, uid: str, delay_ms: int, loops: int,
+                 extra: int = 0) -> None:
+        self.proc = subprocess.Popen([driver, str(rank), str(nranks), uid, str(delay_ms), str(loops), str(extra)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline().split()
         assert line[:1] == ["ready"], line

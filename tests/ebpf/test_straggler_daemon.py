@@ -13,7 +13,8 @@ import pytest
 
 from gpuwatch.agent.control import ControlError, call
 from tests.conftest import FIXTURE, Agent, series
-from tests.ebpf.test_ebpf_nccl import Rank
+from gpuwatch.probes.ebpf.probe import MAX_COMMUNICATORS
+from tests.ebpf.test_ebpf_nccl import MAIN_COLLECTIVES, MAIN_P2P, PER_LOOP, SPLIT_COLLECTIVES, Rank
 
 pytestmark = pytest.mark.root
 DELAY_MS = 20
@@ -27,17 +28,21 @@ def replayed_gpus(pid: int) -> list[str]:
             if any(p["pid"] == pid for tick in g["compute_processes"] for p in tick["value"] or [])]
 
 
+def wait_attached(agent: Agent) -> None:
+    deadline = time.monotonic() + 60
+    while 'gpuwatch_ebpf_attached{what="libraries"} 0' in (text := agent.metrics()) or \
+            "gpuwatch_ebpf_attached" not in text:
+        assert time.monotonic() < deadline, agent.output()[-3000:]
+        time.sleep(0.2)
+
+
 def test_the_rank_that_sleeps_before_each_collective_is_named(tmp_path, fake_nccl):
     uid = os.urandom(128).hex()
     # rank 1 sleeps 20 ms before each of its 36 collectives a loop: ~0.75 s a loop, 40 loops
     ranks = [Rank(fake_nccl["driver"], r, 2, uid, d, 40) for r, d in enumerate((0, DELAY_MS))]
     agent = Agent(tmp_path / "agent", "--nvml-replay", str(FIXTURE), "--no-baseline", "--no-cupti-sampling")
     try:
-        deadline = time.monotonic() + 60
-        while 'gpuwatch_ebpf_attached{what="libraries"} 0' in (text := agent.metrics()) or \
-                "gpuwatch_ebpf_attached" not in text:
-            assert time.monotonic() < deadline, agent.output()[-3000:]
-            time.sleep(0.2)
+        wait_attached(agent)
         t0 = time.monotonic()
         for r in ranks:
             r.go()
@@ -70,3 +75,41 @@ def test_the_rank_that_sleeps_before_each_collective_is_named(tmp_path, fake_ncc
         for r in ranks:
             r.proc.kill()
             r.proc.wait()
+
+
+def test_a_process_that_makes_thousands_of_communicators_gets_a_bounded_number_of_series(tmp_path, fake_nccl):
+    """Any user can make communicators (a libnccl of their own will do): 2000 of them, each with one
+    all-reduce, get the 32 busiest series of their own and comm="other" for the rest, with every
+    call, byte and collective still counted, rather than 6000 series crowding History."""
+    extra = 2000
+    rank = Rank(fake_nccl["driver"], 0, 1, os.urandom(128).hex(), 0, 1, extra)
+    agent = Agent(tmp_path / "agent", "--nvml-replay", str(FIXTURE), "--no-baseline", "--no-cupti-sampling")
+    try:
+        wait_attached(agent)
+        rank.go()
+        rank.done()
+        want = {"collectives": MAIN_COLLECTIVES + SPLIT_COLLECTIVES + extra,
+                "calls": MAIN_COLLECTIVES + MAIN_P2P + SPLIT_COLLECTIVES + extra,
+                "bytes": sum(b for op, (_, b) in PER_LOOP.items()) + extra * 4 * 4}
+        deadline = time.monotonic() + 30
+        while True:
+            text = agent.metrics()
+            got = {what: {k: v for k, v in series(text, f"gpuwatch_nccl_communicator_{what}_total").items()
+                          if f'pid="{rank.pid}"' in k} for what in want}
+            if {what: sum(s.values()) for what, s in got.items()} == want:
+                break
+            assert time.monotonic() < deadline, ({what: sum(s.values()) for what, s in got.items()}, want)
+            time.sleep(0.5)
+        for what, s in got.items():
+            assert len(s) == MAX_COMMUNICATORS + 1, (what, len(s))
+        # the busiest have their own: the main communicator (34 collectives), its split (2) and 30
+        # of the extra ones (1 each); the other 1970 are summed
+        coll = got["collectives"]
+        (other,) = [v for k, v in coll.items() if 'comm="other"' in k]
+        own = sorted(v for k, v in coll.items() if 'comm="other"' not in k)
+        assert (other, own) == (extra - (MAX_COMMUNICATORS - 2), [1] * (MAX_COMMUNICATORS - 2) + [2, MAIN_COLLECTIVES])
+        assert series(text, "gpuwatch_history_series_evicted_total").get('{reason="cap"}', 0) == 0
+    finally:
+        agent.stop()
+        rank.proc.kill()
+        rank.proc.wait()
