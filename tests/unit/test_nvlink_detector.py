@@ -96,3 +96,41 @@ def test_no_findings_on_the_h200_recording():
     finally:
         probe.shutdown()
     assert list(NvlinkDetector().observe(h)) == []
+
+
+def test_a_link_down_is_said_whole_after_a_link_up_and_one_never_up():
+    # link 0 up throughout, link 1 never up, link 2 down at the last sample only; a series without
+    # a link label (not the probe's, but what History may hold) is named by an empty link
+    h = history(50, links=3, up=lambda i, link: {0: 1, 1: 0, 2: 0 if i == 49 else 1}[link])
+    h.append([Sample("gpuwatch.gpu.nvlink.up", 1.0, GPU, {}, T0), Sample("gpuwatch.gpu.nvlink.up", 0.0, GPU, {}, T0 + 49)])
+    got = {f.attrs["link"]: f for f in NvlinkDetector().observe(h)}
+    assert sorted(got) == ["", "2"]
+    f = got["2"]
+    assert (f.kind, f.resource, f.severity, f.ts) == ("nvlink_down", GPU, "critical", T0 + 49)
+    assert f.attrs == {"id": "2:down", "link": "2", "last_up": T0 + 48, "down_since": T0 + 49}
+    assert f.summary == (f"GPU {GPU} NVLink 2 went down (up until {T0 + 48:.0f}): traffic over it now takes the "
+                         "other links or PCIe; check `nvidia-smi nvlink -s` and the kernel log for XID 74, then "
+                         "reset the GPU or drain the node")
+    assert got[""].attrs["id"] == ":down" and got[""].attrs["last_up"] == T0
+
+
+def test_an_errors_finding_is_said_whole_its_counters_in_order_of_gravity():
+    # link 1: CRC +600 and recovery +2 over the last 100 s of 600 (the window: 10 min); a rising
+    # counter of a type not judged, first in History, is passed over
+    h = History(maxlen=1000)
+    for i in range(600):
+        t = T0 + i
+        late = max(0, i - 499)
+        h.append([Sample("gpuwatch.gpu.nvlink.errors", float(i), GPU, {"link": "1", "type": "dl_unknown"}, t),
+                  Sample("gpuwatch.gpu.nvlink.errors", 7.0 + (late * 600) // 100, GPU, {"link": "1", "type": "dl_crc"}, t),
+                  Sample("gpuwatch.gpu.nvlink.errors", 7.0 + (2 if late else 0), GPU, {"link": "1", "type": "dl_recovery"}, t)])
+    (f,) = NvlinkDetector().observe(h)
+    span = 599.0  # the series' age: under the window
+    assert (f.kind, f.resource, f.severity, f.ts) == ("nvlink_errors", GPU, "critical", T0 + 599)
+    assert f.attrs == {"id": "1:errors", "link": "1", "increase": {"dl_recovery": 2.0, "dl_crc": 600.0},
+                       "rate_per_second": {"dl_recovery": 2 / span, "dl_crc": 600 / span}, "window_seconds": 600.0}
+    assert list(f.attrs["increase"]) == ["dl_recovery", "dl_crc"]
+    assert f.summary == (f"GPU {GPU} NVLink 1: recovery errors +2 ({2 / span * 60:.2g}/min), CRC errors +600 "
+                         f"({600 / span * 60:.2g}/min) in the last 10 min: a degrading link retries (slows every "
+                         "collective over it) before it fails; watch `nvidia-smi nvlink -e`, reseat or RMA if it "
+                         "keeps rising")
