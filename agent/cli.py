@@ -76,10 +76,12 @@ def main() -> None:
 @_setting_options
 def agent(config_path: str | None, **params: Any) -> None:
     """Run the daemon in the foreground (systemd: Type=notify)."""
-    from gpuwatch.agent.daemon import Daemon
+    from gpuwatch.agent.daemon import Daemon, detach_from_terminal
     from gpuwatch.agent.logs import setup_logging
 
     import faulthandler
+
+    interactive = detach_from_terminal()  # first thing: a ^Z must not stop a service while it starts
 
     # NVML runs in this process: should libnvidia-ml crash it, the Python stack of every thread
     # (which NVML call) reaches stderr, the journal, before systemd restarts the agent.
@@ -87,7 +89,7 @@ def agent(config_path: str | None, **params: Any) -> None:
     overrides = config_mod.overrides_from_params(params)
     cfg = config_mod.load(config_path, overrides)
     setup_logging(cfg.agent.log_level, cfg.agent.log_format)
-    sys.exit(Daemon(cfg, config_path, overrides).run())
+    sys.exit(Daemon(cfg, config_path, overrides, interactive).run())
 
 
 @main.command(context_settings=CONTEXT)

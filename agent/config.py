@@ -76,6 +76,14 @@ def _at_least_float(n: float) -> Callable[[float], float]:
     return check
 
 
+def _from_to(lo: int, hi: int) -> Callable[[int], int]:
+    def check(v: int) -> int:
+        if not lo <= v <= hi:
+            raise ValueError
+        return v
+    return check
+
+
 def _fraction(v: float) -> float:
     if not (0 < v <= 1):  # NaN fails too
         raise ValueError
@@ -242,9 +250,20 @@ SETTINGS: tuple[Setting, ...] = (
             "stops the agent. Empty: plain HTTP, no auth.",
             "--web-config", "an absolute path to an existing file, or empty", _existing_file),
     Setting("prometheus", "max_requests", int, 40,
-            "Connections to /metrics served at once (node_exporter's --web.max-requests); past it new ones "
-            "get 503 at once. Each holds a thread, so this bounds what a flood of idle connections costs.",
+            "Requests to /metrics answered at once, each in a thread of its own (node_exporter's "
+            "--web.max-requests); past it a request is answered 503 at once. Connections still sending their "
+            "request do not count: see max_unfinished.",
             "--max-requests", "an integer >= 1", _at_least(1)),
+    Setting("prometheus", "max_unfinished", int, 256,
+            "Connections to /metrics whose TLS handshake or request headers have not arrived whole, held at "
+            "once (by one thread, with at most 64 KiB of headers each and 1 MiB in all; 16 per remote address, "
+            "loopback clients sharing them all). Past it a new connection closes the oldest unfinished one of "
+            "the address holding the most, so clients that connect and never finish cannot keep a scrape out.",
+            "--max-unfinished", "an integer >= 1", _at_least(1)),
+    Setting("prometheus", "header_timeout", float, 2.0,
+            "Seconds a connection to /metrics has for its TLS handshake and its request line and headers, "
+            "all of them (a real Prometheus sends them within milliseconds); then it is closed.",
+            "--header-timeout", "a number of seconds > 0", _positive),
     Setting("nvml", "enabled", bool, True, "Read GPU metrics through NVML.",
             "--nvml", "true or false"),
     Setting("nvml", "interval", float, 1.0, "Seconds between reads of the fast NVML metrics.",
@@ -363,6 +382,24 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("baseline", "timeout", float, 300.0,
             "Seconds a run may take, Triton's first compilation included, before it is killed.",
             "--baseline-timeout", "a number of seconds >= 10", _at_least_float(10.0)),
+    Setting("baseline", "k_spread", float, 2.5,
+            "A run is slower than its GPU's own baseline when its FLOP per SM cycle is below median x (1 - "
+            "max(k_spread x spread, min_drop)) (its copy bandwidth: min_drop_memory), spread being the robust "
+            "spread (1.4826 x MAD) of the last 20 normal runs. The defaults come from 31 warm runs on the H200 "
+            "(tests/gpu/baseline_spread_check.py; the arithmetic in docs/baseline.md).",
+            "--baseline-k-spread", "a number >= 1", _at_least_float(1.0)),
+    Setting("baseline", "min_drop", float, 0.015,
+            "The smallest drop (a fraction) of FLOP per SM cycle that can make a run slower, whatever the spread "
+            "(see k_spread).",
+            "--baseline-min-drop", "a fraction in (0, 1]", _fraction),
+    Setting("baseline", "min_drop_memory", float, 0.01,
+            "The smallest drop (a fraction) of the copy kernel's bandwidth that can make a run slower (its "
+            "run-to-run spread is a fifth of the GEMM's).",
+            "--baseline-min-drop-memory", "a fraction in (0, 1]", _fraction),
+    Setting("baseline", "retakes", int, 2,
+            "When a run is judged slower, up to this many more runs are taken at once (each its own child, "
+            "holding the GPU about 1 s) and the GPU is judged on the median of them all; 0: one run decides.",
+            "--baseline-retakes", "an integer from 0 to 4", _from_to(0, 4)),
     Setting("baseline", "replay", str, "",
             "Replay runs recorded on a GPU (tests/fixtures/baseline-h200.json) instead of running the workload "
             "(tests and demos without a GPU).",
@@ -380,6 +417,40 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("host", "page_cache_min_bytes", int, 64 << 20,
             "Files smaller than this are not followed in the page cache.",
             "--page-cache-min-bytes", "an integer >= 1", _at_least(1)),
+    # What any user's processes can make the agent keep (agent/budget.py), per user (the uid of the
+    # process) and node-wide: the defaults keep the agent within 150 MiB whatever users do
+    # (docs/security.md, "Measured under the floods").
+    Setting("budget", "graph_kib_per_user", int, 16 << 10,
+            "KiB of CUDA graph state (graphs x kernel nodes x executable graphs, counted in product) the eBPF "
+            "probe keeps for one user's processes; past it their graphs' replays are counted as partial or "
+            "unknown content (gpuwatch_budget_refusals_total{budget=\"graphs\"}). A job capturing 67 graphs "
+            "of a few hundred nodes takes about 2 MiB per process.",
+            "--budget-graph-kib-per-user", "an integer >= 1", _at_least(1)),
+    Setting("budget", "graph_kib", int, 48 << 10, "KiB of CUDA graph state kept for all users together.",
+            "--budget-graph-kib", "an integer >= 1", _at_least(1)),
+    Setting("budget", "libraries_per_user", int, 8,
+            "libcuda/libnccl files (distinct inodes) the eBPF probe attaches to for one user's processes (a file "
+            "root owns counts as root's); past it that user's further copies are not attached (said once).",
+            "--budget-libraries-per-user", "an integer >= 1", _at_least(1)),
+    Setting("budget", "libraries", int, 32, "libcuda/libnccl files attached for all users together.",
+            "--budget-libraries", "an integer >= 1", _at_least(1)),
+    Setting("budget", "uprobes_per_user", int, 768,
+            "Uprobes on one user's libraries (a libcuda takes about 150; with ebpf.attach = perf_events each "
+            "uprobe holds two file descriptors).",
+            "--budget-uprobes-per-user", "an integer >= 1", _at_least(1)),
+    Setting("budget", "uprobes", int, 1536, "Uprobes for all users together.",
+            "--budget-uprobes", "an integer >= 1", _at_least(1)),
+    Setting("budget", "stack_kib_per_user", int, 4 << 10,
+            "KiB of symbolised native and Python frames kept for one user's processes (`gpuwatch trace` "
+            "stacks); past it their frames are shown as addresses.",
+            "--budget-stack-kib-per-user", "an integer >= 1", _at_least(1)),
+    Setting("budget", "stack_kib", int, 16 << 10, "KiB of symbolised frames kept for all users together.",
+            "--budget-stack-kib", "an integer >= 1", _at_least(1)),
+    Setting("budget", "files_per_user", int, 32,
+            "Files of one user's processes the page-cache probe follows (host.page_cache).",
+            "--budget-files-per-user", "an integer >= 1", _at_least(1)),
+    Setting("budget", "files", int, 128, "Files the page-cache probe follows for all users together.",
+            "--budget-files", "an integer >= 1", _at_least(1)),
 )
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import termios
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -20,6 +21,7 @@ from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent import wire
 from gpuwatch.agent.api import Event, GpuwatchError, Probe, ProbeBusy, ProbeNotRunning
 from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
+from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe, PeerCred
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
@@ -72,6 +74,31 @@ PROBE_FACTORIES: tuple[Callable[[Config], Probe | None], ...] = (
 # Per-process series whose pids are GPU processes (NVML: a context on a GPU; eBPF: CUDA calls).
 GPU_PROCESS_METRICS = frozenset({"gpuwatch.process.gpu.memory.usage", "gpuwatch.cuda.calls",
                                  "gpuwatch.process.cuda.memory.live"})
+
+
+def detach_from_terminal() -> bool:
+    """Whether a person runs the agent at a terminal (stdin is one, and no service manager started
+    it: no INVOCATION_ID or NOTIFY_SOCKET); then Ctrl-C stops it as usual. Otherwise it drops any
+    controlling terminal it inherited and ignores the job-control signals (^Z, a background read or
+    write) that nobody can mean for a service.
+
+    Not setsid(): a session leader without a terminal (what systemd makes every service) takes the
+    first terminal it opens without O_NOCTTY as its own, and whoever holds the other end can then
+    send it ^C. A process that is no session leader never takes one; it only drops what it has
+    (TIOCNOTTY). Under systemd the agent is a session leader whatever it does, so no file a user
+    names is opened but through safefile.open_regular (never a terminal)."""
+    if not (os.environ.get("INVOCATION_ID") or os.environ.get("NOTIFY_SOCKET")) and os.isatty(0):
+        return True
+    if os.getsid(0) != os.getpid():
+        with contextlib.suppress(OSError):  # ENXIO: no controlling terminal
+            fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(fd, termios.TIOCNOTTY)
+            finally:
+                os.close(fd)
+    for sig in (signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU):
+        signal.signal(sig, signal.SIG_IGN)
+    return False
 
 
 def build_probes(cfg: Config) -> list[Probe]:
@@ -177,22 +204,34 @@ def attach_stacks(findings: list[dict], stacks_of: Callable[[int, str], list[dic
 
 
 class Daemon:
-    def __init__(self, cfg: Config, config_path: str | None, overrides: dict[str, Any]) -> None:
+    def __init__(self, cfg: Config, config_path: str | None, overrides: dict[str, Any],
+                 interactive: bool = True) -> None:
+        """interactive: a person runs it at a terminal (detach_from_terminal()): SIGINT is their Ctrl-C."""
         self.cfg = cfg
         self.config_path = config_path
         self.overrides = overrides
         self.started = time.time()
         self.stop_event = threading.Event()
+        self.exit_status = 0
+        self.unexpected_signal: signal.Signals | None = None
         # A SIGTERM while we start (imports, the first tick) stops us cleanly, without READY.
         signal.signal(signal.SIGTERM, lambda *_: self._stop())
-        signal.signal(signal.SIGINT, lambda *_: self._stop())
+        if interactive:
+            signal.signal(signal.SIGINT, lambda *_: self._stop())
+        else:
+            # Nobody stops a service with ^C or ^\: such a signal stops the agent as a failure
+            # (128 + signo), which systemd's Restart=on-failure restarts. SIGTERM is the clean stop.
+            for sig in (signal.SIGINT, signal.SIGQUIT):
+                signal.signal(sig, self._stop_unexpected)
         # The exporter first: a bad web config stops the agent before it opens anything.
         self.exporters = []
         if cfg.prometheus.enabled:
             from gpuwatch.exporters.prometheus import PrometheusExporter
 
             self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config),
-                                                     max_requests=cfg.prometheus.max_requests))
+                                                     max_requests=cfg.prometheus.max_requests,
+                                                     max_unfinished=cfg.prometheus.max_unfinished,
+                                                     header_timeout=cfg.prometheus.header_timeout))
         self.lock_fd = lock_state_dir(cfg.agent.state_dir, self.stop_event)  # before the store and listeners
         self._reload_lock = threading.Lock()
         self._reload_error = ""  # the last rejected reload's error, said once
@@ -205,6 +244,10 @@ class Daemon:
             self.store_error = str(e)
             log.error("running without the store: %s", e)
         probes = build_probes(cfg)
+        # What users' processes may make the agent keep, per user and node-wide (agent/budget.py):
+        # one set shared by the parts that keep it.
+        self.budgets = budget_.from_config(cfg)
+        probes.append(budget_.BudgetProbe(self.budgets))  # gpuwatch_budget_used, _refusals_total
         # Not in PROBE_FACTORIES: these three need the daemon's own objects (the exporter whose
         # counters OtlpStatsProbe reads, the reports the control socket fills, the store).
         if cfg.otlp.enabled:
@@ -217,6 +260,8 @@ class Daemon:
         # Read by trace.snapshot and findings from the control socket's threads, through its
         # self-locking queries (query, live_stacks).
         self.ebpf: EbpfCudaProbe | None = next((p for p in probes if p.name == "ebpf"), None)
+        if self.ebpf is not None:
+            self.ebpf.budgets = self.budgets
         # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
         # only reads what processes send.
         self.inprocess = InProcessReports(gpus=self._nvml_view, devices=self._cuda_devices)
@@ -228,17 +273,29 @@ class Daemon:
         if cfg.host.enabled:
             probes.append(HostProcessProbe(self._gpu_processes, interval=cfg.host.interval))
         if cfg.host.page_cache:
-            probes.append(PageCacheProbe(self._gpu_processes, cfg.host.page_cache_min_bytes))
+            probes.append(PageCacheProbe(self._gpu_processes, cfg.host.page_cache_min_bytes, budgets=self.budgets))
         # The reference workload: judged runs kept in the store; unavailable without torch/triton.
         self.baseline = None
         if cfg.baseline.enabled:
+            from gpuwatch.detectors.health import HealthSettings
             from gpuwatch.probes.baseline.probe import BaselineProbe
 
             # The GPUs the NVML probe (their one owner) saw last, replayed ones included: a run is
             # kept under the UUID of the GPU it was asked to run on, never under what the child printed.
             gpus = self._gpu_uuids
+            # The agent's own CUDA contexts (the CUPTI sampler) are not a user's: left out of the busy
+            # check, and stepped aside while a run holds the GPU.
+            tenants = [p for p in probes if p.name == "cupti_sampler"]
             self.baseline = BaselineProbe(self.store, every=cfg.baseline.interval, python=cfg.baseline.python,
-                                          timeout=cfg.baseline.timeout, replay=cfg.baseline.replay, gpus=gpus)
+                                          timeout=cfg.baseline.timeout, replay=cfg.baseline.replay, gpus=gpus,
+                                          tenants=tenants,
+                                          settings=HealthSettings(k_spread=cfg.baseline.k_spread,
+                                                                  min_drop=cfg.baseline.min_drop,
+                                                                  min_drop_memory=cfg.baseline.min_drop_memory,
+                                                                  retakes=cfg.baseline.retakes),
+                                          # replayed runs replay their own busy answers
+                                          compute_processes=None if cfg.baseline.replay
+                                          else lambda uuid: self._nvml_view().get(uuid))
             probes.append(self.baseline)
         from gpuwatch.detectors.health import HealthDetector
         from gpuwatch.detectors.launch import LaunchDetector
@@ -260,6 +317,10 @@ class Daemon:
             "top": self._top,
         }, group=cfg.control.group or None)
         probes.append(ControlStatsProbe(self.control))  # gpuwatch_control_requests_total
+        if cfg.prometheus.enabled:
+            from gpuwatch.exporters.prometheus import PrometheusExporter, PrometheusStatsProbe
+
+            probes += [PrometheusStatsProbe(e) for e in self.exporters if isinstance(e, PrometheusExporter)]
         from gpuwatch.probes.ebpf.pools import names, pool_table
 
         leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
@@ -592,6 +653,12 @@ class Daemon:
                 log.info("the web config %s is not re-read on reload: restart the agent to apply changes to it",
                          new.prometheus.web_config)
 
+    def _stop_unexpected(self, signo: int, _frame: Any) -> None:
+        if self.unexpected_signal is None:
+            self.unexpected_signal = signal.Signals(signo)
+            self.exit_status = 128 + signo
+        self._stop()
+
     def _stop(self) -> None:
         self.stop_event.set()
         runner = getattr(self, "runner", None)  # None while __init__ builds it
@@ -639,7 +706,8 @@ class Daemon:
             return
         wanted = {"eBPF probe": self.cfg.ebpf.enabled, "eBPF probe, other users' processes": self.cfg.ebpf.enabled,
                   "eBPF probe, containers": self.cfg.ebpf.enabled, "control.group": bool(self.cfg.control.group),
-                  "CUPTI sampling with RmProfilingAdminOnly=1": False}  # the sampler reports this itself
+                  "CUPTI sampling with RmProfilingAdminOnly=1": False,  # the sampler reports this itself
+                  "page-cache probe, other users' processes": self.cfg.host.page_cache}
         for what, needs, effect in doctor.missing_capabilities(mask):
             if wanted.get(what, True):
                 log.warning("missing capability %s (%s): %s", needs, what, effect)
@@ -651,7 +719,7 @@ class Daemon:
             log.info("stopped before start-up completed")
             if self.store is not None:
                 self.store.close()
-            return 0
+            return self.exit_status
         self.start_listeners()
         try:
             if self.store is not None:
@@ -672,17 +740,21 @@ class Daemon:
             if self.stop_event.is_set():
                 self._shutdown()
         if self.stop_event.is_set():
-            return 0
+            return self.exit_status
         try:
             # The watchdog is pinged from the runner loop, never from inside a probe call:
             # a hung loop stops the pings, a hung NVML call does not.
             self.runner.run(stop=self.stop_event, heartbeat=watchdog.ping)
         finally:
             self._shutdown()
-        return 0
+        return self.exit_status
 
     def _shutdown(self) -> None:
         sdnotify.notify("STOPPING=1")
+        if self.unexpected_signal is not None:
+            log.error("stopping on %s, which no one sends a service to stop it (a terminal's ^C or ^\\?): exit "
+                      "status %d, so that the service manager restarts the agent (SIGTERM stops it)",
+                      self.unexpected_signal.name, self.exit_status)
         log.info("shutting down")
         if self.lock_fd is not None:  # a restarted agent waits for us rather than failing at once
             with contextlib.suppress(OSError):

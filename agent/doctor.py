@@ -34,12 +34,15 @@ DEFAULT_SOCKET_PATH = "/run/gpuwatch/control.sock"
 # Linux capability numbers (include/uapi/linux/capability.h).
 CAP_CHOWN = 0
 CAP_DAC_READ_SEARCH = 2
+CAP_SETGID = 6
+CAP_SETUID = 7
 CAP_NET_BIND_SERVICE = 10
 CAP_SYS_PTRACE = 19
 CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
-CAP_NAMES = {CAP_CHOWN: "CAP_CHOWN", CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH",
+CAP_NAMES = {CAP_CHOWN: "CAP_CHOWN", CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH", CAP_SETGID: "CAP_SETGID",
+             CAP_SETUID: "CAP_SETUID",
              CAP_NET_BIND_SERVICE: "CAP_NET_BIND_SERVICE", CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
              CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF"}
 
@@ -57,6 +60,9 @@ CAPABILITY_NEEDS: tuple[tuple[str, tuple[tuple[int, ...], ...], str], ...] = (
      "device-wide profiling counters are off (see the GPU profiling permission check)"),
     ("control.group", ((CAP_CHOWN,),),
      "the control socket cannot be given to control.group: only root can use it"),
+    ("page-cache probe, other users' processes", ((CAP_SETUID, CAP_SETGID),),
+     "their files are not shown: what their user may read is checked with that user's credentials "
+     "(setfsuid, setfsgid, setgroups in one thread)"),
 )
 
 

@@ -451,6 +451,27 @@ METRICS: tuple[Metric, ...] = (
            "has exited); idle (closed with no request); timeout (a request that did not arrive whole). "
            "method is a control method, unknown (none could be read, or no such method) or none (no request "
            "was read).", ("method", "result")),
+    # --- budgets (agent/budget.py) ------------------------------------------------------------
+    Metric("gpuwatch.budget.used", "", Kind.GAUGE,
+           "What users' processes make the agent keep now, all users together, in the budget's unit: graphs "
+           "(bytes of CUDA graph state), libraries (libcuda/libnccl files attached), uprobes, stacks (bytes of "
+           "symbolised frames), files (followed in the page cache). Limits per user and node-wide: [budget].",
+           ("budget",)),
+    Metric("gpuwatch.budget.refusals", "", Kind.COUNTER,
+           "Charges to a budget refused: limit=user (that user's share was full: only their processes lose "
+           "detail) or node (all users together were at the node-wide limit). Said once per user and budget in "
+           "the log.", ("budget", "limit")),
+    # --- /metrics server (exporters/prometheus.py) -------------------------------------------
+    Metric("gpuwatch.http.connections", "", Kind.COUNTER,
+           "Connections to /metrics by how they ended: served (its request arrived whole and was answered, "
+           "an error of its own parse included); busy (answered 503: prometheus.max_requests requests were being "
+           "answered); evicted (closed before its request arrived, for a newer connection: "
+           "prometheus.max_unfinished in all, 16 per remote address); over_budget (closed before its request "
+           "arrived: the request heads being read reached 1 MiB in all, and it had sent the most); too_large "
+           "(request line and headers over 64 KiB: 414 or 431); timeout (no whole request, TLS handshake "
+           "included, within prometheus.header_timeout); tls_failed (a failed TLS handshake, plain HTTP to the "
+           "TLS port, a client certificate not allowed); closed (the client closed before sending a request).",
+           ("result",)),
     # --- OTLP export (exporters/otlp.py) -----------------------------------------------------
     Metric("gpuwatch.otlp.items", "", Kind.COUNTER,
            "OTLP export, from the OpenTelemetry SDK's own counters: signal=metrics (data points) or logs "
@@ -478,8 +499,10 @@ METRICS: tuple[Metric, ...] = (
            "same shape, kernel and software) or sku (what a healthy GPU of the model reaches); "
            "workload=gemm (per SM cycle) or memory.", ("gpu", "workload", "reference")),
     Metric("gpuwatch.baseline.threshold", "1", Kind.GAUGE,
-           "relative_throughput{reference=\"own\"} below this is a slower GPU: 1 - max(5 x the baseline's "
-           "measured spread, 3 %).", ("gpu", "workload", "reference")),
+           "relative_throughput{reference=\"own\"} below this is a slower GPU: 1 - max(baseline.k_spread (2.5) x "
+           "the baseline's measured spread, baseline.min_drop (1.5 %; memory: min_drop_memory, 1 %)); a run "
+           "judged slower is taken twice more and the median decides (baseline.retakes).",
+           ("gpu", "workload", "reference")),
     Metric("gpuwatch.baseline.wrong_answers", "", Kind.GAUGE,
            "Latest run: output elements beyond tolerance of the float64 reference, plus 1 when the output's "
            "digest changed on unchanged inputs and software. Above 0 is silent data corruption.", _G),
@@ -498,9 +521,11 @@ METRICS: tuple[Metric, ...] = (
            "device-wide. Only cycles with work count, so idle time does not lower it; "
            "gpuwatch.gpu.sm.occupancy (GPM) averages over all cycles.", _G),
     Metric("gpuwatch.gpu.cache.hit_ratio", "1", Kind.GAUGE,
-           "CUPTI PM sampling: fraction of sector requests that hit, device-wide: cache=l1 "
-           "(l1tex__t_sector_hit_rate), cache=l2 (lts__average_t_sector_hit_rate_realtime). Absent "
-           "when the window saw no traffic.", ("gpu", "cache")),
+           "CUPTI PM sampling: fraction of L1 sector requests that hit, device-wide: cache=l1 "
+           "(l1tex__t_sector_hit_rate; within 5 points of Nsight Compute on the H200). No cache=l2: "
+           "PM sampling offers no L2 hit rate (its lts__average_t_sector_hit_rate_realtime read 50 % "
+           "on a copy Nsight Compute saw hit 99.8 %, docs/cupti.md). Absent when the window saw no "
+           "traffic.", ("gpu", "cache")),
     Metric("gpuwatch.gpu.dram.throughput.utilization", "1", Kind.GAUGE,
            "CUPTI PM sampling: DRAM throughput as a fraction of its peak sustained rate "
            "(dram__throughput.avg.pct_of_peak_sustained_elapsed, the busiest of the DRAM unit's "
@@ -510,8 +535,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.profiling.state", "", Kind.GAUGE,
            "1 for the device-wide counter sampler's current state: sampling (or starting), yielded "
            "(another profiler - ncu, nsys, DCGM, an injected tool - has or may have the counters), "
-           "backoff (restarting after the sampler hung or crashed), unavailable (CUPTI cannot run "
-           "here; then the probe is down, gpuwatch_probe_up{probe=\"cupti_sampler\"} 0).", ("state",)),
+           "backoff (restarting after the sampler hung or crashed), paused (stepped aside, its context "
+           "released, while the agent's own reference workload holds a GPU), unavailable (CUPTI cannot "
+           "run here; then the probe is down, gpuwatch_probe_up{probe=\"cupti_sampler\"} 0).", ("state",)),
+    Metric("gpuwatch.agent.gpu_process", "", Kind.GAUGE,
+           "1 for each process of the agent's own that may hold a CUDA context: role=cupti_sampler (the "
+           "device-wide counter sampler, titled gpuwatch-sampler) or baseline (the reference workload). "
+           "The baseline's busy check, the leak detector and top do not count them as users' processes.",
+           ("pid", "role")),
     Metric("gpuwatch.cupti.sampler.restarts", "", Kind.COUNTER,
            "Restarts of the CUPTI PM sampling child: reason=hang (silent past its timeout, killed) or "
            "crash (exited unexpectedly).", ("reason",)),

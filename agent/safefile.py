@@ -24,6 +24,10 @@ Under sudo (euid 0 with SUDO_UID set) `as_invoking_user()` switches the effectiv
 who ran sudo, so a trace's outputs are created, checked and permitted exactly as that user would
 be (their files, their directories only). The effective ids are process-wide, so it is used
 before any thread starts, and the files are opened then and kept open.
+
+Reading goes the other way: `open_regular` is the one way gpuwatch opens a file a user's process
+names (/proc/PID/fd/N, /proc/PID/map_files/..., /proc/PID/root/PATH), which may be a terminal, a
+FIFO or a device by the time we open it.
 """
 from __future__ import annotations
 
@@ -321,3 +325,28 @@ def as_invoking_user() -> Iterator[None]:
         os.seteuid(0)
         os.setegid(egid)
         os.setgroups(groups)
+
+
+def open_regular(path: str, *, noatime: bool = False) -> int:
+    """An O_RDONLY fd on the regular file at `path`, a path a user's process decides (its fds, its
+    mappings, its root); OSError for anything else. The path is resolved once with O_PATH, which
+    opens nothing: a terminal, FIFO or device put there is refused before its driver sees an open.
+    (A terminal's open would make the agent, a session leader without one under systemd, take it
+    as its controlling terminal: whoever holds the other end could then send it ^C. A FIFO's open
+    blocks; some devices act on open.) The file itself is opened through that O_PATH fd, so it is
+    the very file checked, and with O_NOCTTY regardless. noatime: O_NOATIME where allowed (the
+    file's owner or CAP_FOWNER), so that reading it does not change what its owner sees."""
+    pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(pfd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        via = f"/proc/self/fd/{pfd}"
+        flags = os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC
+        if noatime:
+            try:
+                return os.open(via, flags | os.O_NOATIME)
+            except PermissionError:
+                pass
+        return os.open(via, flags)
+    finally:
+        os.close(pfd)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
+from gpuwatch.agent import own
 from gpuwatch.agent.api import Finding, Sample
 
 SORTS = ("memory", "cpu", "pid", "calls")
@@ -64,6 +65,7 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
     run ({"result", "ts"}), as the baseline probe holds it; `kernels` pid -> eBPF's most launched
     kernel, shown where CUPTI (by GPU time, the better measure) has none."""
     now = time.time() if now is None else now
+    samples = list(samples)
     gpus: dict[str, dict] = {}
     procs: dict[tuple[str, int], dict] = {}
     host: dict[int, dict] = {}
@@ -121,9 +123,12 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
              if f.kind == "memory_leak" and str(f.attrs.get("pid", "")).isdigit()}
     users: dict[int, str | None] = {}
     rows = []
+    ours = own.pids_of(samples)
     for (uuid, pid), p in procs.items():
         if "black" not in p:  # eBPF's series of a process NVML does not list on this GPU
             continue
+        if pid in ours:  # the agent's own (its sampler's context): named as such, whatever its comm says
+            p["name"] = f"{own.TITLES[ours[pid]]} (gpuwatch's own)"
         p["gpu_index"] = gpus.get(uuid, {}).get("index", -1)
         p.setdefault("white", None)
         p.setdefault("gpu_utilization", None)

@@ -48,9 +48,14 @@ def _show(v: Any) -> str:
 
 
 def printable(text: str) -> str:
-    """Text safe for a terminal, a log line and a label: what is not printable (newlines,
-    escape sequences, lone surrogates) becomes "?"."""
-    return "".join(c if c.isprintable() and not 0xD800 <= ord(c) <= 0xDFFF else "?" for c in text)
+    """Text safe for a terminal, a log line and a label: what is not printable becomes "?" —
+    C0 and C1 controls (newlines, ESC, U+009B CSI), format characters such as the bidi controls
+    (U+202A-202E, U+2066-2069, U+200E/F, U+061C) and zero-width ones, line and paragraph
+    separators, non-ASCII spaces, lone surrogates, private-use and unassigned code points
+    (Python's str.isprintable: Unicode categories C* and Z* but the ASCII space)."""
+    if text.isprintable():  # the common case, in C; False for any surrogate (category Cs)
+        return text
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 # -- specs ---------------------------------------------------------------------------------------

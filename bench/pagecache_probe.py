@@ -1,11 +1,14 @@
 """What one collection of the page-cache probe costs: N files of G GiB held open by a child, read
 into the page cache, measured by cachestat(2) and by mincore(2); and one pass over the node's
-/proc/PID/io (the top readers).
+/proc/PID/io (the top readers); and one listing of the child's files (once a minute per process),
+which checks each large file with the credentials of the child's user.
 
   python3 bench/pagecache_probe.py [--dir /var/tmp] [--files 8] [--gib 1] [--repeat 21]
 
 Prints median wall and CPU time per collection for each method (docs/host.md). The files are
-preallocated (fallocate: no data written) and read once, so all their pages are cached.
+preallocated (fallocate: no data written) and read once, so all their pages are cached. Run as
+root, the child runs as user nobody and the files are its own, so the listing takes nobody's
+credentials to check them, as it does for any user's process.
 """
 import argparse
 import os
@@ -44,8 +47,11 @@ def main():
             os.posix_fallocate(fd, 0, size)
             while os.read(fd, 16 << 20):  # into the page cache
                 pass
+            if os.geteuid() == 0:
+                os.fchown(fd, 65534, 65534)
             os.close(fd)
-        child = subprocess.Popen([sys.executable, "-c", "import sys,time\nfs=[open(p,'rb') for p in sys.argv[1:]]\n"
+        nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        child = subprocess.Popen([*nobody, sys.executable, "-c", "import sys,time\nfs=[open(p,'rb') for p in sys.argv[1:]]\n"
                                   "print('ready',flush=True)\ntime.sleep(3600)\n", *paths], stdout=subprocess.PIPE)
         child.stdout.readline()
         print(f"kernel {os.uname().release}, {a.files} files x {a.gib:g} GiB, all cached, median of {a.repeat}")
@@ -59,6 +65,10 @@ def main():
         probe.readers = NodeReaders(top=0)
         probe.collect()
         print(f"  mincore    {cost(probe.collect, a.repeat)}")
+        listed = pagecache.large_files(child.pid, 1 << 20)
+        assert sum(f.path in paths for f in listed) == a.files, listed
+        print(f"  listing    {cost(lambda: pagecache.large_files(child.pid, 1 << 20), a.repeat)}   "
+              f"(as {'nobody' if nobody else 'this user'}: {len(listed)} files)")
         readers = NodeReaders()
         nproc = sum(e.isdigit() for e in os.listdir("/proc"))
         print(f"  readers    {cost(readers.sample, a.repeat)}   ({nproc} processes)")

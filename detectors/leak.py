@@ -34,6 +34,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from gpuwatch.agent import own
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
 from gpuwatch.agent.trace.render import fmt_bytes
@@ -352,7 +353,11 @@ class LeakDetector(Detector):
         # for itself (645 MB on the H200), an error that grows as the OOM comes closer.
         frees = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("gpuwatch.gpu.memory.free")}
         findings = []
+        # The agent's own processes (its CUPTI sampler: a context and nothing else) are nobody's leak.
+        ours = own.pids_in(history, now, s.stale)
         for p in self._processes(history, now):
+            if p.pid in ours:
+                continue
             newest = max((pts[-1][0] for pts in p.colors.values() if pts), default=0.0)
             if now - newest > s.stale:
                 continue  # the process exited (or its GPU went away): its last trend is history

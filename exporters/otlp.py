@@ -31,6 +31,7 @@ from gpuwatch.agent import __version__
 from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Event, Exporter, Probe, Sample
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
+from gpuwatch.agent.wire import printable
 
 log = logging.getLogger("gpuwatch.otlp")
 
@@ -93,7 +94,8 @@ def attributes(s: Sample, gpus: Mapping[str, str]) -> dict[str, Any]:
                 out["hw.model"] = gpus[s.resource]
     for k, v in s.labels.items():
         name = rename.get(k, k)
-        out[name] = LIMIT_TYPES.get(v, v) if name == "hw.limit_type" else v
+        # as in /metrics: no C0/C1 or bidi control reaches a collector's UI (agent/wire.py printable)
+        out[name] = LIMIT_TYPES.get(v, v) if name == "hw.limit_type" else printable(v) if isinstance(v, str) else v
     return out
 
 
@@ -105,7 +107,9 @@ def event_attributes(ev: Event) -> dict[str, Any]:
     for k, v in ev.attrs.items():
         if k == "summary":
             continue  # the record's body
-        if isinstance(v, (str, bool, int, float)) or v is None:
+        if isinstance(v, str):
+            out[f"gpuwatch.{k}"] = printable(v)
+        elif isinstance(v, (bool, int, float)) or v is None:
             out[f"gpuwatch.{k}"] = "" if v is None else v
         else:
             out[f"gpuwatch.{k}"] = json.dumps(v, default=str, sort_keys=True)
@@ -491,7 +495,8 @@ class OtlpExporter(Exporter):
         sev = _severity(ev)
         self._logger.emit(LogRecord(timestamp=int(ev.ts * 1e9), severity_number=SeverityNumber(sev),
                                     severity_text=SeverityNumber(sev).name,
-                                    body=str(ev.attrs.get("summary") or ev.kind), attributes=event_attributes(ev)))
+                                    body=printable(str(ev.attrs.get("summary") or ev.kind)),
+                                    attributes=event_attributes(ev)))
 
     def stats(self) -> dict[tuple[str, str], float]:
         """{(signal, result): count}: result is exported, failed or dropped_<reason>."""

@@ -16,26 +16,33 @@ format: HA Prometheus pairs and retries get cached bytes.
 """
 from __future__ import annotations
 
+import contextlib
+import email.utils
+import errno
 import gzip
+import io
+import ipaddress
 import itertools
 import logging
 import math
+import selectors
 import socket
+import socketserver
 import ssl
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
-from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server, sys_version
 from typing import TYPE_CHECKING
 
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from gpuwatch.agent import metrics as registry
-from gpuwatch.agent.api import Exporter, HistogramValue, Sample
+from gpuwatch.agent.api import Exporter, HistogramValue, Probe, Sample
 from gpuwatch.agent.config import parse_listen
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
+from gpuwatch.agent.wire import printable
 
 if TYPE_CHECKING:
     from gpuwatch.exporters.webconfig import WebConfig
@@ -53,8 +60,12 @@ def _escape_value(value: str) -> str:
             value = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         except UnicodeEncodeError:  # a lone surrogate of another kind
             value = value.encode("utf-8", "replace").decode("utf-8")
-    if "\\" in value or '"' in value or "\n" in value:
-        value = value.replace("\\", r"\\").replace('"', r"\"").replace("\n", r"\n")
+    # Whatever a probe let through, no label carries a control to a terminal or a dashboard:
+    # C0/C1 and bidi controls (a path or name reordered on screen, U+009B CSI) become "?".
+    if not value.isprintable():
+        value = printable(value)
+    if "\\" in value or '"' in value:
+        value = value.replace("\\", r"\\").replace('"', r"\"")
     return value
 
 
@@ -275,99 +286,93 @@ class _Guard:
         return self.app(environ, start)
 
 
-# A TLS handshake must finish within this many seconds, all of it (CPython's handshake keeps one
-# deadline over its reads); then a silent or trickling client is dropped.
-HANDSHAKE_TIMEOUT = 10.0
-# Each read or write of a request and its response: a client that stalls longer is dropped.
+# Until its request line and headers have arrived whole (after its TLS handshake, with TLS), a
+# connection is "unfinished". One thread reads all unfinished connections through a selector, so
+# they cost a buffer each, never a thread. A real Prometheus sends its request within milliseconds
+# of connecting: the TLS handshake and the request's head must arrive within HEADER_TIMEOUT in all
+# (a client trickling a byte a second is dropped too).
+HEADER_TIMEOUT = 2.0
+# The request line and headers of one request, all of them. The standard library's limits were per
+# line (64 KiB) and per count (100): 6.4 MB a request, parsed by a thread each, and glibc kept it.
+MAX_HEAD = 65536
+# The heads being read, all connections together: past it the connection holding the most is
+# closed (a scrape's head is a few hundred bytes: never the one).
+HEAD_BUDGET = 1 << 20
+# Unfinished connections held at once. Past it a new connection evicts the oldest unfinished one
+# of the peer that holds the most, rather than being refused: connections that never finish
+# cannot keep a scrape out, since a scrape's request comes with its connection and is read at once.
+MAX_UNFINISHED = 256
+# Unfinished connections one peer (an IPv4 address, an IPv6 /64) may hold; past it the peer's own
+# oldest is evicted, so one remote host never evicts another's. Loopback peers are every local user
+# at once, and an address cannot tell them apart: they share the whole pool.
+MAX_UNFINISHED_PER_PEER = 16
+LOOPBACK = "loopback"
+# Each read or write of a request being answered: a client that stalls longer is dropped.
 CONNECTION_TIMEOUT = 30.0
+# After an answer given before the request was read (plain HTTP to the TLS port, a head too large),
+# what the client still sends is read and thrown away, for this long and this much at most: closing
+# with unread bytes would reset the connection and lose the answer.
+DRAIN_SECONDS = 1.0
+DRAIN_BYTES = 65536
 _PLAIN_HTTP_ANSWER = (b"HTTP/1.0 400 Bad Request\r\nContent-Type: text/plain; charset=utf-8\r\n"
                       b"Connection: close\r\n\r\nClient sent an HTTP request to an HTTPS server.\n")
 
+# At most this many requests are answered at once (node_exporter's --web.max-requests), each in a
+# thread of its own; past it a complete request is answered 503 by the reading thread.
+MAX_REQUESTS = 40
+_BUSY_ANSWER = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
+                b"Connection: close\r\nRetry-After: 1\r\n\r\ntoo many concurrent requests\n")
 
-# The request line and headers, all of them, must arrive within this many seconds. The per-read
-# timeout above never fires for a client that trickles a byte a second (each read gets its byte),
-# so without a deadline over the whole request such a client would hold its thread for ever.
-REQUEST_TIMEOUT = 10.0
+# How connections ended: the result label of gpuwatch_http_connections_total.
+RESULTS = ("served", "busy", "evicted", "over_budget", "too_large", "timeout", "tls_failed", "closed")
+_SAY_EVERY = 3600.0  # a bound that is hit is said in the log once, then at most once an hour
 
 
-class _Deadlines:
-    """One thread for every connection's request deadline (a timer thread per connection would
-    double the threads a flood of idle connections costs). A connection past its deadline is shut
-    down: its blocked read returns and its handler ends."""
+def _refusal(code: int) -> bytes:
+    """The answer _QuietHandler.send_error gives, for a request refused before a thread parses it."""
+    reason = WSGIRequestHandler.responses[code][0]
+    body = f"{code} {reason}\n".encode()
+    return (f"HTTP/1.0 {code} {reason}\r\nServer: {WSGIRequestHandler.server_version} {sys_version}\r\n"
+            f"Date: {email.utils.formatdate(usegmt=True)}\r\nConnection: close\r\n"
+            f"Content-Type: text/plain; charset=utf-8\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
-    def __init__(self) -> None:
-        self._due: dict[socket.socket, float] = {}
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(2.0)
-
-    def add(self, conn: socket.socket, seconds: float) -> None:
-        with self._cond:
-            self._due[conn] = time.monotonic() + seconds
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="prometheus-deadlines", daemon=True)
-                self._thread.start()
-            self._cond.notify()
-
-    def discard(self, conn: socket.socket) -> None:
-        with self._cond:
-            self._due.pop(conn, None)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                late = [c for c, t in self._due.items() if t <= now]
-                for c in late:
-                    del self._due[c]
-                wait = min(self._due.values(), default=now + 60.0) - now
-                if not late:
-                    self._cond.wait(max(0.05, wait))
-                    continue
-            for c in late:
-                try:
-                    # The base socket's shutdown (also for TLS): the blocked read returns.
-                    socket.socket.shutdown(c, socket.SHUT_RDWR)
-                except OSError:
-                    pass
+def peer_of(host: str) -> str:
+    """Whom a connection counts against: its IPv4 address, its IPv6 /64 (one host gets a /64 to
+    pick addresses from), or LOOPBACK for every local client."""
+    if host.startswith("127.") or host == "::1" or host.startswith("::ffff:127."):
+        return LOOPBACK
+    if ":" not in host:
+        return host
+    try:
+        ip = ipaddress.IPv6Address(host.partition("%")[0])
+    except ValueError:
+        return host
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
 
 
 class _QuietHandler(WSGIRequestHandler):
     timeout = CONNECTION_TIMEOUT
-    request_timeout = REQUEST_TIMEOUT
 
     def setup(self) -> None:
-        super().setup()
-        self.server.deadlines.add(self.connection, self.request_timeout)
-
-    def parse_request(self) -> bool:
-        ok = super().parse_request()  # has read the headers: the request arrived in time
-        self.server.deadlines.discard(self.connection)
-        return ok
-
-    def finish(self) -> None:
-        self.server.deadlines.discard(self.connection)
-        super().finish()
+        # The request is (socket, the bytes the reading thread took from it: the whole head): the
+        # head is parsed from those bytes, the answer written to the socket.
+        self.connection, head = self.request
+        self.connection.settimeout(self.timeout)
+        self.rfile = io.BytesIO(head)
+        self.wfile = socketserver._SocketWriter(self.connection)
 
     def log_message(self, format, *args):  # noqa: A002 - scrapes are not worth a log line each
         pass
 
     def send_error(self, code, message=None, explain=None):
-        """Requests refused before they reach the app (request line over 64 KiB: 414; a header line
-        over 64 KiB or more than 100 headers: 431; an unparsable request line: 400; HTTP/2 or
-        another version: 505). The standard library would answer a request line it cannot parse
-        without a status line (HTTP/0.9 style), put the client's words into the status line and
-        send an HTML page: here always a status line with the standard reason, a short plain-text
-        body, and the connection closed."""
+        """Requests refused before they reach the app (over 100 headers: 431; an unparsable request
+        line: 400; HTTP/2 or another version: 505). The standard library would answer a request line
+        it cannot parse without a status line (HTTP/0.9 style), put the client's words into the
+        status line and send an HTML page: here always a status line with the standard reason, a
+        short plain-text body, and the connection closed."""
         if getattr(self, "request_version", None) == "HTTP/0.9":
             self.request_version = "HTTP/1.0"
         try:
@@ -385,114 +390,375 @@ class _QuietHandler(WSGIRequestHandler):
             self.wfile.write(body)
 
 
-# At most this many connections are served at once (node_exporter's --web.max-requests): each
-# holds a thread, so a flood of idle connections costs threads up to here and no further.
-MAX_REQUESTS = 40
-_BUSY_ANSWER = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\n"
-                b"Connection: close\r\nRetry-After: 1\r\n\r\ntoo many concurrent requests\n")
+# States of an unfinished connection.
+_PEEK, _HANDSHAKE, _HEAD, _DRAIN = "peek", "handshake", "head", "drain"
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+class _Conn:
+    """An unfinished connection: its socket, whom it counts against, its deadline, what it sent."""
+
+    __slots__ = ("sock", "fd", "addr", "peer", "due", "state", "head", "drained", "events", "note")
+
+    def __init__(self, sock: socket.socket, addr, due: float, state: str) -> None:
+        self.sock, self.fd, self.addr, self.peer = sock, sock.fileno(), addr, peer_of(addr[0])
+        self.due, self.state = due, state
+        self.head = bytearray()
+        self.drained = 0
+        self.events = selectors.EVENT_READ
+        self.note = ""  # logged at debug when a drain ends at its deadline
+
+
+class _Peer:
+    """A peer's unfinished connections, oldest first, in two groups: those a newcomer evicts first
+    (a TLS handshake not done yet, or an answer given and the rest being drained), then those that
+    got further (a plain connection, or a TLS one past its handshake, reading its request). A
+    scrape that has done its handshake is thus safe from connections that never do theirs."""
+
+    __slots__ = ("first", "then")
+
+    def __init__(self) -> None:
+        self.first: dict[int, _Conn] = {}
+        self.then: dict[int, _Conn] = {}
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.then)
+
+    def group(self, conn: _Conn) -> dict[int, _Conn]:
+        return self.then if conn.state is _HEAD else self.first
+
+    def oldest(self) -> _Conn:
+        return next(iter((self.first or self.then).values()))
+
+
+def _end_of_head(buf: bytearray, start: int) -> bool:
+    """Has the blank line that ends the headers arrived (CRLF or bare LF, as http.client reads)?"""
+    return buf.find(b"\n\r\n", start) >= 0 or buf.find(b"\n\n", start) >= 0
+
+
+class _Server(WSGIServer):
+    """/metrics' server: one thread accepts every connection and reads every unfinished one (TLS
+    handshakes included) through a selector; each complete request is answered in a thread of its
+    own, max_requests of them at once."""
+
     # The listen backlog (socketserver's default is 5): a burst of scrapes and health checks must
-    # not wait a second for a SYN retransmit while the accept loop starts threads.
+    # not wait a second for a SYN retransmit.
     request_queue_size = 1024
     web: "WebConfig | None" = None
-    handshake_timeout = HANDSHAKE_TIMEOUT
     max_requests = MAX_REQUESTS
+    max_unfinished = MAX_UNFINISHED
+    max_unfinished_per_peer = MAX_UNFINISHED_PER_PEER
+    header_timeout = HEADER_TIMEOUT
+    head_budget = HEAD_BUDGET
 
     def server_activate(self) -> None:
         super().server_activate()
-        self.deadlines = _Deadlines()
+        self.socket.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self.socket, selectors.EVENT_READ, "accept")
+        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._pending: dict[int, _Conn] = {}  # by fd, oldest first
+        self._by_peer: dict[str, _Peer] = {}  # the same, per peer
+        self._head_bytes = 0
+        self._next_sweep = math.inf
         self._active = 0
         self._active_lock = threading.Lock()
-        self._refused_logged = 0.0
+        self._counts = dict.fromkeys(RESULTS, 0)  # written by the reading thread only
+        self._said: dict[str, float] = {}
+        self._stopping = False
+        self._stopped = threading.Event()
+        self._stopped.set()
 
-    def process_request(self, request, client_address):
-        """Serve in a thread of its own, or, past max_requests, answer 503 from the accept loop
-        without a thread (a non-blocking write of a few bytes to a fresh socket) and close."""
+    # -- the reading thread ------------------------------------------------------------------
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._stopped.clear()
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                if now >= self._next_sweep:
+                    self._sweep(now)
+                timeout = max(0.0, min(self._next_sweep, now + poll_interval) - now)
+                for key, _ in self._selector.select(timeout):
+                    if key.data == "accept":
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(64)
+                    elif self._pending.get(key.data.fd) is key.data:  # not dropped earlier in this round
+                        self._advance(key.data)
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        self._stopped.wait(5.0)
+
+    def server_close(self) -> None:
+        super().server_close()
+        if not hasattr(self, "_selector"):  # the bind failed (port in use): server_activate never ran
+            return
+        for conn in list(self._pending.values()):
+            self._forget(conn)
+            self._close(conn.sock)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def stats(self) -> dict[str, int]:
+        """How many connections ended how (RESULTS), since start."""
+        return dict(self._counts)
+
+    def _accept(self) -> None:
+        tls = self.web is not None and self.web.ssl_context is not None
+        for _ in range(64):  # then the connections already here get their turn
+            try:
+                sock, addr = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._pending:
+                    # Out of descriptors: the oldest unfinished connection gives its own up.
+                    self._drop(next(iter(self._pending.values())), "evicted")
+                    continue
+                self._say("accept", "/metrics: cannot accept connections: %s", e)
+                time.sleep(0.05)  # the listener stays readable: do not spin
+                return
+            self._admit(sock, addr, tls)
+
+    def _admit(self, sock: socket.socket, addr, tls: bool) -> None:
+        sock.setblocking(False)
+        conn = _Conn(sock, addr, time.monotonic() + self.header_timeout, _PEEK if tls else _HEAD)
+        self._make_room(conn.peer)
+        self._pending[conn.fd] = conn
+        peer = self._by_peer.setdefault(conn.peer, _Peer())
+        peer.group(conn)[conn.fd] = conn
+        self._selector.register(sock, selectors.EVENT_READ, conn)
+        self._next_sweep = min(self._next_sweep, conn.due)
+        self._advance(conn)  # a scrape's request is usually here already
+
+    def _make_room(self, peer: str) -> None:
+        mine = self._by_peer.get(peer, ())
+        cap = self.max_unfinished if peer == LOOPBACK else min(self.max_unfinished_per_peer, self.max_unfinished)
+        if len(mine) >= cap:
+            victim = mine.oldest()
+        elif len(self._pending) >= self.max_unfinished:
+            victim = max(self._by_peer.values(), key=len).oldest()
+        else:
+            return
+        self._drop(victim, "evicted")
+        self._say("evicted", "/metrics: %d connections from %s had not sent their request (%d at most, %d per "
+                  "remote address); closing the oldest for each new one (clients that connect and do not send "
+                  "a request?)", len(mine) + (victim.peer != peer), peer, self.max_unfinished,
+                  self.max_unfinished_per_peer)
+
+    def _advance(self, conn: _Conn) -> None:
+        """Take the connection as far as what has arrived allows."""
+        try:
+            if conn.state is _PEEK:
+                self._peek(conn)
+            if conn.state is _HANDSHAKE:
+                self._handshake(conn)
+            if conn.state is _HEAD:
+                self._read_head(conn)
+            elif conn.state is _DRAIN:
+                self._drain(conn)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError):
+            self._want(conn, selectors.EVENT_READ)
+        except ssl.SSLWantWriteError:
+            self._want(conn, selectors.EVENT_WRITE)
+        except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+            if conn.state in (_PEEK, _HANDSHAKE):
+                log.debug("TLS handshake with %s failed: %s", conn.addr[0], e)
+                self._drop(conn, "tls_failed")
+            elif conn.state is _DRAIN:
+                self._forget(conn)
+                self._close(conn.sock)
+            else:
+                log.debug("connection from %s: %s", conn.addr[0], e)
+                self._drop(conn, "closed")
+
+    def _want(self, conn: _Conn, events: int) -> None:
+        if conn.events != events and self._pending.get(conn.fd) is conn:
+            conn.events = events
+            self._selector.modify(conn.sock, events, conn)
+
+    def _peek(self, conn: _Conn) -> None:
+        first = conn.sock.recv(1, socket.MSG_PEEK)
+        if not first:
+            self._drop(conn, "closed")
+            return
+        if first != b"\x16":  # not a TLS handshake record: plain HTTP to the HTTPS port, most likely
+            conn.sock.send(_PLAIN_HTTP_ANSWER)  # a fresh socket's buffer takes these bytes whole
+            conn.sock.shutdown(socket.SHUT_WR)
+            self._count("tls_failed")
+            self._start_drain(conn, note="TLS handshake with %s failed: timed out")
+            return
+        self._selector.unregister(conn.sock)
+        conn.sock = self.web.ssl_context.wrap_socket(conn.sock, server_side=True, do_handshake_on_connect=False)
+        self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+        conn.events, conn.state = selectors.EVENT_READ, _HANDSHAKE
+
+    def _handshake(self, conn: _Conn) -> None:
+        conn.sock.do_handshake()
+        if not self.web.client_allowed(conn.sock.getpeercert()):
+            log.debug("client certificate of %s has none of client_allowed_sans", conn.addr[0])
+            self._drop(conn, "tls_failed")
+            return
+        self._set_state(conn, _HEAD)
+        self._want(conn, selectors.EVENT_READ)
+
+    def _read_head(self, conn: _Conn) -> None:
+        # Until the socket has nothing more: TLS keeps decrypted bytes the selector cannot see.
+        while True:
+            chunk = conn.sock.recv(min(MAX_HEAD + 1 - len(conn.head), 16384))
+            if not chunk:  # the client closed: what it sent, if anything, is parsed and answered
+                if conn.head:
+                    self._complete(conn)
+                else:
+                    self._drop(conn, "closed")
+                return
+            start = max(0, len(conn.head) - 2)
+            conn.head += chunk
+            self._head_bytes += len(chunk)
+            if _end_of_head(conn.head, start):
+                self._complete(conn)
+                return
+            if len(conn.head) > MAX_HEAD:
+                self._too_large(conn)
+                return
+            if self._head_bytes > self.head_budget:
+                self._over_budget()
+                if self._pending.get(conn.fd) is not conn:
+                    return
+
+    def _too_large(self, conn: _Conn) -> None:
+        line_ends = conn.head.find(b"\n", 0, MAX_HEAD) >= 0
+        self._count("too_large")
+        self._say("too_large", "/metrics: a request from %s had more than %d bytes of request line and headers; "
+                  "answered %d", conn.addr[0], MAX_HEAD, 431 if line_ends else 414)
+        conn.sock.send(_refusal(431 if line_ends else 414))
+        self._head_bytes -= len(conn.head)
+        conn.head = bytearray()
+        if isinstance(conn.sock, ssl.SSLSocket):
+            self._forget(conn)
+            self._close(conn.sock)
+            return
+        conn.sock.shutdown(socket.SHUT_WR)
+        self._start_drain(conn)
+
+    def _over_budget(self) -> None:
+        while self._head_bytes > self.head_budget and self._pending:
+            victim = max(self._pending.values(), key=lambda c: len(c.head))
+            self._drop(victim, "over_budget")
+            self._say("over_budget", "/metrics: the request heads being read reached %d bytes in all; closing "
+                      "the connection that sent the most (from %s)", self.head_budget, victim.addr[0])
+
+    def _start_drain(self, conn: _Conn, note: str = "") -> None:
+        self._set_state(conn, _DRAIN)
+        conn.note, conn.drained = note, 0
+        conn.due = time.monotonic() + DRAIN_SECONDS
+        self._next_sweep = min(self._next_sweep, conn.due)
+
+    def _drain(self, conn: _Conn) -> None:
+        while True:
+            chunk = conn.sock.recv(4096)
+            conn.drained += len(chunk)
+            if not chunk or conn.drained >= DRAIN_BYTES:
+                self._forget(conn)
+                self._close(conn.sock)
+                return
+
+    def _complete(self, conn: _Conn) -> None:
+        """The request's head is here: answer it in a thread of its own, or 503 past max_requests."""
+        self._forget(conn)
         with self._active_lock:
             busy = self._active >= self.max_requests
             if not busy:
                 self._active += 1
-        if not busy:
-            return super().process_request(request, client_address)
-        now = time.monotonic()
-        if now - self._refused_logged > 60.0:  # once a minute, not once per connection
-            self._refused_logged = now
-            log.warning("/metrics: more than %d connections at once; refusing new ones with 503 "
-                        "(a scraper or client that opens connections and does not finish them?)",
-                        self.max_requests)
-        try:
-            if self.web is None or self.web.ssl_context is None:  # TLS clients would not read it
-                request.setblocking(False)
-                request.send(_BUSY_ANSWER)
-        except OSError:
-            pass
-        self.shutdown_request(request)
+        if busy:
+            self._count("busy")
+            self._say("busy", "/metrics: %d requests being answered at once (prometheus.max_requests); answering "
+                      "503 to new ones (clients that do not read their answers?)", self.max_requests)
+            with contextlib.suppress(OSError):
+                conn.sock.send(_BUSY_ANSWER)
+            self._close(conn.sock)
+            return
+        self._count("served")
+        threading.Thread(target=self._serve, args=(conn.sock, conn.addr, bytes(conn.head)),
+                         name="prometheus-request", daemon=True).start()
 
-    def server_close(self) -> None:
-        super().server_close()
-        deadlines = getattr(self, "deadlines", None)
-        if deadlines is not None:
-            deadlines.close()
+    def _sweep(self, now: float) -> None:
+        """Drop connections past their deadline."""
+        nearest = math.inf
+        for conn in list(self._pending.values()):
+            if conn.due > now:
+                nearest = min(nearest, conn.due)
+            elif conn.state is _DRAIN:
+                if conn.note:
+                    log.debug(conn.note, conn.addr[0])
+                self._forget(conn)
+                self._close(conn.sock)
+            else:
+                if conn.state is not _HEAD:
+                    log.debug("TLS handshake with %s failed: timed out", conn.addr[0])
+                self._drop(conn, "timeout")
+                self._say("timeout", "/metrics: a connection from %s did not send its request within %.1f s; "
+                          "closed", conn.addr[0], self.header_timeout)
+        self._next_sweep = max(nearest, now + 0.02)  # deadlines to 20 ms, not a scan per event
 
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._active_lock:
-                self._active -= 1
+    def _set_state(self, conn: _Conn, state: str) -> None:
+        mine = self._by_peer[conn.peer]
+        del mine.group(conn)[conn.fd]
+        conn.state = state
+        mine.group(conn)[conn.fd] = conn
 
-    def finish_request(self, request, client_address):
-        # Runs in the connection's own thread (ThreadingMixIn), not in the accept loop: a client
-        # that sends garbage or a byte a second holds its own thread only, never the next scrape.
-        ctx = self.web.ssl_context if self.web is not None else None
-        if ctx is None:
-            return super().finish_request(request, client_address)
-        tls = self._handshake(request, ctx, client_address)
-        if tls is None:
-            return None
-        try:
-            tls.settimeout(CONNECTION_TIMEOUT)
-            super().finish_request(tls, client_address)
-        finally:
-            self.shutdown_request(tls)  # `request` gave its descriptor to `tls`
+    def _forget(self, conn: _Conn) -> None:
+        if self._pending.pop(conn.fd, None) is not conn:
+            return
+        mine = self._by_peer[conn.peer]
+        del mine.group(conn)[conn.fd]
+        if not mine:
+            del self._by_peer[conn.peer]
+        self._head_bytes -= len(conn.head)
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
 
-    def _handshake(self, sock: socket.socket, ctx: ssl.SSLContext, client_address) -> ssl.SSLSocket | None:
-        deadline = time.monotonic() + self.handshake_timeout
-        sock.settimeout(self.handshake_timeout)
-        try:
-            first = sock.recv(1, socket.MSG_PEEK)
-            if not first:
-                return None
-            if first != b"\x16":  # not a TLS handshake record: plain HTTP to the HTTPS port, most likely
-                self._answer_plain_http(sock)
-                return None
-            sock.settimeout(max(0.1, deadline - time.monotonic()))
-            tls = ctx.wrap_socket(sock, server_side=True)
-        except (OSError, ValueError) as e:  # ssl.SSLError and timeouts are OSErrors
-            log.debug("TLS handshake with %s failed: %s", client_address[0], e)
-            return None
-        if not self.web.client_allowed(tls.getpeercert()):
-            log.debug("client certificate of %s has none of client_allowed_sans", client_address[0])
-            self.shutdown_request(tls)
-            return None
-        return tls
+    def _drop(self, conn: _Conn, result: str) -> None:
+        self._forget(conn)
+        self._close(conn.sock)
+        self._count(result)
 
     @staticmethod
-    def _answer_plain_http(sock: socket.socket) -> None:
-        """Say what went wrong, as Go's servers do, then read what the client sent before closing:
-        closing with unread bytes would reset the connection and lose the answer."""
-        sock.sendall(_PLAIN_HTTP_ANSWER)
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(1.0)
-        drained = 0
-        while drained < 65536:
-            chunk = sock.recv(4096)
-            if not chunk:
-                break
-            drained += len(chunk)
+    def _close(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _count(self, result: str) -> None:
+        self._counts[result] += 1
+
+    def _say(self, cause: str, message: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._said.get(cause, -math.inf) >= _SAY_EVERY:
+            self._said[cause] = now
+            log.warning(message + " (counted in gpuwatch_http_connections_total; said at most once an hour)",
+                        *args)
+
+    # -- a request's own thread ----------------------------------------------------------------
+
+    def _serve(self, sock: socket.socket, addr, head: bytes) -> None:
+        try:
+            self.RequestHandlerClass((sock, head), addr, self)
+        except Exception:  # noqa: BLE001 - a client's trouble ends its own thread only
+            self.handle_error(sock, addr)
+        finally:
+            self.shutdown_request(sock)
+            with self._active_lock:
+                self._active -= 1
 
     def handle_error(self, request, client_address):
         # A client that went away or timed out is not worth a traceback on stderr.
@@ -503,13 +769,31 @@ class _Server(ThreadingMixIn, WSGIServer):
             log.exception("error serving %s", client_address[0])
 
 
+class PrometheusStatsProbe(Probe):
+    """How /metrics connections ended: gpuwatch_http_connections_total{result}."""
+
+    name = "http"
+    interval = 1.0
+
+    def __init__(self, exporter: "PrometheusExporter") -> None:
+        self.exporter = exporter
+
+    def collect(self) -> list[Sample]:
+        server = self.exporter._server
+        counts = server.stats() if server is not None else dict.fromkeys(RESULTS, 0)
+        return [Sample("gpuwatch.http.connections", float(counts[r]), "", {"result": r}) for r in RESULTS]
+
+
 class PrometheusExporter(Exporter):
     name = "prometheus"
 
-    def __init__(self, listen: str, web: "WebConfig | None" = None, max_requests: int = MAX_REQUESTS) -> None:
+    def __init__(self, listen: str, web: "WebConfig | None" = None, max_requests: int = MAX_REQUESTS,
+                 max_unfinished: int = MAX_UNFINISHED, header_timeout: float = HEADER_TIMEOUT) -> None:
         self.host, self.port = parse_listen(listen)
         self.web = web
         self.max_requests = max_requests
+        self.max_unfinished = max_unfinished
+        self.header_timeout = header_timeout
         self.app = _MetricsApp()
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -525,6 +809,8 @@ class PrometheusExporter(Exporter):
         self._server = make_server(self.host, self.port, app, server_class, handler_class=_QuietHandler)
         self._server.web = self.web  # before serve_forever: no connection is handled yet
         self._server.max_requests = self.max_requests
+        self._server.max_unfinished = self.max_unfinished
+        self._server.header_timeout = self.header_timeout
         self.port = self._server.server_address[1]  # the real port when 0 was asked for
         self._thread = threading.Thread(target=self._server.serve_forever, name="prometheus-http", daemon=True)
         self._thread.start()

@@ -80,7 +80,7 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen | None = N
 class Agent:
     """`gpuwatch agent` as a real subprocess, with its own state and runtime dirs."""
 
-    def __init__(self, tmp: Path, *args: str, env: dict | None = None, config: str = ""):
+    def __init__(self, tmp: Path, *args: str, env: dict | None = None, config: str = "", **popen):
         self.port = free_port()
         self.state = tmp / "state"
         self.runtime = tmp / "run"
@@ -90,7 +90,7 @@ class Agent:
                "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.state),
                "--runtime-dir", str(self.runtime), *args]
         e = dict(os.environ, **(env or {}))
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=e)
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, env=e, **popen)
         self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.socket = self.runtime / "control.sock"
 

@@ -75,7 +75,26 @@ def dashboard() -> grafana.Dashboard:
             .description("Control socket requests by method and result. refused: bad params, not the caller's "
                          "process, too large; busy: over the connections one user may hold (4) or all (16); "
                          "gone: the process that opened the connection exited; idle: closed without a request."),
+            ts("/metrics connections",
+               Q(f'sum by (instance, result) ({rate("gpuwatch.http.connections")})',
+                 "{{instance}} {{result}}")).unit("cps").span(12)
+            .description("Connections to /metrics by how they ended: served, busy (503), evicted (an unfinished "
+                         "connection closed for a newer one), over_budget, too_large, timeout (no whole request "
+                         "within prometheus.header_timeout), tls_failed, closed."),
+            ts("Budgets in use", Q(sel("gpuwatch.budget.used"), "{{instance}} {{budget}}")).unit("none").min(0).span(12)
+            .description("What all users' processes make the agent keep, per budget (graphs and stacks in bytes; "
+                         "libraries, uprobes, files in count). Limits per user and node-wide: [budget] "
+                         "(docs/security.md#budgets)."),
+            ts("Budget refusals",
+               Q(f'sum by (instance, budget, limit) ({rate("gpuwatch.budget.refusals")})',
+                 "{{instance}} {{budget}} ({{limit}})")).unit("cps").span(12)
+            .description("Charges refused: limit=user, one user's share was full (only their processes lose "
+                         "detail); limit=node, all users together reached the node-wide limit."),
             Row("CUPTI PM sampler"),
+            table("The agent's own GPU processes", Q(sel("gpuwatch.agent.gpu_process"), needs="pm_sampling"),
+                  hide=("Value",)).span(24).height(4)
+            .description("Processes of the agent that hold a GPU context (the CUPTI sampler child, a baseline "
+                         "run): never counted as users' work, leak suspects or a reason to skip a baseline."),
             table("Sampler state", Q(f'{sel("gpuwatch.profiling.state")} == 1', needs="pm_sampling"),
                   hide=("Value",)).span(8),
             ts("Sampler restarts",

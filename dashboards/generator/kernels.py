@@ -62,11 +62,12 @@ def dashboard() -> grafana.Dashboard:
             .min(0).max(1)
             .description("Achieved occupancy (CUPTI PM sampling) counts only cycles with work; GPM's SM "
                          "occupancy averages over all cycles, idle ones included."),
-            ts("Cache hit ratio",
-               Q(with_index(sel("gpuwatch.gpu.cache.hit_ratio")), GPU + " {{cache}}",
+            ts("L1 hit ratio",
+               Q(with_index(sel("gpuwatch.gpu.cache.hit_ratio", cache="l1")), GPU + " L1",
                  needs="pm_sampling")).unit("percentunit").min(0).max(1)
-            .description("Sector hit ratio of L1 and L2 (CUPTI PM sampling); absent when a window saw no "
-                         "traffic."),
+            .description("L1 sector hit ratio (CUPTI PM sampling; within 5 points of Nsight Compute on the "
+                         "H200); absent when a window saw no traffic. No L2: PM sampling offers no L2 hit "
+                         "rate (docs/cupti.md)."),
             ts("DRAM",
                Q(with_index(sel("gpuwatch.gpu.dram.throughput.utilization")), GPU + " throughput (CUPTI)",
                  needs="pm_sampling"),

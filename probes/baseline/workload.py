@@ -77,6 +77,11 @@ class Conditions(threading.Thread):
         sm = [p[1] for p in self.points if window[0] <= p[0] <= window[1]]
         return statistics.fmean(sm) if sm else None
 
+    def power(self, window: tuple[float, float]) -> float | None:
+        """Mean board power (W) read within one window, or None when no reading fell in it."""
+        w = [p[2] for p in self.points if window[0] <= p[0] <= window[1]]
+        return statistics.fmean(w) if w else None
+
     def during(self, windows: list[tuple[float, float]]) -> dict:
         pts = [p for p in self.points if any(t0 <= p[0] <= t1 for t0, t1 in windows)] or self.points
         if not pts:
@@ -104,9 +109,18 @@ def _nvml_handle(uuid: str):
         return None
 
 
-def compute_pids(handle) -> list[int]:
+def compute_pids(handle, ignore: frozenset[int] = frozenset()) -> list[int]:
+    """The GPU's compute processes but this one and the agent's own (`ignore`: its sampler)."""
     import pynvml as N
-    return sorted({p.pid for p in N.nvmlDeviceGetComputeRunningProcesses(handle)} - {os.getpid()})
+    return sorted({p.pid for p in N.nvmlDeviceGetComputeRunningProcesses(handle)} - {os.getpid()} - set(ignore))
+
+
+def parse_pids(text: str) -> frozenset[int]:
+    """--ignore-pids: comma-separated positive pids, at most 64."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if len(parts) > 64 or not all(p.strip().isdigit() and 0 < int(p) < 1 << 31 for p in parts):
+        raise argparse.ArgumentTypeError(f"expected up to 64 comma-separated pids, got {text[:80]!r}")
+    return frozenset(int(p) for p in parts)
 
 
 def _time_blocks(blocks: dict[str, tuple[Callable[[], object], int]], rounds: int,
@@ -130,16 +144,18 @@ def _time_blocks(blocks: dict[str, tuple[Callable[[], object], int]], rounds: in
 
 def run(gpu: int = 0, shape: tuple[int, int, int] = DEFAULT_SHAPE, seed: int = 0, rounds: int = 20,
         config: kernels.GemmConfig | None = None, force: bool = False, tiles: int = 8,
-        target_block_seconds: float = 0.008, copy_bytes: int = 1 << 30, tile_seed: int | None = None) -> dict:
+        target_block_seconds: float = 0.008, copy_bytes: int = 1 << 30, tile_seed: int | None = None,
+        ignore: frozenset[int] = frozenset()) -> dict:
     """One run; returns the result as a JSON-able dict. Raises Busy when the GPU is in use.
     `seed` fixes the inputs (same inputs, same software: the same output digest); the checked tiles
     are drawn with `tile_seed`, by default a new one each run, so runs look at other tiles."""
+    t_held = time.monotonic()  # the first CUDA call: from here the run holds the GPU (a context)
     dev = torch.device("cuda", gpu)
     torch.cuda.set_device(dev)
     props = torch.cuda.get_device_properties(dev)
     handle = _nvml_handle(_uuid(props))
     if handle is not None and not force:
-        pids = compute_pids(handle)
+        pids = compute_pids(handle, ignore)
         if pids:
             raise Busy(f"GPU {gpu} has compute processes {pids}: not running the baseline beside them")
     m, n, k = shape
@@ -199,6 +215,8 @@ def run(gpu: int = 0, shape: tuple[int, int, int] = DEFAULT_SHAPE, seed: int = 0
                 per_cycle.append(flop / t / (mhz * 1e6))
     block_clocks = {name: [conditions.sm_clock(w) for w in windows[name]] for name in ("fused", "cublas")} \
         if conditions else {}
+    block_power = {name: [conditions.power(w) for w in windows[name]] for name in ("fused", "cublas")} \
+        if conditions else {}
     out = {
         "gpu": gpu, "uuid": _uuid(props), "name": props.name, "sm_count": props.multi_processor_count,
         "shape": [m, n, k], "seed": seed, "config": cfg.as_dict(), "rounds": rounds, "calls_per_block": reps,
@@ -214,9 +232,12 @@ def run(gpu: int = 0, shape: tuple[int, int, int] = DEFAULT_SHAPE, seed: int = 0
         # Throughput per SM clock cycle: what the GPU does per cycle it was given, so a power cap
         # or a warm GPU's lower clock is not mistaken for a slower GPU (that is thermal's to say).
         "gemm_flop_per_cycle": statistics.median(per_cycle) if per_cycle else None,
-        "blocks": {"seconds_per_call": times, "sm_clock_mhz": block_clocks},
+        "blocks": {"seconds_per_call": times, "sm_clock_mhz": block_clocks, "power_watts": block_power},
         "check": result_check.as_dict(),
         "gpu_seconds": gpu_seconds, "compile_seconds": compile_seconds,
+        # From the first CUDA call to the answer checked: how long the run held the GPU (its
+        # context goes when the process exits, right after it prints).
+        "held_seconds": time.monotonic() - t_held,
     }
     return out
 
@@ -245,22 +266,39 @@ def parse_shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gpuwatch.probes.baseline.workload")
-    ap.add_argument("--gpu", type=int, default=0)
-    ap.add_argument("--shape", type=parse_shape, default=DEFAULT_SHAPE)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--force", action="store_true", help="run even when the GPU has compute processes")
-    a = ap.parse_args(argv)
+def serve(rounds: int) -> int:
+    """A prepared child: torch, Triton and the kernels imported, no CUDA call made (no context, no
+    GPU memory), waiting for one request line on stdin; then one run, its JSON, exit (the context
+    goes with the process). The agent keeps one ready so a run costs the GPU only the run.
+    Request: {"gpu": N, "force": bool, "ignore_pids": [...], "visible": "GPU-uuid" or null}."""
+    print(json.dumps({"ready": True, "pid": os.getpid()}), flush=True)
+    line = sys.stdin.readline(1 << 16)
+    if not line.strip():
+        return 0  # the agent let it go unused
+    try:
+        req = json.loads(line)
+        gpu = int(req.get("gpu", 0))
+        visible = req.get("visible")
+        ignore = parse_pids(",".join(str(int(p)) for p in req.get("ignore_pids", [])))
+        if visible is not None and not (isinstance(visible, str) and len(visible) < 128):
+            raise ValueError("visible")
+    except (ValueError, TypeError, AttributeError, argparse.ArgumentTypeError) as e:
+        print(json.dumps({"error": f"bad request: {type(e).__name__}: {str(e)[:100]}"}))
+        return 2
+    if visible:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # read by CUDA at its first call, which comes next
+    return _one(gpu, DEFAULT_SHAPE, 0, int(req.get("rounds", rounds)), bool(req.get("force")), ignore)
+
+
+def _one(gpu: int, shape, seed: int, rounds: int, force: bool, ignore: frozenset[int]) -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA GPU visible to torch"}))
         return 1
-    if not 0 <= a.gpu < torch.cuda.device_count():
-        print(json.dumps({"error": f"no GPU {a.gpu}: torch sees {torch.cuda.device_count()}"}))
+    if not 0 <= gpu < torch.cuda.device_count():
+        print(json.dumps({"error": f"no GPU {gpu}: torch sees {torch.cuda.device_count()}"}))
         return 2
     try:
-        print(json.dumps(run(a.gpu, a.shape, a.seed, a.rounds, force=a.force)))
+        print(json.dumps(run(gpu, shape, seed, rounds, force=force, ignore=ignore)))
     except Busy as e:
         print(json.dumps({"skipped": str(e)}))
         return EXIT_SKIPPED
@@ -268,6 +306,24 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": f"out of GPU memory: {str(e)[:200]}"}))
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gpuwatch.probes.baseline.workload")
+    ap.add_argument("--gpu", type=int, default=0)
+    ap.add_argument("--shape", type=parse_shape, default=DEFAULT_SHAPE)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--force", action="store_true", help="run even when the GPU has compute processes")
+    ap.add_argument("--ignore-pids", type=parse_pids, default=frozenset(),
+                    help="the agent's own processes (its CUPTI sampler), not counted as compute processes")
+    ap.add_argument("--serve", action="store_true",
+                    help="a prepared child: import everything, print a ready line, run once on the request read "
+                         "from stdin")
+    a = ap.parse_args(argv)
+    if a.serve:
+        return serve(a.rounds)
+    return _one(a.gpu, a.shape, a.seed, a.rounds, a.force, a.ignore_pids)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Device-wide counters from CUPTI PM sampling: achieved occupancy, L1 and L2 hit ratio and DRAM
-throughput of each GPU, whoever runs on it.
+"""Device-wide counters from CUPTI PM sampling: achieved occupancy, L1 hit ratio and DRAM
+throughput of each GPU, whoever runs on it (each within 5 percentage points of Nsight Compute on
+the H200; no L2 hit ratio: PM sampling offers none that is one, sampler.CHECK_GROUPS says why).
 
 CUPTI runs in a child process (probes/cupti/sampler.py) that this probe supervises from one
 thread, so no profiler call can hang the daemon:
@@ -36,19 +37,23 @@ import time
 from typing import Any, Callable, Sequence
 
 from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
+from gpuwatch.agent import own
 from gpuwatch.agent.api import Event, Probe, ProbeDisabled, ProbeUnavailable, Sample
 from gpuwatch.probes.cupti.arbitration import DEFAULT_YIELD_TO, Arbiter, Holder
 from gpuwatch.probes.cupti.sampler import (
-    BUSY_RE, EXIT_BUSY, GROUPS, INSTALL_REMEDY, MIN_INTERVAL_MS, cupti_lib_dir,
+    ALL_GROUPS, BUSY_RE, CHECK_GROUPS, EXIT_BUSY, GROUPS, INSTALL_REMEDY, MIN_INTERVAL_MS, cupti_lib_dir,
 )
 
 log = logging.getLogger("gpuwatch.cupti")
 
-STATES = ("sampling", "yielded", "unavailable", "backoff")
+STATES = ("sampling", "yielded", "unavailable", "backoff", "paused")
+# How the child makes its CUDA context, in the order tried: the runtime through cuda.bindings (no
+# libraries, nothing allocated), then PyTorch's (612 MiB per GPU on the H200). A child that dies
+# or hangs before its hello moves the next start to the next way.
+CONTEXTS = ("bindings", "torch")
 SERIES: dict[str, tuple[str, dict[str, str]]] = {  # sampler group -> (metric, labels)
     "occupancy": ("gpuwatch.gpu.achieved_occupancy", {}),
     "l1_hit": ("gpuwatch.gpu.cache.hit_ratio", {"cache": "l1"}),
-    "l2_hit": ("gpuwatch.gpu.cache.hit_ratio", {"cache": "l2"}),
     "dram": ("gpuwatch.gpu.dram.throughput.utilization", {}),
 }
 STATUS_FILE = "cupti-sampler.json"  # in the state directory; `gpuwatch doctor` reads it
@@ -64,6 +69,9 @@ def child_env(base: dict[str, str] | None = None) -> dict[str, str]:
     devices numbered like NVML (PCI bus order)."""
     env = dict(os.environ if base is None else base)
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    # Load a kernel module only when it is first used: the sampler launches none, so its context
+    # holds no code (the default since CUDA 12.2; an operator's EAGER would cost every GPU memory).
+    env["CUDA_MODULE_LOADING"] = "LAZY"
     found = cupti_lib_dir()
     if found:
         lib = found[1]
@@ -155,10 +163,12 @@ class CuptiSamplerProbe(Probe):
         arbiter: Arbiter | None = None,
         on_message: Callable[[dict], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        contexts: Sequence[str] | None = None,
     ) -> None:
-        unknown = [g for g in groups if g not in GROUPS]
+        # CHECK_GROUPS: sampled for a GPU check's on_message, never exported
+        unknown = [g for g in groups if g not in ALL_GROUPS]
         if unknown or not groups:
-            raise ValueError(f"unknown sampler groups {unknown}; known: {', '.join(GROUPS)}")
+            raise ValueError(f"unknown sampler groups {unknown}; known: {', '.join(ALL_GROUPS)}")
         if sample_interval * 1000 < MIN_INTERVAL_MS:
             raise ValueError(f"sample_interval must be >= {MIN_INTERVAL_MS / 1000:g} s")
         self.devices = devices
@@ -181,6 +191,12 @@ class CuptiSamplerProbe(Probe):
         self.arbiter = arbiter if arbiter is not None else Arbiter(yield_to)
         self.on_message = on_message
         self.clock = clock
+        if contexts is None and command is not None:
+            contexts = ()  # a command of one's own makes its context as it likes
+        elif contexts is None:
+            contexts = [c for c in CONTEXTS if c != "torch" or importlib.util.find_spec("torch") is not None]
+        self.contexts = tuple(contexts)
+        self._context = 0  # index in self.contexts of the way the next child makes its context
 
         self._lock = threading.Lock()  # guards what collect() reads; never held across I/O or waits
         self._stop = threading.Event()
@@ -198,17 +214,75 @@ class CuptiSamplerProbe(Probe):
         self._unsupported: dict[tuple[int, str], str] = {}  # (device index, group) -> error
         self._supported: dict[tuple[int, str], dict] = {}  # (device index, group) -> last value line
         self._child_pid: int | None = None
+        self._paused: set[str] = set()  # why the sampler steps aside (a baseline run per GPU); empty: it may run
+        self._paused_ack = threading.Event()  # set by the supervisor once no child holds a context
+        self._before_pause: tuple[str, str, Holder | None] | None = None
         self._status_error_logged = False
         self.last_stderr = ""
 
     # -- Probe ------------------------------------------------------------------------------
     def command(self) -> list[str]:
         if self.custom_command is not None:
-            return list(self.custom_command)
+            return list(self.custom_command) + (["--context", self.context] if self.contexts else [])
         # -X faulthandler: should CUPTI crash the child, its Python stack reaches our stderr tail.
-        return [sys.executable, "-X", "faulthandler", "-m", "gpuwatch.probes.cupti.sampler", "--devices", self.devices,
-                "--interval-ms", f"{self.sample_interval * 1000:g}", "--group-seconds", f"{self.group_seconds:g}",
-                "--groups", ",".join(self.groups)]
+        cmd = [sys.executable, "-X", "faulthandler", "-m", "gpuwatch.probes.cupti.sampler", "--devices", self.devices,
+               "--interval-ms", f"{self.sample_interval * 1000:g}", "--group-seconds", f"{self.group_seconds:g}",
+               "--groups", ",".join(self.groups)]
+        if self.contexts:
+            cmd += ["--context", self.context]
+        return cmd
+
+    @property
+    def context(self) -> str:
+        """How the next child makes its CUDA context."""
+        return self.contexts[min(self._context, len(self.contexts) - 1)] if self.contexts else "auto"
+
+    def next_context(self, why: str) -> bool:
+        """Move the next start to the next way of making the context; False when none is left."""
+        with self._lock:
+            if self._context + 1 >= len(self.contexts):
+                return False
+            before = self.context
+            self._context += 1
+        log.warning("cupti sampler: %s with its CUDA context made by %s; the next start makes it with %s",
+                    why, before, self.context)
+        self._write_status()
+        return True
+
+    # -- the agent's own GPU work (agent/own.py) -------------------------------------------------
+    def own_processes(self) -> list[own.OwnProcess]:
+        pid = self._child_pid
+        return [own.OwnProcess(pid, "cupti_sampler")] if pid else []
+
+    def pause(self, reason: str, timeout: float = 3.0) -> bool:
+        """Step aside: the child is stopped (its counters and CUDA context released) and none is
+        started until resume(). True once no child runs (or none was running), False when that
+        did not happen within `timeout`; resume() must follow either way."""
+        with self._lock:
+            if not self._paused:
+                self._before_pause = (self._state, self._reason, self._holder)
+            self._paused.add(reason)
+            self._paused_ack.clear()
+            alive = self._thread is not None and self._thread.is_alive()
+        if not alive:  # not supervising: no child of ours runs
+            return self._child_pid is None
+        return self._paused_ack.wait(timeout)
+
+    def resume(self) -> None:
+        """Sampling may go on (after the last pause's resume); the supervisor starts a child."""
+        with self._lock:
+            self._paused.clear()
+            before, self._before_pause = self._before_pause, None
+        if self._state == "paused":
+            state, reason, holder = before or ("sampling", "", None)
+            if state in ("sampling", "paused"):
+                self._set_state("sampling", "resuming after the agent's reference workload")
+            else:  # yielded to another profiler or backing off: as it was (the scan goes on meanwhile)
+                self._set_state(state, reason, holder)
+
+    @property
+    def paused(self) -> bool:
+        return bool(self._paused)
 
     def start(self) -> None:
         with self._lock:
@@ -251,6 +325,7 @@ class CuptiSamplerProbe(Probe):
         for reason, n in restarts.items():
             out.append(Sample("gpuwatch.cupti.sampler.restarts", float(n), labels={"reason": reason}, ts=wall))
         out.append(Sample("gpuwatch.cupti.sampler.invalid_lines", float(invalid), ts=wall))
+        out += own.samples(self.own_processes(), wall)
         return out
 
     def events(self) -> list[Event]:
@@ -328,21 +403,24 @@ class CuptiSamplerProbe(Probe):
         kind = msg.get("type")
         if kind == "value":
             group, uuid = msg.get("group"), msg.get("uuid")
-            if group not in SERIES or not isinstance(uuid, str) or not uuid:
+            if group in CHECK_GROUPS and group in self.groups:
+                pass  # a GPU check's group: its on_message has it, nothing is exported
+            elif group not in SERIES or not isinstance(uuid, str) or not uuid:
                 self._bad_line()
                 return
-            mean = msg.get("mean")
-            t1 = msg.get("t1")
-            ts = float(t1) if isinstance(t1, (int, float)) and not isinstance(t1, bool) else time.time()
-            with self._lock:
-                if isinstance(mean, (int, float)) and not isinstance(mean, bool) and mean == mean:
-                    self._latest[(uuid, group)] = (min(max(float(mean), 0.0), 1.0), ts, now)
-                else:  # no finite sample in the window (e.g. no cache traffic): nothing current
-                    self._latest.pop((uuid, group), None)
-                first = (msg.get("device"), group) not in self._supported
-                self._supported[(msg.get("device"), group)] = msg
-            if first:
-                self._write_status()
+            else:
+                mean = msg.get("mean")
+                t1 = msg.get("t1")
+                ts = float(t1) if isinstance(t1, (int, float)) and not isinstance(t1, bool) else time.time()
+                with self._lock:
+                    if isinstance(mean, (int, float)) and not isinstance(mean, bool) and mean == mean:
+                        self._latest[(uuid, group)] = (min(max(float(mean), 0.0), 1.0), ts, now)
+                    else:  # no finite sample in the window (e.g. no cache traffic): nothing current
+                        self._latest.pop((uuid, group), None)
+                    first = (msg.get("device"), group) not in self._supported
+                    self._supported[(msg.get("device"), group)] = msg
+                if first:
+                    self._write_status()
         elif kind == "hello":
             with self._lock:
                 self._hello = msg
@@ -378,10 +456,10 @@ class CuptiSamplerProbe(Probe):
             devices = {d.get("index"): dict(d, metrics={}) for d in hello.get("devices", []) if isinstance(d, dict)}
             for (dev, group), msg in self._supported.items():
                 devices.setdefault(dev, {"index": dev, "uuid": msg.get("uuid", ""), "metrics": {}})["metrics"][group] = {
-                    "ok": True, "metric": GROUPS.get(group, ""), "last": msg.get("mean"), "t1": msg.get("t1")}
+                    "ok": True, "metric": ALL_GROUPS.get(group, ""), "last": msg.get("mean"), "t1": msg.get("t1")}
             for (dev, group), err in self._unsupported.items():
                 devices.setdefault(dev, {"index": dev, "metrics": {}})["metrics"][group] = {
-                    "ok": False, "metric": GROUPS.get(group, ""), "error": err}
+                    "ok": False, "metric": ALL_GROUPS.get(group, ""), "error": err}
             return {
                 "updated": round(time.time(), 3),
                 "agent_pid": os.getpid(),
@@ -397,6 +475,7 @@ class CuptiSamplerProbe(Probe):
                 "devices": [devices[k] for k in sorted(devices, key=lambda k: (not isinstance(k, int), str(k)))],
                 "restarts": dict(self._restarts),
                 "invalid_lines": self.invalid_lines,
+                "context": self.context,
             }
 
     def _write_status(self) -> None:
@@ -411,6 +490,13 @@ class CuptiSamplerProbe(Probe):
             if not self._status_error_logged:
                 self._status_error_logged = True
                 log.warning("cannot write %s for `gpuwatch doctor`: %s", self.status_path, e.strerror or e)
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -460,6 +546,9 @@ class _Supervisor:
             self.reap()
             if p._state == "unavailable":
                 return
+            if p._paused:
+                self.step_aside()
+                continue
             if self.child is not None:
                 self.pump(min(0.1, max(0.0, next_scan - p.clock())))
                 self.check_child(p.clock())
@@ -470,8 +559,21 @@ class _Supervisor:
             else:
                 p._stop.wait(max(0.0, min(0.1, next_scan - now, self.resume_at - now if self.resume_at > now else 0.1)))
 
+    def step_aside(self) -> None:
+        """While paused: no child (the baseline run must find the GPU without our context)."""
+        p = self.p
+        if self.child is not None:
+            self.stop_child()
+        if self.child is None and p._paused:
+            if p._state != "paused":
+                p._set_state("paused", "stepped aside: " + "; ".join(sorted(p._paused)))
+            p._paused_ack.set()
+        p._stop.wait(0.05)
+
     def arbitrate(self, now: float) -> None:
         p = self.p
+        if p._paused:
+            return
         exclude = {self.child.pid} if self.child is not None else set()
         try:
             holder = p.arbiter.scan(exclude=exclude)
@@ -528,9 +630,14 @@ class _Supervisor:
         if not self.open_fds:
             self.p._stop.wait(timeout)
             return
+        # poll, not select: under the unit's LimitNOFILE (thousands of uprobe fds with perf_events)
+        # the child's pipes may be numbered past select's 1024.
+        poller = select.poll()
+        for fd in self.open_fds:
+            poller.register(fd, select.POLLIN)
         try:
-            ready, _, _ = select.select(self.open_fds, [], [], timeout)
-        except (OSError, ValueError):
+            ready = [fd for fd, _ in poller.poll(max(timeout, 0.0) * 1000)]
+        except OSError:
             ready = []
         for fd in ready:
             try:
@@ -613,6 +720,8 @@ class _Supervisor:
         if silent > limit:
             what = "after its hello" if self.hello else "since it started"
             self.kill_child()
+            if not self.hello and p.next_context(f"the sampler hung while starting ({silent:.1f} s silent)"):
+                self.backoff = p.backoff_start
             self.restart("hang", f"the sampler printed nothing for {silent:.1f} s {what}; killed it", now)
 
     def drain(self) -> None:
@@ -639,6 +748,9 @@ class _Supervisor:
         p.last_stderr = tail
         last = crash_summary(tail)
         self.start_crashes = 0 if self.hello else self.start_crashes + 1
+        if not self.hello and rc is not None and rc < 0 and p.next_context(
+                f"the sampler died of {_signal_name(-rc)} while starting"):
+            self.start_crashes, self.backoff = 0, p.backoff_start  # a new way: its own three tries
         if self.start_crashes >= START_CRASHES:
             # It will crash the same way again: say so once and retry slowly, not every minute.
             self.start_crashes = 0

@@ -82,6 +82,27 @@ def check_libcupti(status: dict | None = None) -> dict:
     return _check(name, True, f"libcupti {version} at {lib}{first}{others}{seen}")
 
 
+# What the sampler's CUDA context costs per GPU: NVML's per-process used memory on the H200 (driver
+# 580.159.04), 2026-12-04, `python3 tests/gpu/sampler_memory_check.py` (docs/benchmarks.md).
+CONTEXT_MIB_H200 = {"bindings": 254, "bindings, CUDA's default stack limit": 518, "torch": 612}
+CONTEXT_MEASURED = ("NVML per process on the H200, driver 580.159.04, 2026-12-04, "
+                    "tests/gpu/sampler_memory_check.py")
+CONTEXT_FLOOR = ("PM sampling needs a CUDA context on each GPU, and no context costs 64 MiB or less: the cheapest "
+                 "measured is the runtime's with the per-thread stack limit 0")
+
+
+def context_cost(context: str, devices: list) -> str:
+    """What the sampler's context costs each GPU, as measured for the way it was made."""
+    how = "bindings" if context in ("auto", "bindings") else context
+    stacks = {d.get("stack_bytes") for d in devices if isinstance(d, dict)}
+    if how == "bindings" and stacks and stacks != {0}:
+        how = "bindings, CUDA's default stack limit"
+    mib = CONTEXT_MIB_H200.get(how)
+    if mib is None:
+        return f"not measured for a {context} context. {CONTEXT_FLOOR}"
+    return f"{mib} MiB per GPU ({CONTEXT_MEASURED}; PyTorch's context costs {CONTEXT_MIB_H200['torch']}). {CONTEXT_FLOOR}"
+
+
 def read_status(state_dir: str | None) -> tuple[dict | None, str]:
     """(status, path) of the agent's sampler; status None when absent or unreadable."""
     path = os.path.join(state_dir or "/var/lib/gpuwatch", STATUS_FILE)
@@ -141,6 +162,11 @@ def check_sampling(status: dict | None, path: str) -> dict:
         detail += "; gave " + "; ".join(gave)
     if could_not:
         detail += "; could not sample " + "; ".join(could_not)
+    context = status.get("context")
+    if isinstance(context, str) and context:
+        detail += (f". Its CUDA context on each GPU (made by {context}"
+                   + (", PyTorch's: far more than the runtime's" if context == "torch" else "")
+                   + f") costs GPU memory: {context_cost(context, status.get('devices') or [])}")
     detail += f". {FALLBACK}"
     if state == "unavailable":
         remedy = PRIVILEGE_REMEDY if PRIVILEGE_RE.search(reason) or "not allowed" in reason else (

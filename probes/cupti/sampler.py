@@ -1,7 +1,7 @@
 """The CUPTI PM sampling child: device-wide counters, one metric at a time, as JSON lines.
 
     python -m gpuwatch.probes.cupti.sampler --devices 0 --interval-ms 10 --group-seconds 1 \\
-        --groups occupancy,l1_hit,l2_hit,dram
+        --groups occupancy,l1_hit,dram
 
 The daemon runs this in a child process (probes/cupti/devicewide.py) because a profiler call can
 hang (a sampler whose CUDA context was only a retained primary context hung in enable() on the
@@ -13,7 +13,8 @@ window; a context made through the runtime (cudaSetDevice + cudaFree(0)) sees ev
 work on the device.
 
 Protocol: one JSON object per line on stdout (libraries' own prints are sent to stderr):
-  {"type":"hello","devices":[{"index","uuid","name","chip"}],"cupti_version","libcupti","cupti_python"}
+  {"type":"hello","devices":[{"index","uuid","name","chip","stack_bytes"}],"cupti_version","libcupti",
+   "cupti_python"}   stack_bytes: the per-thread stack limit set, null when CUDA's default was kept
   {"type":"value","device","uuid","group","metric","mean","min","max","samples","t0","t1",...}
       ratios 0..1 (the metrics are percentages); t0/t1 wall-clock seconds of the window
   {"type":"unsupported","device","uuid","group","metric","error"}   the group is dropped on that GPU
@@ -39,13 +40,24 @@ import sys
 import threading
 import time
 
-# group -> PM sampling metric (all percentages; GH100 accepts each alone, no two together).
+# group -> PM sampling metric (all percentages; GH100 accepts each alone, no two together). Each
+# is within 5 percentage points of Nsight Compute's on the H200 (docs/benchmarks.md, issue 34).
 GROUPS: dict[str, str] = {
     "occupancy": "sm__warps_active.avg.pct_of_peak_sustained_active",
     "l1_hit": "l1tex__t_sector_hit_rate.pct",
-    "l2_hit": "lts__average_t_sector_hit_rate_realtime.pct",  # lts__t_sector_hit_rate.pct is rejected
     "dram": "dram__throughput.avg.pct_of_peak_sustained_elapsed",
 }
+# Groups only the GPU checks ask for (tests/gpu/ncu_compare_check.py), never exported.
+# l2_hit is not an L2 hit rate: PM sampling rejects lts__t_sector_hit_rate.pct, and this
+# "realtime" average read 50.0 % on an L2-resident copy that ncu calls 99.8 % hits and on kernels
+# with almost no L2 traffic, 25.5 % on a streaming copy (ncu 50.9 %) - a resting value, not a
+# ratio gpuwatch can name (H200, 2026-12-04).
+CHECK_GROUPS: dict[str, str] = {
+    "l2_hit": "lts__average_t_sector_hit_rate_realtime.pct",
+    "bank_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+}
+COUNT_GROUPS = frozenset({"bank_conflicts"})  # counts per sample, emitted as they are (not percentages)
+ALL_GROUPS = {**GROUPS, **CHECK_GROUPS}
 MIN_INTERVAL_MS = 5.0  # 1 ms overflowed the hardware buffer on the H200
 EXIT_FATAL = 3
 EXIT_BUSY = 4
@@ -69,7 +81,7 @@ PRIVILEGE_RE = re.compile(r"INSUFFICIENT_PRIVILEGES|Insufficient privileges|ERR_
 # -- helpers shared with the parent and the doctor (stdlib only) ---------------------------------
 
 from gpuwatch.probes.cupti import (  # noqa: E402,F401  (re-exported for the parent and the doctor)
-    cupti_lib_dir, cupti_wheels, loaded_libcupti, uuid_string, version_tuple,
+    MIN_CUPTI, cupti_lib_dir, cupti_wheels, loaded_libcupti, uuid_string, version_tuple,
 )
 
 
@@ -129,6 +141,38 @@ class Out:
             self.emit(type="heartbeat", t=round(time.time(), 3))
 
 
+TITLE = "gpuwatch-sampler"
+
+
+def set_title(title: str = TITLE) -> str:
+    """Name this process `title` where tools look: its comm (prctl PR_SET_NAME: ps, top, psutil's
+    name()) and its command line (/proc/PID/cmdline, which nvidia-smi and nvitop show), by
+    overwriting the argv area in place as setproctitle does: only after checking that the bytes at
+    the kernel's arg_start..arg_end are this process's command line, and never past it. What it
+    managed: "comm+cmdline", "comm", or ""."""
+    import ctypes
+
+    done = ""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(15, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0) == 0:  # PR_SET_NAME
+            done = "comm"
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: fields 48 and 49 of stat(5)
+        with open("/proc/self/cmdline", "rb") as f:
+            cmdline = f.read()
+        size = end - start
+        new = title.encode() + b"\0"
+        if 0 < size <= 1 << 20 and len(cmdline) == size and len(new) <= size \
+                and ctypes.string_at(start, size) == cmdline:
+            ctypes.memmove(start, new + b"\0" * (size - len(new)), size)
+            done += "+cmdline"
+    except Exception:  # a title is a nicety: never a reason not to sample
+        pass
+    return done
+
+
 def _die_with_parent() -> None:
     """SIGTERM us when the thread that started us dies (the daemon killed hard)."""
     try:
@@ -140,9 +184,10 @@ def _die_with_parent() -> None:
         pass
 
 
-def window_stats(values: list[float]) -> dict:
-    """mean/min/max of a window's finite percentages, as ratios (None when there were none)."""
-    vals = [v / 100.0 for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+def window_stats(values: list[float], scale: float = 0.01) -> dict:
+    """mean/min/max of a window's finite percentages, as ratios (None when there were none);
+    scale 1 for a count (COUNT_GROUPS)."""
+    vals = [v * scale for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     if not vals:
         return {"mean": None, "min": None, "max": None, "samples": 0}
     return {"mean": round(sum(vals) / len(vals), 6), "min": round(min(vals), 6),
@@ -166,9 +211,12 @@ class Device:
         self.errors = 0
         self.buffer_mb = 0
         self.reenabled = False  # one disable+enable per window when configure fails
+        self.stack_bytes: int | None = None  # the per-thread stack limit set (None: CUDA's default)
+        self.stack_error = ""
 
     def info(self) -> dict:
-        return {"index": self.index, "uuid": self.uuid, "name": self.name, "chip": self.chip}
+        return {"index": self.index, "uuid": self.uuid, "name": self.name, "chip": self.chip,
+                "stack_bytes": self.stack_bytes, **({"stack_error": self.stack_error} if self.stack_error else {})}
 
 
 class Sampler:
@@ -235,6 +283,13 @@ class Sampler:
                 # The runtime makes the context current; a primary context only retained through
                 # the driver API hung in enable() on the H200.
                 make_context(self.args.context, rt, i, self._rt)
+                stack = stack_bytes(self.args)
+                if stack >= 0:
+                    try:
+                        self._rt(rt, "cudaDeviceSetLimit", rt.cudaLimit.cudaLimitStackSize, stack)
+                        dev.stack_bytes = stack
+                    except Exception as e:  # CUDA's default kept: it costs memory, not samples
+                        dev.stack_error = describe(e)
                 prop = self._rt(rt, "cudaGetDeviceProperties", i)
                 raw = prop.name
                 dev.name = (raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)).split("\0")[0]
@@ -250,7 +305,7 @@ class Sampler:
 
     def _unsupported_all(self, dev: Device, groups: list[str], error: str) -> None:
         for g in groups:
-            self.out.emit(type="unsupported", device=dev.index, uuid=dev.uuid, group=g, metric=GROUPS[g], error=error)
+            self.out.emit(type="unsupported", device=dev.index, uuid=dev.uuid, group=g, metric=ALL_GROUPS[g], error=error)
 
     def enable(self, pm_sampling) -> int | None:
         if not self.devices:
@@ -334,7 +389,7 @@ class Sampler:
             group = dev.groups[dev.turn % len(dev.groups)]
             try:
                 dev.collector.configure(
-                    metrics=[GROUPS[group]],
+                    metrics=[ALL_GROUPS[group]],
                     hardware_buffer_size=dev.buffer_mb << 20,
                     sampling_interval=int(self.args.interval_ms * 1e6),  # ns in GPU_TIME_INTERVAL mode
                     trigger_mode=pm_sampling.TriggerMode.GPU_TIME_INTERVAL,
@@ -345,7 +400,7 @@ class Sampler:
                     return self.busy(dev, f"GPU {dev.index}: {text}")
                 if isinstance(e, ValueError):  # "not supported" (e.g. not single pass on this chip)
                     self.out.emit(type="unsupported", device=dev.index, uuid=dev.uuid, group=group,
-                                  metric=GROUPS[group], error=text)
+                                  metric=ALL_GROUPS[group], error=text)
                     dev.groups.remove(group)
                     continue
                 if not dev.reenabled:
@@ -426,8 +481,8 @@ class Sampler:
         dev.group = None
         dev.errors = 0
         dev.turn += 1
-        stats = window_stats(dev.values)
-        self.out.emit(type="value", device=dev.index, uuid=dev.uuid, group=group, metric=GROUPS[group],
+        stats = window_stats(dev.values, 1.0 if group in COUNT_GROUPS else 0.01)
+        self.out.emit(type="value", device=dev.index, uuid=dev.uuid, group=group, metric=ALL_GROUPS[group],
                       t0=round(t0, 3), t1=round(time.time(), 3), decodes=dev.decodes,
                       decode_ms=round(dev.decode_s * 1e3, 2), **stats)
         return None
@@ -487,6 +542,26 @@ class Sampler:
 CONTEXTS = ("cudart", "bindings", "torch")
 
 
+def preload_libcupti() -> str:
+    """Load the newest nvidia-cuda-cupti wheel's libcupti by its path, before cupti-python asks
+    cuda.pathfinder for one: the pathfinder takes a library already loaded first, then the
+    site-packages wheel, never LD_LIBRARY_PATH, so an image's older libcupti (torch's 13.0) would
+    otherwise be what cupti-python 13.4 calls into. Returns the path loaded ("" when none found)."""
+    import ctypes
+
+    found = cupti_lib_dir()
+    if not found:
+        return ""
+    libs = sorted(glob.glob(os.path.join(found[1], "libcupti.so*")), key=len)
+    for path in libs:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            return path
+        except OSError:
+            continue
+    return ""
+
+
 def _libcudart():
     """The CUDA runtime library itself (not cuda.bindings' reimplementation over the driver)."""
     import ctypes
@@ -509,14 +584,16 @@ def _libcudart():
 def make_context(how: str, rt, index: int, call) -> None:
     """Make device `index`'s context current in this process, the way `how` says.
 
-    On the H200 (driver 580, CUPTI 13.4) PM sampling's enable crashed (SIGSEGV in
-    profiler_initialize) after a context made through libcudart or cuda.bindings, and worked
-    after one made by PyTorch (tests/gpu/sampler_contexts.py): auto takes PyTorch when it is
-    importable."""
+    bindings (cudaSetDevice + cudaFree(0) through cuda.bindings' runtime) makes the runtime's
+    context and nothing else: no library, no module (CUDA_MODULE_LOADING=LAZY), no allocation.
+    torch costs what PyTorch's context costs (612 MiB per GPU on the H200). On the H200 (driver
+    580) PM sampling's enable once crashed (SIGSEGV in profiler_initialize) after a bindings or
+    libcudart context and not after torch's; that child had not preloaded libcupti, so it probably
+    ran cupti-python 13.4 against the image's libcupti 13.0 that torch's import did not load
+    (preload_libcupti). The daemon falls back to the next way when a child dies while starting
+    (devicewide.CONTEXTS); tests/gpu/sampler_memory_check.py measures each way. auto: bindings."""
     if how == "auto":
-        import importlib.util
-
-        how = "torch" if importlib.util.find_spec("torch") is not None else "cudart"
+        how = "bindings"
     if how == "bindings":
         call(rt, "cudaSetDevice", index)
         call(rt, "cudaFree", 0)
@@ -535,6 +612,21 @@ def make_context(how: str, rt, index: int, call) -> None:
                 raise RuntimeError(f"{fn} returned cudaError {rc}")
 
 
+# The per-thread stack limit sizes the local memory the driver reserves for every thread the GPU can
+# hold: on the H200 the bindings context cost 518 MiB per GPU with CUDA's default, 320 with 256 B,
+# 258 with 16 B and 254 with 0, and sampled the same (tests/gpu/sampler_memory_check.py, 2026-12-04).
+# The sampler launches no kernel, so it needs none. torch's context (the fallback) keeps CUDA's
+# default: PyTorch launched kernels in it while making it.
+STACK_MAX_BYTES = 1 << 20
+
+
+def stack_bytes(args: argparse.Namespace) -> int:
+    """The cudaLimitStackSize the sampler sets after making its context (-1: CUDA's default kept)."""
+    if args.stack_bytes is not None:
+        return args.stack_bytes
+    return 0 if args.context in ("auto", "bindings") else -1
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m gpuwatch.probes.cupti.sampler",
                                  description="CUPTI PM sampling of device-wide counters, as JSON lines.")
@@ -543,13 +635,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--group-seconds", type=float, default=1.0, help="seconds each metric group is sampled in turn")
     ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated: " + ", ".join(GROUPS))
     ap.add_argument("--context", choices=("auto",) + CONTEXTS, default="auto",
-                    help="how the CUDA context is made: auto (torch when importable, else cudart), cudart (the "
-                         "runtime library), bindings (cuda.bindings), torch")
+                    help="how the CUDA context is made: auto (bindings), cudart (the runtime library), bindings "
+                         "(cuda.bindings' runtime), torch (PyTorch's, costs far more GPU memory)")
+    ap.add_argument("--no-preload", action="store_true",
+                    help="do not load the newest wheel's libcupti first (for tests/gpu/sampler_memory_check.py)")
+    ap.add_argument("--stack-bytes", type=int, default=None,
+                    help="each context's per-thread stack limit (cudaLimitStackSize), which sizes the local "
+                         "memory the driver reserves per GPU; -1 leaves CUDA's default; default: 0 for the "
+                         "bindings context (the sampler launches no kernel), CUDA's default for the others")
     ap.add_argument("--buffer-mb", type=int, default=64, help="PM sampling hardware buffer per GPU (doubles on overflow)")
     ap.add_argument("--decode-seconds", type=float, default=DECODE_S,
                     help="decode the hardware buffer this often within a window (each decode costs host time)")
     args = ap.parse_args(argv)
-    bad = [g for g in args.groups.split(",") if g and g not in GROUPS]
+    bad = [g for g in args.groups.split(",") if g and g not in ALL_GROUPS]
     if bad or not args.groups.strip(","):
         ap.error(f"--groups: unknown {', '.join(bad) or '(none given)'}; known: {', '.join(GROUPS)}")
     if not args.interval_ms >= MIN_INTERVAL_MS:
@@ -558,6 +656,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--group-seconds must be > 0")
     if not args.decode_seconds > 0:
         ap.error("--decode-seconds must be > 0")
+    if args.stack_bytes is not None and not -1 <= args.stack_bytes <= STACK_MAX_BYTES:
+        ap.error(f"--stack-bytes must be -1 (CUDA's default) or 0-{STACK_MAX_BYTES}")
     if not 1 <= args.buffer_mb <= BUFFER_MAX_MB:
         ap.error(f"--buffer-mb must be 1-{BUFFER_MAX_MB}")
     return args
@@ -569,15 +669,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     out = Out()
+    set_title()
     _die_with_parent()
     out.emit(type="heartbeat", t=round(time.time(), 3))  # alive before the slow imports
     # Device N must be NVML's GPU N (the runtime's default order is fastest first).
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")  # no kernel of any library loaded into the context
+    preloaded = "" if args.no_preload else preload_libcupti()
     try:
         from cupti import pm_sampling  # first: its absence is the usual reason
         from cuda.bindings import runtime as rt
     except Exception as e:
         out.emit(type="fatal", error=f"cupti-python cannot be imported by {sys.executable}: {describe(e)}; "
+                                     + INSTALL_REMEDY)
+        return EXIT_FATAL
+    lib = loaded_libcupti()
+    if lib and version_tuple(wheel_version_of(lib)) and version_tuple(wheel_version_of(lib)) < MIN_CUPTI:
+        # cupti-python 13.4 calling into an older libcupti crashes in profiler_initialize.
+        out.emit(type="fatal", error=f"the libcupti loaded is {wheel_version_of(lib)} ({lib}), older than 13.4: "
                                      + INSTALL_REMEDY)
         return EXIT_FATAL
     s = Sampler(args, out, stop)
@@ -599,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
             cupti_python = ""
         out.emit(type="hello", devices=[d.info() for d in s.devices], cupti_version=wheel_version_of(lib),
                  libcupti=lib, cupti_python=cupti_python, pid=os.getpid(), interval_ms=args.interval_ms,
-                 group_seconds=args.group_seconds)
+                 group_seconds=args.group_seconds, context=args.context, preloaded=preloaded)
         return s.run(pm_sampling)
     except Exception as e:  # a bug or an unexpected CUPTI failure: say so, free the counters
         s.release()

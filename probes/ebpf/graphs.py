@@ -26,6 +26,10 @@ are not kernels and are not followed.
 
 Everything here is bounded (a process chooses what it sends): graphs per process, distinct node
 configurations per graph, processes; what goes beyond makes graphs partial or unknown, counted.
+Those bounds hold per dimension; their product (4,096 executable graphs of 4,096 nodes each) does
+not: every entry kept is also charged, in bytes, to the process's user in the "graphs" budget
+(agent/budget.py), per user and node-wide, and what the budget refuses makes that user's graphs
+partial or unknown, never anyone else's.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gpuwatch.agent import budget as budget_
 from gpuwatch.probes.ebpf import bpfsys, symbols as S
 
 log = logging.getLogger("gpuwatch.ebpf")
@@ -44,26 +49,84 @@ MAX_GRAPHS_PER_PROCESS = 4096  # graphs and executable graphs, each
 MAX_SPECS_PER_GRAPH = 4096     # distinct (kernel, grid, block, shared memory) in one graph
 MAX_PROCESSES = 4096
 MAX_HANDLES_PER_GRAPH = 65536  # explicit nodes remembered for their SetParams
+# What each entry is charged to the "graphs" budget, in bytes: measured with tracemalloc on CPython
+# 3.11 (a distinct node configuration, its 8-tuple of large integers and its Counter slot: 352; an
+# entry copied into an executable graph, its key shared: 52; a node handle: 88), rounded up.
+SPEC_BYTES = 384
+COPY_BYTES = 64
+HANDLE_BYTES = 96
+GRAPH_BYTES = 512  # a graph, capture or executable graph itself (its object, Counter and dict)
+KERNEL_BYTES = 256  # a kernel's running counts
 
 # A kernel node: (function handle, grid x, y, z, block x, y, z, shared memory bytes)
 Spec = tuple
 EVENT = S.ctype("gw_graph_event")
 
 
+class _Meter:
+    """The bytes one process's graph state holds, charged to its user's "graphs" budget."""
+
+    __slots__ = ("budget", "uid", "held")
+
+    def __init__(self, budget: budget_.Budget, uid: int) -> None:
+        self.budget, self.uid, self.held = budget, uid, 0
+
+    def take(self, n: int) -> bool:
+        if not self.budget.charge(self.uid, n):
+            return False
+        self.held += n
+        return True
+
+    def give(self, n: int) -> None:
+        n = min(n, self.held)
+        self.held -= n
+        self.budget.release(self.uid, n)
+
+
 @dataclass
 class _Graph:
+    meter: _Meter
     counts: Counter = field(default_factory=Counter)  # Spec -> nodes
     handles: dict = field(default_factory=dict)  # explicit node handle -> Spec
     complete: bool = True
+    held: int = 0  # bytes charged for it (given back by drop)
 
-    def copy(self) -> "_Graph":
-        return _Graph(Counter(self.counts), dict(self.handles), self.complete)
+    @classmethod
+    def new(cls, meter: _Meter, complete: bool = True) -> "_Graph | None":
+        """An empty graph, or None when its user's budget has no room for it."""
+        return cls(meter, complete=complete, held=GRAPH_BYTES) if meter.take(GRAPH_BYTES) else None
+
+    def copy(self, handles: bool = True) -> "_Graph | None":
+        """A copy (without the node handles: handles=False), or None when the budget refuses it."""
+        cost = GRAPH_BYTES + COPY_BYTES * len(self.counts) + (HANDLE_BYTES * len(self.handles) if handles else 0)
+        if not self.meter.take(cost):
+            return None
+        return _Graph(self.meter, Counter(self.counts), dict(self.handles) if handles else {}, self.complete, cost)
+
+    def drop(self) -> None:
+        """It is no longer kept: what it held goes back to the budget."""
+        self.meter.give(self.held)
+        self.held = 0
+
+    def _take(self, n: int) -> bool:
+        if not self.meter.take(n):
+            return False
+        self.held += n
+        return True
 
     def add(self, spec: Spec, n: int = 1) -> None:
-        if spec in self.counts or len(self.counts) < MAX_SPECS_PER_GRAPH:
+        if spec in self.counts:
             self.counts[spec] += n
+        elif len(self.counts) < MAX_SPECS_PER_GRAPH and self._take(SPEC_BYTES):
+            self.counts[spec] = n
         else:
             self.complete = False
+
+    def keep_handle(self, node: int, spec: Spec) -> bool:
+        if node not in self.handles and (len(self.handles) >= MAX_HANDLES_PER_GRAPH or not self._take(HANDLE_BYTES)):
+            return False
+        self.handles[node] = spec
+        return True
 
     def replace(self, node: int, spec: Spec) -> None:
         old = self.handles.get(node)
@@ -73,6 +136,9 @@ class _Graph:
         self.counts[old] -= 1
         if self.counts[old] <= 0:
             del self.counts[old]
+            give = min(COPY_BYTES, self.held)  # the least an entry was charged: held never falls below what is kept
+            self.held -= give
+            self.meter.give(give)
         self.handles[node] = spec
         self.add(spec)
 
@@ -87,18 +153,21 @@ class _Exec:
 class _Capture:
     begin_ns: int
     into: int  # cuStreamBeginCaptureToGraph's graph, else 0
-    graph: _Graph = field(default_factory=_Graph)
+    graph: _Graph
     nodes: int = 0
 
 
 @dataclass
 class _Process:
+    meter: _Meter
     captures: dict = field(default_factory=dict)  # capture id -> _Capture
     graphs: dict = field(default_factory=dict)  # graph handle -> _Graph
     execs: dict = field(default_factory=dict)  # (exec handle, serial) -> _Exec
     owner: dict = field(default_factory=dict)  # explicit node handle -> graph handle
     kernels: dict = field(default_factory=dict)  # function -> [launches, degenerate, Spec of a node]
     launches: Counter = field(default_factory=Counter)  # "known" | "partial" | "unknown" -> replays
+    last_serial: int = 0  # of the last instantiation seen, kept or not
+    unfollowed: int = 0  # the most launches seen of executable graphs not kept (the bounds, the budget)
 
 
 def _spec(e) -> Spec:
@@ -109,10 +178,15 @@ def _spec(e) -> Spec:
 class GraphBook:
     """The graphs of every process, from graph_events (on_event) and the execs map (account)."""
 
-    def __init__(self, launches_seen: Callable[[int, int], bool] = lambda begin, end: True) -> None:
+    def __init__(self, launches_seen: Callable[[int, int], bool] = lambda begin, end: True,
+                 budget: budget_.Budget | None = None, uid_of: Callable[[int], int] = budget_.uid_of) -> None:
         """launches_seen(begin_ns, end_ns): whether every kernel launch between the two
-        CLOCK_MONOTONIC times was probed (the daemon's launch duty cycle may have had them off)."""
+        CLOCK_MONOTONIC times was probed (the daemon's launch duty cycle may have had them off).
+        budget: the "graphs" budget every entry is charged to (default: one of the default size,
+        this book's own); uid_of(pid): the user a process's entries are charged to."""
         self.launches_seen = launches_seen
+        self.budget = budget if budget is not None else budget_.Budgets()["graphs"]
+        self.uid_of = uid_of
         self._procs: dict[int, _Process] = {}
         self.captures_begun = 0  # captures seen to begin (the daemon turns launches on for them)
         self.new_processes: set[int] = set()  # first sampled launch of these (GE_PROCESS), not yet taken
@@ -121,17 +195,39 @@ class GraphBook:
     def _proc(self, pid: int) -> _Process | None:
         p = self._procs.get(pid)
         if p is None:
+            # Not charged: a process over its user's share is still followed (its replays counted, as
+            # of unknown content); MAX_PROCESSES of them take a few MiB at most.
             if len(self._procs) >= MAX_PROCESSES:
                 self.overflow += 1
                 return None
-            p = self._procs[pid] = _Process()
+            p = self._procs[pid] = _Process(_Meter(self.budget, self.uid_of(pid)))
         return p
 
-    def _put_graph(self, p: _Process, handle: int, g: _Graph) -> None:
-        if handle in p.graphs or len(p.graphs) < MAX_GRAPHS_PER_PROCESS:
+    def _put_graph(self, p: _Process, handle: int, g: _Graph | None) -> None:
+        if g is None:  # the budget had no room for it
+            self.overflow += 1
+        elif handle in p.graphs or len(p.graphs) < MAX_GRAPHS_PER_PROCESS:
+            old = p.graphs.get(handle)
+            if old is not None:
+                old.drop()
             p.graphs[handle] = g
         else:
+            g.drop()
             self.overflow += 1
+
+    def _capture(self, p: _Process, capture: int, into: int, complete: bool = True) -> _Capture | None:
+        """A new capture kept under its id, or None (the bounds, or the budget)."""
+        if capture not in p.captures and len(p.captures) >= MAX_GRAPHS_PER_PROCESS:
+            return None
+        g = _Graph.new(p.meter, complete)
+        if g is None:
+            self.overflow += 1
+            return None
+        old = p.captures.get(capture)
+        if old is not None:
+            old.graph.drop()
+        cap = p.captures[capture] = _Capture(capture, into, g)
+        return cap
 
     # ---- events ------------------------------------------------------------------------------
     def on_event(self, data) -> None:
@@ -148,23 +244,25 @@ class GraphBook:
         kind = e.kind
         if kind == S.GE_BEGIN:
             self.captures_begun += 1
-            if e.capture in p.captures or len(p.captures) < MAX_GRAPHS_PER_PROCESS:
-                p.captures[e.capture] = _Capture(e.capture, e.graph)
+            self._capture(p, e.capture, e.graph)
         elif kind == S.GE_NODE:
             cap = p.captures.get(e.capture)
-            if cap is None:  # its begin was dropped (ring buffer full)
-                if len(p.captures) >= MAX_GRAPHS_PER_PROCESS:
+            if cap is None:  # its begin was dropped (ring buffer full), or not kept
+                cap = self._capture(p, e.capture, 0, complete=False)
+                if cap is None:
                     return
-                cap = p.captures[e.capture] = _Capture(e.capture, 0)
-                cap.graph.complete = False
             cap.graph.add(_spec(e))
             cap.nodes += 1
         elif kind == S.GE_END:
             cap = p.captures.pop(e.capture, None)
             if cap is None:
-                cap = _Capture(e.capture, 0)
-                cap.graph.complete = e.count == 0
+                g = _Graph.new(p.meter, e.count == 0)
+                if g is None:
+                    self.overflow += 1
+                    return
+                cap = _Capture(e.capture, 0, g)
             if not e.graph:
+                cap.graph.drop()
                 return  # the capture failed: no graph
             g = cap.graph
             # every node the kernel side counted arrived, and no launch went unprobed meanwhile
@@ -174,17 +272,22 @@ class GraphBook:
                 for spec, n in g.counts.items():
                     into.add(spec, n)
                 into.complete = into.complete and g.complete
+                g.drop()
             else:
                 self._put_graph(p, e.graph, g)
         elif kind == S.GE_ADD:
             g = p.graphs.get(e.graph)
             if g is None:  # made before the probe attached: what else it holds is unknown
-                g = _Graph(complete=False)
+                g = _Graph.new(p.meter, complete=False)
                 self._put_graph(p, e.graph, g)
+                g = p.graphs.get(e.graph)
+                if g is None:
+                    return
             spec = _spec(e)
             g.add(spec)
-            if len(g.handles) < MAX_HANDLES_PER_GRAPH and len(p.owner) < MAX_HANDLES_PER_GRAPH:
-                g.handles[e.node] = spec
+            known = e.node in p.owner
+            if (known or len(p.owner) < MAX_HANDLES_PER_GRAPH) and g.keep_handle(e.node, spec) \
+                    and (known or p.meter.take(HANDLE_BYTES)):
                 p.owner[e.node] = e.graph
         elif kind == S.GE_SET:
             if e.exec:
@@ -197,40 +300,67 @@ class GraphBook:
                     g.replace(e.node, _spec(e))
         elif kind == S.GE_INSTANTIATE:
             g = p.graphs.get(e.graph)
-            if len(p.execs) < MAX_GRAPHS_PER_PROCESS:
-                p.execs[(e.exec, e.serial)] = _Exec(g.copy() if g is not None else None)
+            key = (e.exec, e.serial)
+            p.last_serial = max(p.last_serial, e.serial)
+            if key in p.execs:
+                self._drop_exec(p, key)
+            if len(p.execs) < MAX_GRAPHS_PER_PROCESS and p.meter.take(GRAPH_BYTES):
+                copy = g.copy() if g is not None else None
+                if g is not None and copy is None:
+                    self.overflow += 1  # the budget: its replays are counted, as of unknown content
+                p.execs[key] = _Exec(copy)
             else:
                 self.overflow += 1
         elif kind == S.GE_UPDATE:
             x = self._count(p, e.exec, e.serial, e.count)  # what ran before the update
             if x is not None:
                 g = p.graphs.get(e.graph)
+                if x.graph is not None:
+                    x.graph.drop()
                 x.graph = g.copy() if g is not None else None
         elif kind == S.GE_CREATE:
-            self._put_graph(p, e.graph, _Graph())
+            self._put_graph(p, e.graph, _Graph.new(p.meter))
         elif kind == S.GE_CLONE:
             g = p.graphs.get(e.source)
             if g is not None:
-                clone = g.copy()
-                clone.handles = {}  # the clone's nodes have handles of their own, not seen
-                self._put_graph(p, e.graph, clone)
+                # the clone's nodes have handles of their own, not seen
+                self._put_graph(p, e.graph, g.copy(handles=False))
         elif kind == S.GE_DESTROY:
             g = p.graphs.pop(e.graph, None)
             if g is not None:
                 for node in g.handles:
-                    p.owner.pop(node, None)
+                    if p.owner.pop(node, None) is not None:
+                        p.meter.give(HANDLE_BYTES)
+                g.drop()
         elif kind == S.GE_EXEC_DESTROY:
             self._count(p, e.exec, e.serial, e.count)
-            p.execs.pop((e.exec, e.serial), None)
+            self._drop_exec(p, (e.exec, e.serial))
+
+    @staticmethod
+    def _drop_exec(p: _Process, key: tuple[int, int]) -> None:
+        x = p.execs.pop(key, None)
+        if x is not None:
+            if x.graph is not None:
+                x.graph.drop()
+            p.meter.give(GRAPH_BYTES)
 
     # ---- launches ----------------------------------------------------------------------------
     def account(self, execs: dict[tuple[int, int], tuple[int, int]]) -> None:
         """execs: (pid, executable graph) -> (serial, launches), the execs map now (read after
         the events that came before it were taken, so that every serial in it is known)."""
+        unfollowed: Counter = Counter()
         for (pid, exec_), (serial, launches) in execs.items():
             p = self._proc(pid)
-            if p is not None:
-                self._count(p, exec_, serial, launches)
+            if p is not None and self._count(p, exec_, serial, launches) is None and 0 < serial <= p.last_serial:
+                unfollowed[pid] += launches  # instantiated when there was no room to follow it
+        # Their replays are counted as of unknown content from one sum per process (not one entry per
+        # graph, which would bring the product back): what their sum grew by. An executable graph
+        # destroyed takes its launches out of the sum: the next ones count from the sum's highest.
+        for pid, n in unfollowed.items():
+            p = self._procs[pid]
+            if n > p.unfollowed:
+                p.launches["unknown"] += n - p.unfollowed
+                p.unfollowed = n
 
     def _count(self, p: _Process, exec_: int, serial: int, launches: int) -> _Exec | None:
         """Account the executable graph's launches up to `launches`; it, or None if unknown."""
@@ -238,7 +368,7 @@ class GraphBook:
         if x is None:
             if serial:
                 return None  # instantiated after the events we took: counted at the next account()
-            if len(p.execs) >= MAX_GRAPHS_PER_PROCESS:
+            if len(p.execs) >= MAX_GRAPHS_PER_PROCESS or not p.meter.take(GRAPH_BYTES):
                 self.overflow += 1
                 return None
             x = p.execs[(exec_, 0)] = _Exec(None)  # made before the probe attached
@@ -247,16 +377,18 @@ class GraphBook:
             return x
         x.counted = launches
         g = x.graph
-        p.launches["unknown" if g is None else "known" if g.complete else "partial"] += delta
-        if g is None:
-            return x
-        for spec, n in g.counts.items():
+        content = "unknown" if g is None else "known" if g.complete else "partial"
+        for spec, n in (g.counts.items() if g is not None else ()):
             k = p.kernels.get(spec[0])
             if k is None:
+                if not p.meter.take(KERNEL_BYTES):
+                    content = "partial"  # a kernel of it not counted
+                    continue
                 k = p.kernels[spec[0]] = [0, 0, spec]
             k[0] += n * delta
             if spec[1:4] == (1, 1, 1):
                 k[1] += n * delta
+        p.launches[content] += delta
         return x
 
     # ---- answers -----------------------------------------------------------------------------
@@ -295,7 +427,13 @@ class GraphBook:
 
     def forget(self, pids: set[int]) -> None:
         for pid in pids:
-            self._procs.pop(pid, None)
+            p = self._procs.pop(pid, None)
+            if p is not None:
+                p.meter.give(p.meter.held)
+
+    def clear(self) -> None:
+        """Forget every process (the probe stops): what they held goes back to the budget."""
+        self.forget(set(self._procs))
 
 
 class GraphFollower:

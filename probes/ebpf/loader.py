@@ -20,8 +20,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
+from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.api import ProbeUnavailable
 from gpuwatch.probes.ebpf import bpfsys, compiler, symbols
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, SAMPLED_APIS
@@ -163,20 +164,34 @@ def file_id(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str]:
-    """Every distinct libcuda or libnccl file (by device and inode) mapped by a running process, under the
-    path this process sees it by when that is the same file (the host's libcuda: the path outlives
-    the process), else through /proc/PID/root (a container's copy)."""
+def scan_libraries(pids: Iterable[int] | None = None) -> dict[tuple[int, int], tuple[str, int]]:
+    """Every distinct libcuda or libnccl file (by device and inode) mapped by a running process: its
+    path and the user it is charged to (agent/budget.py). The path is the one this process sees it
+    by when that is the same file (the host's libcuda: the path outlives the process), else through
+    /proc/PID/root (a container's copy). The user is root for a file root owns (the host's driver, an
+    image's), else the user of the first process found mapping it (a private copy)."""
     if pids is None:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    seen: dict[tuple[int, int], str] = {}
+    seen: dict[tuple[int, int], tuple[str, int]] = {}
     for pid in pids:
+        user = None
         for path in libraries_in(pid, *HOOKED_LIBRARIES):
-            fid = file_id(path)
-            if fid is not None and fid not in seen:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            fid = st.st_dev, st.st_ino
+            if fid not in seen:
+                if st.st_uid and user is None:
+                    user = budget_.uid_of(pid)
                 own = path[len(f"/proc/{pid}/root"):]
-                seen[fid] = own if file_id(own) == fid else path
+                seen[fid] = (own if file_id(own) == fid else path, user if st.st_uid else 0)
     return seen
+
+
+def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str]:
+    """scan_libraries without the users: (device, inode) -> path."""
+    return {fid: path for fid, (path, _uid) in scan_libraries(pids).items()}
 
 
 HOOKED_PREFIXES = ("cu", "nccl")  # the driver API and NCCL's (not pnccl*, its aliases for profilers)
@@ -187,9 +202,10 @@ def function_offsets(path: str) -> dict[str, int]:
     driver API) or "nccl": where a uprobe goes. From the dynamic symbol table, by pyelftools."""
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
+    from gpuwatch.agent.safefile import open_regular
     out: dict[str, int] = {}
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:  # a process's path: whatever it put there
             elf = ELFFile(f)
             loads = [(s["p_vaddr"], s["p_memsz"], s["p_offset"]) for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
             dynsym = elf.get_section_by_name(".dynsym")
@@ -216,6 +232,11 @@ LINKS_SINCE = (6, 6)  # BPF_TRACE_UPROBE_MULTI
 _SYS_MEMBARRIER = {"x86_64": 324, "aarch64": 283}.get(platform.machine(), -1)  # -1: refused (ENOSYS)
 _MEMBARRIER_CMD_GLOBAL = 1  # synchronize_rcu()
 LAUNCH_GAPS = 4096  # launch-probe off times remembered (a 10 s duty cycle: 11 hours)
+SYMBOL_BYTES = 192  # a symbolised frame kept, beside its text: its key and dict slot (charged to "stacks")
+
+
+class NotAdmitted(Exception):
+    """attach(admit=...) refused the library: its uprobes would take its user past their budget."""
 
 
 def kernel_version(release: str | None = None) -> tuple[int, int]:
@@ -272,6 +293,8 @@ class Loader:
         self._detacher: threading.Thread | None = None
         self._stop = threading.Event()  # set at interpreter exit: a background detach stops
         self._symbols: dict[tuple[int, int], str] = {}  # (pid, address) -> symbolised frame
+        # what _symbols holds per process, charged to its user ("stacks"); None: not charged
+        self.stack_ledger: budget_.Ledger | None = None
         self._symboliser: threading.Thread | None = None
         self._fds: list[int] = []  # maps and programs
         self.launches_on = True  # launch entry probes attached (see set_launches)
@@ -330,8 +353,9 @@ class Loader:
             self.progs[name] = fd
 
     # -- attach / detach ---------------------------------------------------------------------
-    def attach(self, path: str) -> Library | None:
-        """Attach every hooked symbol the file has; None when this file is already attached."""
+    def attach(self, path: str, admit: Callable[[int], bool] | None = None) -> Library | None:
+        """Attach every hooked symbol the file has; None when this file is already attached.
+        admit(n): whether n uprobes may be attached to it (a budget); NotAdmitted when not."""
         fid = file_id(path)
         if fid is None:
             raise FileNotFoundError(path)
@@ -360,6 +384,8 @@ class Loader:
             (lib.launch_probes if self.method == LINKS and hook.name in SAMPLED_APIS else entries).append(entry)
             if hook.name not in self.untimed:
                 returns.append((off, symbols.return_cookie(hook, self.events)))
+        if admit is not None and not admit(len(entries) + len(returns) + len(lib.launch_probes)):
+            raise NotAdmitted(path)
         try:
             # Return probes first: a call entered between the two attaches then has no entry
             # record and is not counted, rather than leaving a stale in-flight record.
@@ -618,7 +644,9 @@ class Loader:
         except ProbeUnavailable as e:
             log.debug("symbolising process %d: %s", pid, e)
             return
-        self._symbols.update(((pid, a), name) for a, name in zip(addrs, names))
+        ledger = self.stack_ledger
+        self._symbols.update(((pid, a), name) for a, name in zip(addrs, names)
+                             if ledger is None or ledger.charge(pid, SYMBOL_BYTES + len(name)))
 
     def live_allocations(self, pid: int | None = None) -> int:
         return sum(1 for k in self.maps["live"].keys() if pid is None or k.pid == pid)
@@ -720,6 +748,9 @@ class Loader:
                     table.delete(k)
         if self._symbols:
             self._symbols = {k: v for k, v in self._symbols.items() if k[0] not in pids}
+        if self.stack_ledger is not None:
+            for pid in pids:
+                self.stack_ledger.release(pid)
 
     def pids(self) -> set[int]:
         """Every process with an entry in any map."""

@@ -94,6 +94,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterable
 
+from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.api import Event, Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
 from gpuwatch.agent.wire import printable
 from gpuwatch.probes.ebpf import driver_names as driver_names_
@@ -130,6 +131,7 @@ STACK_KERNELS = 64  # the busiest kernels of a process get their launch stacks i
 STACKS_PER_KERNEL = 5
 CAPTURE_HOLD = 60.0  # seconds every launch is probed after a graph capture begins (its nodes are launches)
 GRAPH_CONTENT = ("known", "partial", "unknown")
+MAX_REFUSED = 4096  # library files remembered as refused by the budget (not retried until room frees)
 
 
 @dataclass
@@ -205,7 +207,7 @@ class EbpfCudaProbe(Probe):
                  driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
                  max_events: int = 5_000_000, attach: str = "auto", launch_sampling: float = 1.0,
                  sampling_period: float = 10.0, pools: Iterable[pools_.Pool] = pools_.POOLS,
-                 max_communicators: int = MAX_COMMUNICATORS) -> None:
+                 max_communicators: int = MAX_COMMUNICATORS, budgets: budget_.Budgets | None = None) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
         entry and return probes on the launch APIs too (latency and errors; see the module doc);
@@ -217,7 +219,13 @@ class EbpfCudaProbe(Probe):
         each sampling_period (seconds) during which the launch APIs' probes are attached (1: always;
         links only), their counts estimated from those windows (see _sample_launches); pools: the
         pool allocators live bytes are attributed to by allocating stack (pools.py); max_communicators:
-        the NCCL communicators of one process with series of their own (the rest: comm="other")."""
+        the NCCL communicators of one process with series of their own (the rest: comm="other");
+        budgets: what each user's processes may make the probe keep (agent/budget.py: graphs,
+        libraries, uprobes, stacks), the daemon's; default: budgets of the default size of its own."""
+        self.budgets = budgets if budgets is not None else budget_.Budgets()
+        self._charged: dict[tuple[int, int], tuple[int, int]] = {}  # attached file -> (uid, uprobes) charged
+        self._refused: dict[tuple[int, int], None] = {}  # files the budget refused, while they are found
+        self._stack_ledger: budget_.Ledger | None = None
         self.attach_mode = attach
         if not 0 < launch_sampling <= 1:
             raise ValueError(f"launch_sampling {launch_sampling}: a fraction in (0, 1]")
@@ -288,8 +296,9 @@ class EbpfCudaProbe(Probe):
                                       events=self.events_path is not None, attach=self.attach_mode)
         try:
             ld = self._loader
-            self._graphs = graphs_.GraphFollower(ld.graph_ring, graphs_.GraphBook(ld.launches_seen), self._on_capture,
-                                                 self._on_processes)
+            self._stack_ledger = ld.stack_ledger = budget_.Ledger(self.budgets["stacks"])
+            book = graphs_.GraphBook(ld.launches_seen, budget=self.budgets["graphs"])
+            self._graphs = graphs_.GraphFollower(ld.graph_ring, book, self._on_capture, self._on_processes)
             if self.events_path is not None:
                 try:
                     self._recorder = events_.EventRecorder(self._loader.events_map, self.events_path, self.max_events)
@@ -298,9 +307,12 @@ class EbpfCudaProbe(Probe):
                                            f"{e.strerror or e}") from None
             for path in self.libraries:
                 try:
-                    self._loader.attach(path)
+                    lib = self._loader.attach(path)
                 except OSError as e:
                     raise ProbeUnavailable(f"cannot attach to {path}: {e.strerror or e}") from None
+                if lib is not None:  # configured by root: root's, counted, never refused
+                    self._charged[lib.file] = (0, 0)
+                    self.budgets["libraries"].charge(0)
             self._rescan()
         except BaseException:
             self.shutdown()
@@ -445,7 +457,7 @@ class EbpfCudaProbe(Probe):
             self._python[pid] = f"the map of Python processes is full: {e}"
             return
         self._python[pid] = None
-        self._resolvers[pid] = pyframes.Resolver(pid, offsets)
+        self._resolvers[pid] = pyframes.Resolver(pid, offsets, self._stack_ledger)
 
     def _launch_stacks(self, ld: _loader.Loader, pid: int, handles: list[int], wait: bool) -> dict[int, list[dict]]:
         """Per kernel handle, its sampled launch stacks: [{"sampled_launches", "frames" (native,
@@ -543,8 +555,15 @@ class EbpfCudaProbe(Probe):
             self.stop_events()
             if self._graphs is not None:
                 self._graphs.stop()
+                self._graphs.book.clear()  # what every process held goes back to the budgets
                 self._graphs = None
             ld, self._loader = self._loader, None
+            for fid in list(self._charged):
+                self._release_library(fid)
+            self._refused = {}
+            if self._stack_ledger is not None:
+                self._stack_ledger.clear()
+            self._resolvers = {}
             if ld is not None:
                 ld.close(wait=wait)
                 if not wait:
@@ -904,32 +923,69 @@ class EbpfCudaProbe(Probe):
         if ld is None or self.libraries:
             return  # explicit libraries: attached at start, no scan
         if new is not None:
-            for fid, path in _loader.scan_libcuda(sorted(new)).items():
-                if fid not in ld.libraries:
-                    self._attach_found(ld, path)
+            for fid, (path, uid) in _loader.scan_libraries(sorted(new)).items():
+                if fid not in ld.libraries and fid not in self._refused:
+                    self._attach_found(ld, fid, path, uid)
             return
         self._next_rescan = self._clock() + self.rescan_interval
         pids = [self.pid] if self.pid is not None else None
-        found = _loader.scan_libcuda(pids)
-        for fid, path in found.items():
-            if fid not in ld.libraries:
-                self._attach_found(ld, path)
+        found = _loader.scan_libraries(pids)
+        self._refused = {fid: None for fid in self._refused if fid in found}  # gone: forgotten
+        for fid, (path, uid) in found.items():
+            if fid not in ld.libraries and fid not in self._refused:
+                self._attach_found(ld, fid, path, uid)
         if ld.method != _loader.LINKS:
             return  # perf-event uprobes take ~0.1 s each to detach: a collection must not wait on that
         for fid, lib in list(ld.libraries.items()):
             if fid not in found and _loader.file_id(lib.path) != fid:
                 ld.detach(fid)
+                self._release_library(fid)
                 log.info("detached from %s: no process maps it any more", lib.path)
 
-    @staticmethod
-    def _attach_found(ld: _loader.Loader, path: str) -> None:
+    def _attach_found(self, ld: _loader.Loader, fid: tuple[int, int], path: str, uid: int) -> None:
+        """Attach a library found mapped, charged to its user's budgets (libraries, then uprobes):
+        refused, it is remembered (counted and said once) until it is no longer found or room frees."""
+        libraries, uprobes = self.budgets["libraries"], self.budgets["uprobes"]
+        charged = []
+
+        def admit(n: int) -> bool:
+            if uprobes.charge(uid, n):
+                charged.append(n)
+                return True
+            return False
+
+        if not libraries.charge(uid):
+            self._refuse(fid)
+            return
         try:
-            lib = ld.attach(path)
+            lib = ld.attach(path, admit=admit)
+        except _loader.NotAdmitted:
+            libraries.release(uid)
+            self._refuse(fid)
+            return
         except Exception as e:  # the process may have exited since the scan
+            libraries.release(uid)
+            if charged:
+                uprobes.release(uid, charged[0])
             log.warning("cannot attach to %s: %s", path, e)
             return
-        if lib is not None:
-            log.info("attached to %s: %d symbols (%d not present)", path, len(lib.attached), len(lib.skipped))
+        if lib is None:  # attached already
+            libraries.release(uid)
+            return
+        self._charged[fid] = (uid, charged[0] if charged else 0)
+        log.info("attached to %s: %d symbols (%d not present)", path, len(lib.attached), len(lib.skipped))
+
+    def _refuse(self, fid: tuple[int, int]) -> None:
+        if len(self._refused) < MAX_REFUSED:
+            self._refused[fid] = None
+
+    def _release_library(self, fid: tuple[int, int]) -> None:
+        """A library detached: its charges go back, and files refused before are tried again."""
+        charged = self._charged.pop(fid, None)
+        if charged is not None:
+            self.budgets["libraries"].release(charged[0])
+            self.budgets["uprobes"].release(*charged)
+            self._refused.clear()
 
     def _prune(self, stats: dict, pids: set[int]) -> set[int]:
         """Processes gone (or whose PID was reused) since first seen; their map entries removed."""
@@ -945,7 +1001,7 @@ class EbpfCudaProbe(Probe):
             self._names.pop(pid, None)
         for pid in dead:
             self._python.pop(pid, None)
-            self._resolvers.pop(pid, None)
+            self._resolvers.pop(pid, None)  # its frames' charges go back with loader.forget
         if dead and self._driver_named:
             self._driver_named = {k: v for k, v in self._driver_named.items() if k[0] not in dead}
         if dead:

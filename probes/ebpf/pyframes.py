@@ -249,9 +249,10 @@ def _symbols(path: str) -> "tuple[int, int, int] | None":
         return _ELF_CACHE[key]
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
+    from gpuwatch.agent.safefile import open_regular
     found = None
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:  # a process's path: whatever it put there
             elf = ELFFile(f)
             loads = [s["p_vaddr"] for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
             dynsym = elf.get_section_by_name(".dynsym")
@@ -364,9 +365,12 @@ class Resolver:
     """Code objects of one process named "file:line in function", read through /proc/PID/mem."""
 
     MAX_CACHED = 65536
+    ENTRY_BYTES = 256  # a cached frame beside its text: key, dict slot, string header (charged to "stacks")
 
-    def __init__(self, pid: int, offsets: Offsets) -> None:
-        self.pid, self.off = pid, offsets
+    def __init__(self, pid: int, offsets: Offsets, ledger=None) -> None:
+        """ledger: an agent.budget.Ledger each cached frame is charged to (its user's "stacks"
+        budget; past it frames are read again each time, not kept); None: not charged."""
+        self.pid, self.off, self.ledger = pid, offsets, ledger
         self._cache: dict[tuple[int, int], str | None] = {}
 
     def _str(self, mem: driver_names.Memory, addr: int | None, limit: int = 256) -> str | None:
@@ -403,6 +407,7 @@ class Resolver:
                     text = f"{filename}:{line if line is not None else firstlineno} in {name}"
         except OSError:
             return None  # gone, or no access: not cached
-        if len(self._cache) < self.MAX_CACHED:
+        if len(self._cache) < self.MAX_CACHED and (
+                self.ledger is None or self.ledger.charge(self.pid, self.ENTRY_BYTES + len(text or ""))):
             self._cache[key] = text
         return text

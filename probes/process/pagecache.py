@@ -8,6 +8,11 @@ from storage (the ones that may be pushing those files out).
 
 Files are opened through /proc/PID/fd/N or /proc/PID/map_files/..., so a deleted file or one
 outside our mount namespace is still measured; nothing but a regular file is ever opened.
+
+Which files: only those the process really reads or maps (an fd opened for reading, not an O_PATH
+handle nor a write-only fd; a file mapping) and that its user could open by their path and read
+(probes/process/access.py asks the kernel with that user's credentials). Otherwise any user could
+make the root agent show the path, size and residency of a file they may not read.
 """
 from __future__ import annotations
 
@@ -16,14 +21,17 @@ import errno
 import logging
 import mmap
 import os
-import re
 import stat
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
+from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.api import Probe, Sample
 from gpuwatch.agent.logs import WarnOnce
+from gpuwatch.agent.safefile import open_regular
+from gpuwatch.agent.wire import printable
+from gpuwatch.probes.process.access import openable_by_its_user
 from gpuwatch.probes.process.identity import read_stat, sanitise_process_name
 
 log = logging.getLogger(__name__)
@@ -35,6 +43,8 @@ _MAX_FDS = 16384  # fds of one process looked at
 _MAX_MAPS_LINES = 65536  # lines of /proc/PID/maps looked at
 _MAX_PROCS = 4096  # processes of the node whose io is read per pass
 _PATH_MAX = 256  # characters of a file label
+_MAX_CHECKS = 64  # large files of one process whose access is checked per listing, largest first
+_O_ACCMODE = 0o3
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -118,6 +128,20 @@ class OpenFile:
     handle: str  # what to open it by: /proc/PID/fd/N, /proc/PID/map_files/A-B or /proc/PID/root/PATH
 
 
+def _opened_for_reading(handle: str) -> bool:
+    """The fd /proc/PID/fd/N was opened O_RDONLY or O_RDWR, not O_PATH (a handle that reads nothing,
+    which anyone may hold on a file they cannot read), by its flags in /proc/PID/fdinfo/N."""
+    try:
+        with open(handle.replace("/fd/", "/fdinfo/", 1), "rb") as f:
+            for line in f.read(4096).splitlines():
+                if line.startswith(b"flags:"):
+                    flags = int(line.split()[1], 8)
+                    return not flags & os.O_PATH and flags & _O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
 def _fd_files(pid: int) -> Iterable[tuple[str, str]]:
     """(handle, path) of the process's open fds."""
     base = f"/proc/{pid}/fd"
@@ -151,7 +175,7 @@ def _mapped_files(pid: int) -> Iterable[tuple[str, str]]:
         if key in seen:
             continue
         seen.add(key)
-        path = parts[5].rstrip(b"\n").decode(errors="replace")
+        path = os.fsdecode(parts[5].rstrip(b"\n"))  # the exact bytes: the path is opened to check access
         handle = f"/proc/{pid}/map_files/{parts[0].decode(errors='replace')}"
         if not os.path.exists(handle):  # no map_files access (needs CAP_SYS_ADMIN): the path in its root
             handle = f"/proc/{pid}/root{path.removesuffix(' (deleted)')}"
@@ -159,31 +183,33 @@ def _mapped_files(pid: int) -> Iterable[tuple[str, str]]:
 
 
 def large_files(pid: int, min_bytes: int, limit: int = 8) -> list[OpenFile]:
-    """The largest regular files (at least min_bytes) process `pid` maps or holds open, one per
-    (device, inode), largest first, at most `limit`. [] when the process is gone or unreadable."""
+    """The largest regular files (at least min_bytes) process `pid` maps or holds open for reading
+    and that its user could open by their path and read, one per (device, inode), largest first, at
+    most `limit` (of the largest _MAX_CHECKS). [] when the process is gone or unreadable. Raises
+    PermissionError when the user's credentials cannot be taken to check (no CAP_SETUID, CAP_SETGID)."""
     found: dict[tuple[int, int], OpenFile] = {}
     for handle, path in (*_fd_files(pid), *_mapped_files(pid)):
         try:
             st = os.stat(handle)  # follows the magic link to the file itself, deleted or not
         except OSError:
             continue
-        if not stat.S_ISREG(st.st_mode) or st.st_size < min_bytes:
+        if not stat.S_ISREG(st.st_mode) or st.st_size < min_bytes or (st.st_dev, st.st_ino) in found:
             continue
-        found.setdefault((st.st_dev, st.st_ino), OpenFile(path, st.st_size, st.st_dev, st.st_ino, handle))
-    return sorted(found.values(), key=lambda f: (-f.size, f.path))[:limit]
+        if handle.startswith(f"/proc/{pid}/fd/") and not _opened_for_reading(handle):
+            continue
+        found[(st.st_dev, st.st_ino)] = OpenFile(path, st.st_size, st.st_dev, st.st_ino, handle)
+    ranked = sorted(found.values(), key=lambda f: (-f.size, f.path))
+    return openable_by_its_user(pid, ranked, limit, _MAX_CHECKS)
 
 
 def open_file(f: OpenFile) -> int:
     """An O_RDONLY fd on that very file (same device and inode, a regular file); raises OSError.
-    O_NOATIME where allowed (only the owner or CAP_FOWNER), O_NONBLOCK so nothing blocks on open."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(f.handle, flags | os.O_NOATIME)
-    except PermissionError:
-        fd = os.open(f.handle, flags)
+    The process may have put anything at the handle since it was listed (a pty in place of the fd:
+    see safefile.open_regular, which opens nothing else). O_NOATIME where allowed."""
+    fd = open_regular(f.handle, noatime=True)
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != (f.st_dev, f.st_ino):
+        if (st.st_dev, st.st_ino) != (f.st_dev, f.st_ino):
             raise FileNotFoundError(errno.ENOENT, "not the file listed", f.handle)
     except BaseException:
         os.close(fd)
@@ -255,8 +281,9 @@ def _read_bytes(pid: int) -> int | None:
 
 
 def file_label(path: str) -> str:
-    """A path as a label: control characters become "?", at most 256 characters."""
-    return re.sub(r"[\x00-\x1f\x7f]", "?", path)[:_PATH_MAX]
+    """A path as a label: what is not printable (C0 and C1 controls, bidi controls, undecodable
+    bytes) becomes "?", at most 256 characters."""
+    return printable(path[:_PATH_MAX])
 
 
 class PageCacheProbe(Probe):
@@ -270,8 +297,11 @@ class PageCacheProbe(Probe):
     MAX_FILES = 8
     BUDGET_S = 2.0  # per collection; what is left waits for the next one
 
-    def __init__(self, processes: Callable[[], Mapping[int, str]], min_bytes: int, interval: float = 10.0) -> None:
+    def __init__(self, processes: Callable[[], Mapping[int, str]], min_bytes: int, interval: float = 10.0,
+                 budgets: budget_.Budgets | None = None) -> None:
         self.processes, self.min_bytes, self.interval = processes, min_bytes, interval
+        # files followed, charged to each process's user ("files": per user and node-wide)
+        self._followed = budget_.Ledger((budgets or budget_.Budgets())["files"])
         self.readers = NodeReaders()
         self._files: dict[int, tuple[int, float, list[OpenFile]]] = {}  # pid -> (start time, listed at, files)
         self._cachestat = True  # until the kernel says ENOSYS
@@ -281,11 +311,19 @@ class PageCacheProbe(Probe):
         st = read_stat(pid)
         if st is None or st.exited:
             self._files.pop(pid, None)
+            self._followed.release(pid)
             return []
         cached = self._files.get(pid)
         if cached and cached[0] == st.start_time and now - cached[1] < self.RELIST_S:
             return cached[2]
-        files = large_files(pid, self.min_bytes, self.MAX_FILES)
+        self._followed.release(pid)
+        try:
+            files = large_files(pid, self.min_bytes, self.MAX_FILES)
+        except PermissionError as e:  # no CAP_SETUID/CAP_SETGID: what its user may read cannot be checked
+            self._once("access", "page cache: no file is shown: cannot check what a process's user may read: %s "
+                       "(said once)", e)
+            files = []
+        files = [f for f in files if self._followed.charge(pid)]
         self._files[pid] = (st.start_time, now, files)
         return files
 
@@ -321,8 +359,9 @@ class PageCacheProbe(Probe):
             procs = {}
         pids = sorted(procs)[:self.MAX_PROCESSES]
         for pid in list(self._files):
-            if pid not in procs:
+            if pid not in pids:
                 del self._files[pid]
+                self._followed.release(pid)
         for pid in pids:
             labels = {"pid": str(pid), "process": procs[pid]}
             for f in self._files_of(pid, start):

@@ -6,7 +6,9 @@
 #   3. the agent's cost on N real GPUs (bench/bench_agent.py with and without eBPF) and NVML's own
 #      cost per call (bench/nvml_call_cost.py);
 #   4. tests/gpu/cuda_devices_check.py: CUDA_VISIBLE_DEVICES resolved from outside equals CUDA's own answer;
-#   5. a recording of this machine's NVML for CI: OUT/nvml-h200x8.json (to tests/fixtures/).
+#   5. a recording of this machine's NVML for CI: OUT/nvml-h200x8.json (to tests/fixtures/);
+#   6. tests/gpu/ctx_calls_check.sh: every allocation's GPU known from the context calls uprobes
+#      see, on every GPU (the design question for eBPF bytes per GPU, docs/leaks.md).
 # Carry .gpu-bundle/ (../shared/device/bundle-bcc.sh .gpu-bundle) and .gpu-extra/ (pip download
 # pyelftools -d .gpu-extra). NVLink multicast stays off. Usage: OUT=/tmp/out tests/gpu/multi_gpu_check.sh
 set -uo pipefail
@@ -33,12 +35,13 @@ for mode in ebpf no-ebpf; do
         $([ $mode = no-ebpf ] && echo --no-ebpf) --out "$OUT/bench-agent-$mode.json" > "$OUT/bench-agent-$mode.txt" 2>&1
 done
 PYTHONPATH=$shim python3 bench/nvml_call_cost.py > "$OUT/nvml-call-cost.txt" 2>&1
-echo "== summary (nccl rc $rc_nccl, nvlink rc $rc_nvlink, devices rc $rc_devices)"
-grep -h "^OK\|^BAD" "$OUT/nccl/nccl.txt" "$OUT/nvlink.txt" "$OUT/cuda_devices.txt" | head -50
+OUT=$OUT/ctx tests/gpu/ctx_calls_check.sh > /dev/null; rc_ctx=$?
+echo "== summary (nccl rc $rc_nccl, nvlink rc $rc_nvlink, devices rc $rc_devices, ctx rc $rc_ctx)"
+grep -h "^OK\|^BAD" "$OUT/nccl/nccl.txt" "$OUT/nvlink.txt" "$OUT/cuda_devices.txt" "$OUT/ctx/ctx_calls.txt" | cut -c1-200 | head -50
 tail -1 "$OUT/cuda_devices.txt"
 for mode in ebpf no-ebpf; do
     grep -E "^(ebpf|gpus_exported|cpu_per_tick_ms|new_snapshot_scrape_p99_ms|back_to_back_scrape_p99_ms|rss_mib) " \
         "$OUT/bench-agent-$mode.txt" | tr -s ' ' | paste -sd' '
 done
 tail -12 "$OUT/nvlink.txt"; ls -la "$OUT/nvml-h200x8.json"
-exit $((rc_nccl || rc_nvlink || rc_devices))
+exit $((rc_nccl || rc_nvlink || rc_devices || rc_ctx))

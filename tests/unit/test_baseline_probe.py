@@ -166,12 +166,15 @@ def test_the_schedule_runs_each_gpu_once_per_interval_and_a_busy_one_sooner(tmp_
 
 def test_a_real_run_is_sent_to_its_gpu_by_uuid_whatever_the_agents_cuda_visible_devices(tmp_path, monkeypatch):
     """The agent started with CUDA_VISIBLE_DEVICES=1,0 (the child would inherit it, and its device 1
-    would be NVML's GPU 0): the child sees only the GPU asked for, named by its UUID, as device 0.
-    The stand-in python says what it was given, as a failed run's error."""
+    would be NVML's GPU 0): the prepared child is told to see only the GPU asked for, named by its
+    UUID, as device 0 (it sets CUDA_VISIBLE_DEVICES before its first CUDA call). The stand-in python
+    says what it was asked, as a failed run's error."""
+    import sys
+
     tell = tmp_path / "python-that-tells"
-    tell.write_text('#!/bin/sh\neval last=\\${$#}\n'
-                    'printf \'{"error": "CUDA_VISIBLE_DEVICES=%s --gpu %s"}\\n\' "$CUDA_VISIBLE_DEVICES" "$last"\n'
-                    'exit 1\n')
+    tell.write_text(f"#!{sys.executable}\nimport json, sys\nassert sys.argv[-1] == '--serve', sys.argv\n"
+                    "print(json.dumps({'ready': True}), flush=True)\nreq = json.loads(sys.stdin.readline())\n"
+                    "print(json.dumps({'error': f\"visible {req['visible']} gpu {req['gpu']}\"}))\nsys.exit(1)\n")
     tell.chmod(tell.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,0")
     p = BaselineProbe(None, python=str(tell), gpus=lambda: ["GPU-a", "GPU-b"], first_delay=3600)
@@ -180,4 +183,82 @@ def test_a_real_run_is_sent_to_its_gpu_by_uuid_whatever_the_agents_cuda_visible_
         (r,) = p.run_now(1, timeout=30)
     finally:
         p.shutdown()
-    assert r == {"gpu": 1, "result": "failed", "reason": "CUDA_VISIBLE_DEVICES=GPU-b --gpu 0"}
+    assert r == {"gpu": 1, "result": "failed", "reason": "visible GPU-b gpu 0"}
+
+
+def test_a_prepared_child_waits_for_the_next_run(tmp_path):
+    """After a run the probe keeps a child ready (imports done, no CUDA call: no context) and the
+    next run is that child's, so it does not pay Python's, torch's and Triton's start-up."""
+    import sys
+
+    tell = tmp_path / "python-that-tells"
+    tell.write_text(f"#!{sys.executable}\nimport json, os, sys\nprint(json.dumps({{'ready': True}}), flush=True)\n"
+                    "line = sys.stdin.readline()\nif not line.strip(): sys.exit(0)\n"
+                    "print(json.dumps({'error': f'pid {os.getpid()}'}))\nsys.exit(1)\n")
+    tell.chmod(tell.stat().st_mode | stat.S_IXUSR)
+    p = BaselineProbe(None, python=str(tell), gpus=lambda: ["GPU-a"], first_delay=3600)
+    p.start()
+    try:
+        p.run_now(0, timeout=30)
+        ready = p._ready
+        assert ready is not None and ready.poll() is None
+        assert p.own_processes() == []  # a prepared child holds no GPU
+        (r,) = p.run_now(0, timeout=30)
+        assert r["reason"] == f"pid {ready.pid}"
+        nxt = p._ready
+    finally:
+        p.shutdown()
+    assert nxt.wait(5) == 0  # let go at shutdown with an empty request
+
+
+def test_the_verdict_thresholds_come_from_the_settings(tmp_path, recorded):
+    from gpuwatch.detectors.health import HealthSettings
+
+    replay = replay_file(tmp_path, recorded[:12])
+    p, _ = make(tmp_path, replay, settings=HealthSettings(k_spread=1.0, min_drop=1e-6))
+    try:
+        results = [p.run_now(0, timeout=60)[0] for _ in range(12)]
+    finally:
+        p.shutdown()
+    thresholds = [r["verdict"]["metrics"]["gemm_flop_per_cycle"]["threshold"] for r in results[5:]]
+    assert all(t is not None and t > 0.97 for t in thresholds)  # 1 - 1 x spread, not the default 3 % floor
+
+
+def test_a_run_judged_slower_is_taken_twice_more_and_judged_on_the_median(tmp_path, recorded):
+    """One warm run cannot resolve 3 % without false alarms (docs/baseline.md): a run judged slower
+    brings two more runs at once, each its own child, and the median decides."""
+    normal = recorded[:6]
+    slow = dict(recorded[6], gemm_flop_per_cycle=recorded[6]["gemm_flop_per_cycle"] * 0.9)
+    # a one-off slow run, then two normal ones: not slower; then three slow ones: slower
+    replay = replay_file(tmp_path, normal + [slow, recorded[7], recorded[8], slow, slow, slow])
+    p, store = make(tmp_path, replay)
+    try:
+        results = [p.run_now(0, timeout=60)[0] for _ in range(8)]
+    finally:
+        p.shutdown()
+    assert [r["result"] for r in results] == ["ok"] * 7 + ["slower"]
+    once, twice = results[6], results[7]
+    assert [t["gemm_flop_per_cycle"] for t in once["retakes"]] == [recorded[7]["gemm_flop_per_cycle"],
+                                                                   recorded[8]["gemm_flop_per_cycle"]]
+    v = once["verdict"]["metrics"]["gemm_flop_per_cycle"]
+    assert v["runs"] == 3 and v["value"] == sorted([slow["gemm_flop_per_cycle"], recorded[7]["gemm_flop_per_cycle"],
+                                                     recorded[8]["gemm_flop_per_cycle"]])[1]
+    assert once["gemm_flop_per_cycle"] == slow["gemm_flop_per_cycle"]  # the run's own figure is kept as it was
+    assert len(twice["retakes"]) == 2 and twice["verdict"]["metrics"]["gemm_flop_per_cycle"]["runs"] == 3
+    assert len(store.baseline_runs()) == 8  # a run and its retakes are one record
+    samples = {(s.metric, tuple(sorted(s.labels.items()))): s.value for s in p.collect()}
+    assert samples[("gpuwatch.baseline.runs", (("result", "ok"),))] == 7
+    assert samples[("gpuwatch.baseline.runs", (("result", "slower"),))] == 1
+
+
+def test_without_retakes_one_run_decides(tmp_path, recorded):
+    from gpuwatch.detectors.health import HealthSettings
+
+    slow = dict(recorded[6], gemm_flop_per_cycle=recorded[6]["gemm_flop_per_cycle"] * 0.9)
+    replay = replay_file(tmp_path, recorded[:6] + [slow, recorded[7], recorded[8]])
+    p, _ = make(tmp_path, replay, settings=HealthSettings(retakes=0))
+    try:
+        results = [p.run_now(0, timeout=60)[0] for _ in range(7)]
+    finally:
+        p.shutdown()
+    assert results[-1]["result"] == "slower" and "retakes" not in results[-1]

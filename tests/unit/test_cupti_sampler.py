@@ -44,7 +44,7 @@ def alive(pid: int) -> bool:
 def spawns(log: Path) -> list[tuple[float, int]]:
     if not log.exists():
         return []
-    return [(float(t), int(p)) for t, p in (line.split() for line in log.read_text().splitlines())]
+    return [(float(t), int(p)) for t, p, *_ in (line.split() for line in log.read_text().splitlines())]
 
 
 @pytest.fixture
@@ -76,7 +76,6 @@ def test_value_lines_become_samples(make_probe):
     assert got, "no values from the child"
     assert got[("gpuwatch.gpu.achieved_occupancy", UUID, ())] == 0.25
     assert got[("gpuwatch.gpu.cache.hit_ratio", UUID, (("cache", "l1"),))] == 0.5
-    assert got[("gpuwatch.gpu.cache.hit_ratio", UUID, (("cache", "l2"),))] == 0.75
     assert got[("gpuwatch.gpu.dram.throughput.utilization", UUID, ())] == 0.125
     assert got[("gpuwatch.profiling.state", "", (("state", "sampling"),))] == 1.0
     for s in ("yielded", "unavailable", "backoff"):
@@ -85,6 +84,25 @@ def test_value_lines_become_samples(make_probe):
     assert got[("gpuwatch.cupti.sampler.restarts", "", (("reason", "crash"),))] == 0.0
     from gpuwatch.agent.metrics import REGISTRY
     assert {m for m, _, _ in got} <= set(REGISTRY)
+
+
+def test_the_l2_reading_is_never_exported_and_a_gpu_check_still_gets_it(make_probe):
+    """lts__average_t_sector_hit_rate_realtime is no hit rate (50 % on a copy ncu saw hit 99.8 %,
+    H200 2026-12-04): the exporter never shows it; tests/gpu/ncu_compare_check still samples it."""
+    from gpuwatch.probes.cupti.sampler import CHECK_GROUPS, GROUPS
+
+    assert "l2_hit" not in GROUPS and "l2_hit" in CHECK_GROUPS  # the child's default --groups has no L2
+    seen = []
+    p, _ = make_probe("check_groups", groups=(*GROUPS, "l2_hit", "bank_conflicts"), on_message=seen.append)
+    p.start()
+    assert wait_for(lambda: {m.get("group") for m in seen} >= {"l1_hit", "l2_hit", "bank_conflicts"}, 5), seen
+    got = values(p.collect())
+    assert got[("gpuwatch.gpu.cache.hit_ratio", UUID, (("cache", "l1"),))] == 0.5
+    assert not [k for k in got if dict(k[2]).get("cache") == "l2" or k[0] == "gpuwatch.gpu.cache.hit_ratio"
+                and dict(k[2]) != {"cache": "l1"}], got
+    assert p.invalid_lines == 0  # asked for: not counted as protocol garbage
+    with pytest.raises(ValueError, match="unknown sampler groups"):
+        CuptiSamplerProbe(groups=("l3_hit",))
 
 
 def test_a_hung_child_is_killed_and_restarted_with_backoff(make_probe):
@@ -176,9 +194,9 @@ def test_counters_busy_means_yielded_and_retried_later(make_probe):
 
 
 def test_stale_values_are_not_exported(make_probe):
-    p, _ = make_probe("once", group_seconds=0.05, groups=("l2_hit",))  # stale after 3 x 0.05 s
+    p, _ = make_probe("once", group_seconds=0.05, groups=("l1_hit",))  # stale after 3 x 0.05 s
     p.start()
-    key = ("gpuwatch.gpu.cache.hit_ratio", UUID, (("cache", "l2"),))
+    key = ("gpuwatch.gpu.cache.hit_ratio", UUID, (("cache", "l1"),))
     assert wait_for(lambda: key in values(p.collect()), 5)
     assert wait_for(lambda: key not in values(p.collect()), 1.0), "a stale value was still exported"
     assert p.state == "sampling"  # heartbeats keep it alive
@@ -245,7 +263,7 @@ def test_arbiter_finds_injected_tools_long_names_and_dcgm_profiling(tmp_path):
 @pytest.mark.skipif(HAVE_CUPTI, reason="cupti-python is installed here")
 def test_the_real_sampler_without_cupti_says_why_and_exits_3():
     out = subprocess.run([sys.executable, "-m", "gpuwatch.probes.cupti.sampler", "--devices", "0",
-                          "--interval-ms", "10", "--group-seconds", "1", "--groups", "occupancy,l1_hit,l2_hit,dram"],
+                          "--interval-ms", "10", "--group-seconds", "1", "--groups", "occupancy,l1_hit,dram"],
                          capture_output=True, text=True, timeout=30, cwd="/")
     assert out.returncode == 3, out.stderr
     lines = [json.loads(x) for x in out.stdout.splitlines()]
@@ -296,14 +314,14 @@ def test_doctor_says_what_each_gpu_gave_and_could_not(make_probe, tmp_path):
     def done():
         st, _ = cupti_doctor.read_status(str(tmp_path))
         m = ((st or {}).get("devices") or [{}])[0].get("metrics", {})
-        return st if len(m) == 4 else None
+        return st if len(m) == 3 else None
 
     st = wait_for(done, 5)
     assert st, cupti_doctor.read_status(str(tmp_path))
     checks = {c["name"]: c for c in cupti_doctor.cupti_checks(str(tmp_path))}
     c = checks["CUPTI PM sampling"]
     assert c["ok"] is None, c  # a limit of the GPU, nothing to fix
-    assert "GPU 0 (Fake H200): occupancy, l1_hit, l2_hit" in c["detail"]
+    assert "GPU 0 (Fake H200): occupancy, l1_hit" in c["detail"]
     assert "could not sample GPU 0 (Fake H200) dram: ValueError" in c["detail"]
     assert "NVML GPM" in c["detail"]
     assert checks["libcupti"]["detail"].endswith("/fake/nvidia/cu13/lib/libcupti.so.13 (13.4.92)") or \

@@ -25,6 +25,7 @@ from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.snapshot import Snapshot
+from gpuwatch.agent.wire import printable
 from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.nvml.probe import NvmlProbe, sanitise_process_name
 from gpuwatch.probes.nvml.replay import ReplayBackend
@@ -37,7 +38,13 @@ PROMTOOL = shutil.which("promtool")
 HOSTILE = st.text(st.characters(blacklist_categories=()), max_size=40)
 NASTY = ['python3 (deleted)', '/usr/lib/x86_64-linux-gnu/libcuda.so.1 (deleted)', 'my app', 'a"b', 'a\\b',
          'a\\nb', 'line\nbreak', 'cr\rlf', 'tab\there', '(sd-pam)', "it's", '}{,=', '\x00nul', '\udcff\udcfe',
-         '\ud800', 'ünïcödé ✓', '\u2028\u2029', '# HELP x y', 'x} 1\nevil_metric 2', '']
+         '\ud800', 'ünïcödé ✓', '\u2028\u2029', '# HELP x y', 'x} 1\nevil_metric 2', '',
+         # C1 controls and bidi controls: CSI, NEL, RLO "gnp.exe" shown as "exe.png", isolates, marks, ALM
+         '\x9b31mred', 'nel\x85line', 'w\u202egnp.exe', '\u2066iso\u2069', '\u200eltr\u200frtl', 'alm\u061c',
+         '\u202a\u202b\u202c\u202d', 'zw\u200bsp\ufeff', '\xe2\x80\xae']
+# What no label value may hold once rendered: C0 and C1 controls and the bidi controls.
+CONTROLS = frozenset(map(chr, [*range(0x20), *range(0x7f, 0xa0), 0x061c, 0x200e, 0x200f, *range(0x202a, 0x202f),
+                               *range(0x2066, 0x206a)]))
 
 
 def test_promtool_check_catches_a_broken_exposition():
@@ -58,6 +65,7 @@ def parsed_both_ways(snapshot: Snapshot) -> list:
     """Render both formats, parse both, promtool the text one; the text parser's samples."""
     text = render(snapshot, openmetrics=False).decode("utf-8")  # strict: must be valid UTF-8
     om = render(snapshot, openmetrics=True).decode("utf-8")
+    assert not set(text) & CONTROLS - {"\n"} and not set(om) & CONTROLS - {"\n"}
     samples = [s for f in parse_text(text) for s in f.samples]
     om_samples = [s for f in parse_openmetrics(om) for s in f.samples]
     key = lambda s: (s.name.removesuffix("_info"), sorted(s.labels.items()))  # noqa: E731
@@ -65,6 +73,7 @@ def parsed_both_ways(snapshot: Snapshot) -> list:
     for s in samples:
         for v in s.labels.values():
             v.encode("utf-8")  # no surrogates left
+            assert not set(v) & CONTROLS, (s.name, v)  # nor any control, even escaped (a "\\n")
     promtool_check(text)
     return samples
 
@@ -135,17 +144,27 @@ def test_any_label_value_in_every_metric_keeps_the_exposition_valid(value):
     assert len({s.name for s in samples}) >= len(registry.METRICS)
     if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
         return  # surrogates are replaced, so they do not round-trip
+    shown = printable(value)  # every printable character kept, every other one "?"
     for s in samples:
         for k, v in s.labels.items():
             if k == "le" and s.name.endswith("_bucket"):
                 continue  # a histogram's bound, ours
-            assert v == (f"GPU-{value}" if k == "gpu" else value), (s.name, k)
+            assert v == (f"GPU-{shown}" if k == "gpu" else shown), (s.name, k)
 
 
 def test_paths_with_spaces_and_deleted_mappings_in_one_snapshot():
-    names = ["/opt/my jobs/run (1).py", "/usr/lib/libcuda.so.1 (deleted)", "C:\\weird", 'q"uote', "multi\nline"]
+    names = ["/opt/my jobs/run (1).py", "/usr/lib/libcuda.so.1 (deleted)", "C:\\weird", 'q"uote', "multi\nline",
+             "/data/w\u202egnp.exe\x9b"]
     snap = Snapshot(ts=1.0, samples=tuple(
         Sample("gpuwatch.process.gpu.memory.usage", float(i), GPU, {"pid": str(i), "process": n})
         for i, n in enumerate(names)))
     samples = parsed_both_ways(snap)
-    assert sorted(s.labels["process"] for s in samples) == sorted(names)
+    assert sorted(s.labels["process"] for s in samples) == sorted(
+        [*names[:4], "multi?line", "/data/w?gnp.exe?"])
+
+
+@pytest.mark.parametrize("text", ["\x9b", "\x85", "\u202e", "\u202a", "\u2066", "\u2069", "\u200e", "\u200f",
+                                  "\u061c", "\x1b", "\n", "\udcff", "\u2028"])
+def test_printable_replaces_c0_c1_and_bidi_controls(text):
+    assert printable(f"a{text}b") == "a?b"
+    assert printable("ünïcödé ✓ 名前 עברית") == "ünïcödé ✓ 名前 עברית"  # letters of any script stay

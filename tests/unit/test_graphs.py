@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+from gpuwatch.agent.budget import Budget
 from gpuwatch.probes.ebpf import graphs, symbols as S
 
 PID = 4242
@@ -106,7 +107,8 @@ def test_changes_apply_from_when_they_were_made():
 
 
 def test_bounds_hold_against_a_process_that_floods():
-    book = graphs.GraphBook()
+    # each dimension's own bound (a budget too large to matter here: its test is below)
+    book = graphs.GraphBook(budget=Budget("graphs", 1 << 40, 1 << 40), uid_of=lambda pid: 1000)
     for i in range(graphs.MAX_GRAPHS_PER_PROCESS + 10):
         book.on_event(ev(S.GE_CREATE, graph=0x10 + i))
     assert book.summary(PID)["graphs"] == graphs.MAX_GRAPHS_PER_PROCESS and book.overflow == 10
@@ -124,10 +126,55 @@ def test_bounds_hold_against_a_process_that_floods():
     # 4242's own graph 1 had no room; 2 of the others (4242 was among them) no process
     assert book.overflow == 10 + 1 + 2
     for i in range(graphs.MAX_GRAPHS_PER_PROCESS):  # one exec there already: the last one is refused
-        instantiate(book, 0x10, 0x100 + i, 1)
+        instantiate(book, 0x11, 0x100 + i, 1)
     assert book.overflow == 14
     book.account({(PID, 0xbad): (0, 5)})  # made before the probe, no room to follow it
     assert book.overflow == 15 and book.summary(PID)["launches"] == 1
+
+
+def test_the_product_of_the_bounds_is_bounded_per_user_and_node_wide(caplog):
+    """One graph of 4,096 distinct nodes instantiated 4,096 times held each bound alone and took
+    ~600 MB: the "graphs" budget bounds the product. The flooding user's replays go partial or
+    unknown, and the refusals are counted and said once; another user's graphs stay exact; what
+    a process held goes back when it exits."""
+    budget = Budget("graphs", 4 << 20, 6 << 20)
+    uids = {PID: 65534, 4243: 65534, 5000: 1000}
+    book = graphs.GraphBook(budget=budget, uid_of=uids.__getitem__)
+    nodes = graphs.MAX_SPECS_PER_GRAPH
+    for pid in (PID, 4243):
+        book.on_event(ev(S.GE_BEGIN, capture=1, pid=pid))
+        for i in range(nodes):
+            book.on_event(ev(S.GE_NODE, capture=1, function=F, dims=(i + 1, 1, 1, 32, 1, 1), pid=pid))
+        book.on_event(ev(S.GE_END, capture=1, graph=0xa, count=nodes, pid=pid))
+        for i in range(graphs.MAX_GRAPHS_PER_PROCESS):
+            instantiate(book, 0xa, 0x100 + i, 1) if pid == PID else \
+                book.on_event(ev(S.GE_INSTANTIATE, graph=0xa, exec=0x100 + i, serial=1, pid=pid))
+    assert budget.used(65534) <= 4 << 20 and budget.refused["user"] > 0
+    refused = budget.refused["user"]
+    capture(book, 100, 0xb, [G, G])  # the flooding user's new graph: no room, counted
+    assert budget.refused["user"] > refused
+    # another user: room of their own, exact
+    uid_before = budget.used(1000)
+    book.on_event(ev(S.GE_BEGIN, capture=7, pid=5000))
+    for f in (F, F, G):
+        book.on_event(ev(S.GE_NODE, capture=7, function=f, pid=5000))
+    book.on_event(ev(S.GE_END, capture=7, graph=0xc, count=3, ts=20, pid=5000))
+    book.on_event(ev(S.GE_INSTANTIATE, graph=0xc, exec=0xe, serial=1, pid=5000))
+    book.account({(5000, 0xe): (1, 10), (PID, 0x100): (1, 2), (PID, 0x100 + nodes - 1): (1, 3)})
+    assert budget.used(1000) > uid_before
+    k = book.kernels(5000)
+    assert k[(5000, F)]["launches"] == 20 and k[(5000, G)]["launches"] == 10
+    assert book.summary(5000)["partial_content_launches"] == book.summary(5000)["unknown_content_launches"] == 0
+    s = book.summary(PID)
+    # its first executable graph is followed; its last had no room at all: its replays are counted
+    # as of unknown content, their kernels not guessed
+    assert s["launches"] == 5 and s["unknown_content_launches"] == 3 and book.overflow > 0
+    book.account({(PID, 0x100 + nodes - 1): (1, 4), (PID, 0x100 + nodes - 2): (1, 1)})
+    assert book.summary(PID)["unknown_content_launches"] == 5
+    assert len([r for r in caplog.records if r.name == "gpuwatch.budget"]) == 1  # said once, however often refused
+    assert budget.used() <= 6 << 20
+    book.forget({PID, 4243, 5000})
+    assert budget.used() == 0
 
 
 def test_short_or_unknown_events_are_ignored_and_exited_processes_forgotten():

@@ -7,7 +7,8 @@ import pytest
 
 from gpuwatch.agent.api import Event, Sample
 from gpuwatch.agent.snapshot import Snapshot
-from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, check_endpoint, parse_headers
+from gpuwatch.exporters.otlp import (OtlpExporter, OtlpStatsProbe, attributes, check_endpoint, event_attributes,
+                                     parse_headers)
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver
 
 GPU = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"
@@ -210,3 +211,13 @@ def test_headers_and_endpoints_are_checked():
             check_endpoint(bad)
     with pytest.raises(ValueError, match="protocol"):
         OtlpExporter("http://x:1", "udp")
+
+
+def test_attributes_carry_no_c0_c1_or_bidi_control():
+    # as /metrics labels: a file or process name a user chose reaches a collector's UI without controls
+    hostile = "/data/w\u202egnp.exe\x9b[31m\u2066\u200f\u061c\n"
+    attrs = attributes(Sample("gpuwatch.process.file.size", 1.0, "", {"pid": "1", "process": "p", "file": hostile}), {})
+    assert attrs["file"] == "/data/w?gnp.exe?[31m????"
+    ev = event_attributes(Event("finding.opened", GPU, {"summary": hostile, "file": hostile, "numbers": {"f": hostile}}))
+    assert ev["gpuwatch.file"] == "/data/w?gnp.exe?[31m????"
+    assert all(c.isprintable() for v in ev.values() if isinstance(v, str) for c in v)  # JSON escapes the rest

@@ -33,8 +33,10 @@ from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
+from gpuwatch.agent.wire import printable
 from gpuwatch.exporters.prometheus import (OPENMETRICS, TEXT, PrometheusExporter, _escape_value, _Family, _Guard,
-                                           _MetricsApp, _number, _QuietHandler, _Server, reference_registry, render)
+                                           _MetricsApp, _number, _QuietHandler, _Server, LOOPBACK, peer_of,
+                                           reference_registry, render)
 from gpuwatch.exporters.webconfig import load_web_config
 from gpuwatch.probes.nvml.probe import NvmlProbe
 from gpuwatch.probes.nvml.replay import ReplayBackend
@@ -130,7 +132,7 @@ def test_hostile_label_values_keep_the_exposition_valid():
     s = Sample("gpuwatch.process.gpu.memory.usage", 1e9, GPU, {"pid": "42", "process": name})
     for parse, om in ((parse_text, False), (parse_openmetrics, True)):
         (got,) = [x for f in parse(render(snap(s), om).decode()) for x in f.samples]
-        assert got.labels["pid"] == "42" and got.labels["process"] == 'a "b"\\c\nd\ufffd(deleted)'
+        assert got.labels["pid"] == "42" and got.labels["process"] == 'a "b"\\c?d\ufffd(deleted)'
         assert got.value == 1e9
 
 
@@ -172,11 +174,13 @@ def test_http_methods_and_paths(exporter):
 @given(process=st.text(), pid=st.text(min_size=1), value=st.floats(allow_nan=False))
 def test_any_label_value_round_trips_through_both_parsers(process, pid, value):
     # Process names come from /proc and can be anything printable or not (undecodable bytes,
-    # as surrogates, are covered above); the exposition must stay parseable and lossless.
+    # as surrogates, are covered above); the exposition must stay parseable, lossless for
+    # printable text, and carry no control: C0, C1 and bidi controls come back as "?".
     s = Sample("gpuwatch.process.gpu.memory.usage", value, GPU, {"pid": pid, "process": process})
     for parse, om in ((parse_text, False), (parse_openmetrics, True)):
         (got,) = [x for f in parse(render(snap(s), om).decode()) for x in f.samples]
-        assert got.labels == {"gpu": GPU, "pid": pid, "process": process}
+        assert got.labels == {"gpu": GPU, "pid": printable(pid), "process": printable(process)}
+        assert all(c.isprintable() for v in got.labels.values() for c in v)
         assert got.value == value
 
 
@@ -364,8 +368,10 @@ def test_label_value_escaping():
     assert _escape_value("plain-ascii 1") == "plain-ascii 1"
     assert _escape_value("\\") == "\\\\"
     assert _escape_value('"') == '\\"'
-    assert _escape_value("\n") == "\\n"
-    assert _escape_value('a\\b"c\nd') == 'a\\\\b\\"c\\nd'
+    assert _escape_value("\n") == "?"  # no control in a label, escaped or not
+    assert _escape_value('a\\b"c\nd') == 'a\\\\b\\"c?d'
+    assert _escape_value("w\u202egnp.exe\x9b[1m") == "w?gnp.exe?[1m"  # bidi RLO, C1 CSI
+    assert _escape_value("\udce2\udc80\udcae") == "?"  # RLO's bytes from /proc, as surrogate escapes
     assert _escape_value("ünïcödé ✓") == "ünïcödé ✓"  # valid non-ASCII stays as it is
     assert _escape_value("x\udcff\udcfe") == "x\ufffd\ufffd"  # undecodable bytes from /proc
     assert _escape_value("é\udcff") == "é\ufffd"
@@ -541,20 +547,63 @@ def test_error_code_without_a_standard_reason():
     assert b"\r\nContent-Length: 10" in head and h.close_connection is True
 
 
-def test_a_client_slower_than_the_request_timeout_is_dropped(exporter, monkeypatch):
-    monkeypatch.setattr(_QuietHandler, "request_timeout", 0.3)
+def test_a_client_slower_than_the_header_timeout_is_dropped(exporter):
+    exporter._server.header_timeout = 0.3
     with socket.create_connection(("127.0.0.1", exporter.port), timeout=5) as s:
         t = time.monotonic()
         s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
         time.sleep(0.1)
-        # One deadline thread for all connections, a daemon: a stalled client never holds up the exit.
-        reapers = [th for th in threading.enumerate() if th.name == "prometheus-deadlines"]
-        assert len(reapers) == 1 and reapers[0].daemon
+        # Unfinished connections are read by the server's one thread: none has a thread of its own.
+        assert not [th for th in threading.enumerate() if th.name == "prometheus-request"]
         assert s.recv(100) == b""  # dropped without an answer
         assert 0.25 < time.monotonic() - t < 2
     # One that finishes its request in time is answered.
     exporter.publish(snap(Sample("hw.power", 100.0, GPU)))
     assert fetch(exporter)[1].endswith(f'hw_power_watts{{gpu="{GPU}"}} 100.0\n'.encode())
+    assert exporter._server.stats()["timeout"] == 1 and exporter._server.stats()["served"] >= 1
+
+
+def test_peers_are_addresses_ipv6_prefixes_and_all_of_loopback():
+    assert {peer_of(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1")} == {LOOPBACK}
+    assert peer_of("192.0.2.7") == peer_of("::ffff:192.0.2.7") == "192.0.2.7"
+    assert peer_of("2001:db8:1:2:3:4:5:6") == peer_of("2001:db8:1:2::9") == "2001:db8:1:2::/64"
+    assert peer_of("2001:db8:1:3::1") != peer_of("2001:db8:1:2::1")
+
+
+def test_unfinished_connections_evict_their_own_peers_oldest_first(caplog):
+    # Remote peers cannot be made on loopback: the server admits one end of socket pairs under
+    # made-up addresses, as its accept loop would.
+    server = _Server(("127.0.0.1", 0), _QuietHandler)
+    server.max_unfinished, server.max_unfinished_per_peer = 7, 2
+    pairs = []
+
+    def admit(host):
+        ours, theirs = socket.socketpair()
+        pairs.append(theirs)
+        server._admit(ours, (host, 40000), tls=False)
+        return theirs
+
+    def evicted(sock) -> bool:
+        sock.setblocking(False)
+        try:
+            return sock.recv(1) == b""
+        except BlockingIOError:
+            return False
+
+    try:
+        a1, a2, a3 = admit("192.0.2.1"), admit("192.0.2.1"), admit("192.0.2.1")
+        assert (evicted(a1), evicted(a2), evicted(a3)) == (True, False, False)  # a peer's third evicts its first
+        b = [admit("192.0.2.2") for _ in range(2)]
+        local = [admit("127.0.0.1") for _ in range(3)]  # loopback shares the whole pool: now full (7)
+        newest = admit("127.0.0.1")
+        # The peer holding the most (loopback, 3) gives up its oldest; the others keep theirs.
+        assert evicted(local[0]) and not any(evicted(s) for s in (a2, a3, *b, *local[1:], newest))
+        assert server.stats()["evicted"] == 2
+        assert sum("had not sent their request" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        server.server_close()
+        for s in pairs:
+            s.close()
 
 
 def test_connection_errors_are_logged_at_debug_and_others_with_a_traceback(caplog):
@@ -725,7 +774,7 @@ def test_plain_http_drain_stops_at_64_kib(tls_exporter, caplog):
 
 
 def test_the_handshake_deadline_covers_the_whole_handshake(tls_exporter, pki):
-    tls_exporter._server.handshake_timeout = 0.6
+    tls_exporter._server.header_timeout = 0.6
     # A client that sends the start of a record and stalls is dropped when the deadline passes ...
     with socket.create_connection(("127.0.0.1", tls_exporter.port), timeout=5) as s:
         t = time.monotonic()

@@ -84,7 +84,7 @@ def test_plain_http_to_the_tls_port_fails_cleanly_and_tls_goes_on(serve, pki):
 
 def test_garbage_and_stalled_clients_do_not_block_scrapes(serve, pki):
     exp = serve(TLS)
-    exp._server.handshake_timeout = 1.0
+    exp._server.header_timeout = 1.0
     # Garbage that looks like a TLS record, then a broken one.
     with socket.create_connection(("127.0.0.1", exp.port), timeout=5) as s:
         s.sendall(b"\x16\x03\x01\x00\x05hello" + bytes(range(256)))

@@ -1,5 +1,6 @@
 """agent/safefile.py against real attackers: another uid swapping directories and planting links
 while root writes (the in-process agent's fallback reports, trace outputs)."""
+import errno
 import os
 import subprocess
 import tempfile
@@ -250,3 +251,41 @@ def test_trace_outputs_not_committed_leave_nothing(tmp_path):
     outs = trace.TraceOutputs(str(tmp_path / "s.json"), str(tmp_path / "t.json"))
     outs.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_open_regular_opens_only_a_regular_file_and_never_a_terminal_or_fifo(tmp_path):
+    """What a user's process holds at /proc/PID/fd/N may be swapped for anything: a pty's open would
+    give a session leader without a terminal (the agent under systemd) that pty as its own, a FIFO's
+    would block. open_regular opens neither; a file, even deleted, it opens read-only."""
+    import sys
+
+    # A session leader without a terminal, as systemd starts the agent: it takes the first tty it opens
+    # without O_NOCTTY (the old code's open of /proc/PID/fd/N). It reports its tty_nr after the tries.
+    code = r"""
+import os, sys
+from gpuwatch.agent.safefile import open_regular
+master, slave = os.openpty()
+fifo = sys.argv[1]
+os.mkfifo(fifo)
+rd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+for fd in (slave, rd):
+    try:
+        open_regular(f"/proc/self/fd/{fd}")
+        print("opened", fd)
+    except OSError as e:
+        print("refused", e.errno)
+print(open(f"/proc/self/stat").read().rsplit(")", 1)[1].split()[4])
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fifo")], capture_output=True, text=True,
+                         timeout=20, start_new_session=True, stdin=subprocess.DEVNULL)
+    assert out.stdout.split("\n")[:3] == [f"refused {errno.EINVAL}", f"refused {errno.EINVAL}", "0"], out.stderr
+    f = tmp_path / "data"
+    f.write_bytes(b"x" * 10)
+    with open(f, "rb") as held:
+        f.unlink()
+        fd = safefile.open_regular(f"/proc/self/fd/{held.fileno()}", noatime=True)
+        try:
+            assert os.read(fd, 100) == b"x" * 10
+            assert os.fstat(fd).st_ino == os.fstat(held.fileno()).st_ino
+        finally:
+            os.close(fd)
