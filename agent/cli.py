@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -100,13 +101,34 @@ def agent(config_path: str | None, **params: Any) -> None:
 @click.option("--interval", "-i", "watch", type=click.FloatRange(0.1, 3600), metavar="SECONDS",
               callback=lambda ctx, param, value: _not_nan(ctx, param, value),  # defined below
               help="Watch: print the list again every SECONDS until Ctrl-C (as gpustat -i, nvidia-smi -l).")
-def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: float | None) -> None:
+@click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
+              help="Ask the agent on this control socket instead of reading NVML here (as `status` lists them).")
+def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: float | None,
+         socket_path: str | None) -> None:
     """List the GPUs and the processes on them (gpuwatch top: live, with more)."""
     from gpuwatch.probes.nvml import backend as nvml_backend
     from gpuwatch.probes.nvml import backend_factory
     from gpuwatch.probes.nvml.probe import inventory
 
     import time
+
+    if socket_path and not replay:  # the agent's GPUs (a demo agent's replayed ones), not this machine's
+        while True:
+            view = _ask(config_path, socket_path, "top", {})
+            if as_json:
+                click.echo(json.dumps(view["gpus"], sort_keys=True) if watch else
+                           json.dumps(view["gpus"], indent=2, sort_keys=True))
+            else:
+                if not view["gpus"] and view.get("no_gpus_reason"):
+                    click.echo(f"No GPUs: {view['no_gpus_reason']}")
+                else:
+                    _print_gpus(view["gpus"], view["processes"])
+            if not watch:
+                return
+            try:
+                time.sleep(watch)
+            except KeyboardInterrupt:
+                return
 
     cfg = config_mod.load(config_path, {"nvml.replay": replay})
     try:
@@ -168,7 +190,10 @@ def _print_gpus(rows: list[dict], processes: list[dict] | None = None) -> None:
             for p in g.get("processes", []):
                 procs.add_row(str(g.get("index", "?")), str(p.get("pid")), escape(p.get("name") or "?"),
                               _mem(p.get("memory_bytes"), None))
-    for p in processes or []:
+    def gpu_order(p: dict) -> tuple:  # by GPU index as the GPU table, then by the agent's order (memory)
+        i = index.get(p.get("gpu"), p.get("gpu_index"))
+        return (0, i, "") if isinstance(i, int) else (1, 0, str(i))
+    for p in sorted(processes or [], key=gpu_order):
         leak = p.get("leak")
         tto = (leak or {}).get("time_to_oom_seconds")
         procs.add_row(str(index.get(p.get("gpu"), p.get("gpu_index", "?"))), str(p.get("pid")), escape(p.get("user") or "—"),
@@ -205,15 +230,22 @@ def _mem(used: float | None, total: float | None) -> str:
 @main.command(context_settings=CONTEXT)
 @config_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def doctor(config_path: str | None, as_json: bool) -> None:
+@click.option("--install-headers", is_flag=True,
+              help="Give bcc kernel headers (root, apt): the running kernel's own headers package where one "
+                   "exists, else Debian's nearest headers linked as /lib/modules/RELEASE/build. Says which.")
+@click.option("--dry-run", is_flag=True, help="With --install-headers: only say what it would do.")
+def doctor(config_path: str | None, as_json: bool, install_headers: bool, dry_run: bool) -> None:
     """Check what gpuwatch needs on this machine; say exactly how to fix what is missing.
 
     Exits 1 when a check fails.
     """
+    if install_headers:
+        _install_headers(dry_run)
+        return
     from gpuwatch.agent import doctor as doctor_mod
     from gpuwatch.probes.nvml.doctor import nvml_checks
 
-    cfg = config_mod.load(config_path, {})
+    cfg = _client_config(config_path)
     from gpuwatch.probes.cupti.doctor import cupti_checks
     checks = doctor_mod.run_checks(cfg.agent.state_dir, nvml_checks, cfg.control.socket,
                                    cupti_checks=lambda: cupti_checks(cfg.agent.state_dir))
@@ -222,6 +254,25 @@ def doctor(config_path: str | None, as_json: bool) -> None:
     else:
         click.echo(doctor_mod.render(checks))
     sys.exit(doctor_mod.exit_code(checks))
+
+
+def _install_headers(dry_run: bool) -> None:
+    import subprocess
+
+    from gpuwatch.agent import kernel_headers
+
+    p = kernel_headers.plan()
+    if dry_run or p.kind in ("present", "none"):
+        click.echo(p.says())
+        if p.kind == "none":
+            raise SystemExit(1)
+        return
+    if os.geteuid() != 0:
+        raise GpuwatchError(f"--install-headers needs root (it will {p.says()})")
+    try:
+        click.echo(kernel_headers.install())
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise GpuwatchError(f"could not {p.says()}: {e}") from None
 
 
 @main.command(context_settings=CONTEXT)
@@ -240,12 +291,20 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     _print_status(st)
 
 
+def _client_config(config_path: str | None):
+    """The configuration a client command reads: the file, and the agent's directories from the
+    same GPUWATCH_RUNTIME_DIR / GPUWATCH_STATE_DIR an agent started in this environment took, so
+    that the CLI finds that agent's socket."""
+    env = {"agent.runtime_dir": "GPUWATCH_RUNTIME_DIR", "agent.state_dir": "GPUWATCH_STATE_DIR"}
+    return config_mod.load(config_path, {k: os.environ.get(v) or None for k, v in env.items()})
+
+
 def _ask(config_path: str | None, socket_path: str | None, method: str, params: dict, timeout: float = 5.0,
          result_type=None):
     """Call the running agent; its refusals are ControlErrors (printed by _GpuwatchGroup)."""
     from gpuwatch.agent.control import call
 
-    return call(socket_path or config_mod.load(config_path, {}).control.socket, method, params, timeout=timeout,
+    return call(socket_path or _client_config(config_path).control.socket, method, params, timeout=timeout,
                 result_type=result_type, explain=True)
 
 
@@ -382,7 +441,7 @@ def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool
     """Run the reference workload now, through the running agent (root); judged and kept."""
     from gpuwatch.agent import baseline_view
 
-    timeout = config_mod.load(config_path, {}).baseline.timeout * 2 + 60
+    timeout = _client_config(config_path).baseline.timeout * 2 + 60
     if not as_json:
         click.echo(f"running the reference workload on {'GPU ' + gpu if gpu is not None else 'each GPU'} "
                    "(a few seconds each; the first run compiles the kernels)...", err=True)
@@ -438,6 +497,14 @@ def _print_status(st: dict) -> None:
     console = _console()
     console.print(f"gpuwatch {escape(st['version'])}  pid {st['pid']}  up {st['uptime_seconds']:.0f} s  "
                   f"snapshot age {st.get('snapshot_age_seconds')} s")
+    conf = st.get("config") or {}
+    if conf and not conf.get("success", True):
+        console.print(f"[red]config: the last reload ({_when(conf['error_timestamp'])}) was rejected, running on the "
+                      f"config loaded {_when(conf['success_timestamp'])}: {escape(conf.get('error', ''))}[/red]",
+                      soft_wrap=True)
+    elif conf:
+        console.print(escape(f"config: {conf.get('path') or 'defaults (no file)'}, loaded "
+                             f"{_when(conf['success_timestamp'])}"))
     for name, info in st.get("exporters", {}).items():
         web = f"  ({info['scheme']}, web config {info['web_config']})" if info.get("web_config") else ""
         console.print(escape(f"{name}: {info.get('listen', '')}{web}"))
@@ -542,7 +609,7 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
     """
     from gpuwatch.agent.trace.session import run_trace
 
-    otlp_cfg = config_mod.load(config_path, {}).otlp if otlp else None
+    otlp_cfg = _client_config(config_path).otlp if otlp else None
     run_trace(pid, duration=duration, summary_json=summary_json, output=output, max_events=max_events,
               library=library, wait=wait, interval=interval, socket_path=socket_path, config_path=config_path,
               otlp=otlp_cfg)
@@ -618,7 +685,7 @@ def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, int
             and kernels is not None and kernels.lower() != "sampled"):
         raise click.UsageError(f"--duty-cycle applies to --kernels sampled, not --kernels {kernels.lower()}")
     if socket_path is None:
-        socket_path = config_mod.load(config_path, {}).control.socket
+        socket_path = _client_config(config_path).control.socket
     elif not socket_path:
         raise click.BadParameter("expected a path, got ''", param_hint="'--socket'")
     env = run_mod.build_env(os.environ, socket=os.path.abspath(socket_path), report_dir=report_dir,
@@ -655,8 +722,8 @@ def top(config_path: str | None, socket_path: str | None, standalone: bool, repl
     its top kernel (CUPTI from `gpuwatch run`, else eBPF). From the running agent, or --standalone on
     NVML. Plain lines, one frame each interval, when stdout is not a terminal.
 
-    Keys: q quits; m, c, p, n sort by GPU memory, CPU, pid, calls/s; / filters the processes as you
-    type (Enter keeps the filter, Esc clears it).
+    Keys: q quits; h or ? shows the keys; m, c, p, n sort by GPU memory, CPU, pid, calls/s; / filters
+    the processes as you type (Enter keeps the filter, Esc clears it).
     """
     from gpuwatch.agent import top as top_mod
     from gpuwatch.agent.control import ControlError
@@ -671,7 +738,7 @@ def top(config_path: str | None, socket_path: str | None, standalone: bool, repl
         except ProbeUnavailable as e:
             raise click.ClickException(f"NVML unavailable: {e}") from None
     else:
-        source = top_mod.AgentSource(socket_path or config_mod.load(config_path, {}).control.socket)
+        source = top_mod.AgentSource(socket_path or _client_config(config_path).control.socket)
     opts = top_mod.Options(sort=sort.lower(), text=text, pids=pids)
     try:
         try:

@@ -657,13 +657,21 @@ def _group_name(gid: int) -> str:
         return str(gid)
 
 
+# Set to a PID, the scan sees only the agents that process started (its descendants): the tests
+# set it to pytest's own, so a run never sees (nor names) an agent it did not start.
+SCAN_ROOT_ENV = "GPUWATCH_SCAN_ROOT_PID"
+
+
 def running_agents() -> list[tuple[int, str, str]]:
     """(pid, user, control socket) of the `gpuwatch agent` processes on this host, from their
     command lines: which says, when the socket cannot be reached, whether there is an agent to reach
     at all, and where one started with --runtime-dir or --socket listens ("" when its command line
-    does not say: its config file's, or the default)."""
+    does not say: its config file's, or the default). With GPUWATCH_SCAN_ROOT_PID, only that
+    process's descendants."""
     import psutil
 
+    root = os.environ.get(SCAN_ROOT_ENV, "")
+    root_pid = int(root) if root.isdigit() else None
     found = []
     for p in psutil.process_iter(["cmdline", "username"]):
         try:
@@ -673,8 +681,19 @@ def running_agents() -> list[tuple[int, str, str]]:
         # `gpuwatch agent ...`, or `python -m gpuwatch.agent.cli agent ...`
         words = [os.path.basename(w) for w in cmd[:4]]
         if "agent" in cmd[1:4] and ("gpuwatch" in words or "gpuwatch.agent.cli" in cmd[:4]):
+            if root_pid is not None and not _descends_from(p, root_pid):
+                continue
             found.append((p.pid, p.info.get("username") or "?", _socket_in(cmd)))
     return found
+
+
+def _descends_from(p, ancestor: int) -> bool:
+    import psutil
+
+    try:
+        return any(a.pid == ancestor for a in p.parents())
+    except psutil.Error:  # it exited meanwhile
+        return False
 
 
 def _socket_in(cmd: list[str]) -> str:

@@ -321,6 +321,9 @@ class Daemon:
             from gpuwatch.exporters.prometheus import PrometheusExporter, PrometheusStatsProbe
 
             probes += [PrometheusStatsProbe(e) for e in self.exporters if isinstance(e, PrometheusExporter)]
+        from gpuwatch.agent.reload import ReloadStatus
+        self.reload_status = ReloadStatus(self.cfg.path)  # gpuwatch_config_last_reload_success
+        probes.append(self.reload_status)
         from gpuwatch.probes.ebpf.pools import names, pool_table
 
         leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
@@ -355,7 +358,13 @@ class Daemon:
         return kernels
 
     def _top(self, params: wire.NoParams, peer: PeerCred) -> dict:
-        return {"pid": os.getpid(), **self._top_view()}
+        from gpuwatch.agent import top
+
+        view = self._top_view()
+        if not view["gpus"]:
+            view["no_gpus_reason"] = top.why_no_gpus(
+                {n: st.as_dict() for n, st in self.runner.snapshot.probes.items()})
+        return {"pid": os.getpid(), **view}
 
     def _status(self, params: wire.NoParams, peer: PeerCred) -> dict:
         snap = self.runner.snapshot
@@ -370,6 +379,7 @@ class Daemon:
             "processes": view["processes"],
             "exporters": {e.name: _exporter_info(e) for e in self.exporters},
             "state_dir": self.cfg.agent.state_dir,
+            "config": self.reload_status.as_dict(),
             "store": {"path": self.store.path, "write_errors": self.store.write_errors} if self.store
                      else {"error": self.store_error},
             "inprocess_agents": [{"pid": r.pid, "process": r.process, "state": r.cupti.state,
@@ -631,11 +641,13 @@ class Daemon:
             try:
                 new = load(self.config_path, self.overrides)
             except ConfigError as e:
+                self.reload_status.rejected(str(e))
                 if str(e) != self._reload_error:
                     self._reload_error = str(e)
                     log.error("config reload rejected, keeping the running config: %s", e)
                 return
             self._reload_error = ""
+            self.reload_status.loaded()
             setup_logging(new.agent.log_level, new.agent.log_format)
             changed = changed_settings(self.cfg, new)
             self.cfg = new

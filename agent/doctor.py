@@ -177,11 +177,15 @@ def check_kernel_headers() -> Check:
         name, False,
         f"no headers for kernel {release}: {build} missing, no /sys/kernel/kheaders.tar.xz, "
         f"no kheaders module; {btf_note}. bcc needs headers to compile its probes",
-        f"apt-get install linux-headers-{release}; for a kernel without a headers package, install the "
-        f"nearest distribution headers (Debian: linux-headers-amd64) and link them: ln -s "
-        f"/usr/src/linux-headers-VERSION-amd64 {build}; ln -s /usr/src/linux-headers-VERSION-common "
-        f"/lib/modules/{release}/source (uprobe programs need little from them), or build the kernel "
-        "with CONFIG_IKHEADERS=m")
+        _headers_remedy(release) + "; or build the kernel with CONFIG_IKHEADERS=m")
+
+
+def _headers_remedy(release: str) -> str:
+    try:  # doctor.py also runs alone, without gpuwatch importable (tests play an unprivileged user)
+        from gpuwatch.agent.kernel_headers import remedy
+    except ImportError:
+        return "run `gpuwatch doctor --install-headers` as root (or scripts/setup)"
+    return remedy(release)
 
 
 def _tracefs_mounts(mounts_text: str | None = None) -> list[str]:

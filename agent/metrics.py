@@ -472,6 +472,13 @@ METRICS: tuple[Metric, ...] = (
            "included, within prometheus.header_timeout); tls_failed (a failed TLS handshake, plain HTTP to the "
            "TLS port, a client certificate not allowed); closed (the client closed before sending a request).",
            ("result",)),
+    # --- config reloads (agent/reload.py) ----------------------------------------------------
+    Metric("gpuwatch.config.last_reload.success", "", Kind.GAUGE,
+           "1 when the last SIGHUP reload of the config was accepted (or none was asked since the start), 0 when "
+           "it was rejected and the agent runs on the config it had (the log and `gpuwatch status` say why). As "
+           "Prometheus' prometheus_config_last_reload_successful."),
+    Metric("gpuwatch.config.last_reload.success_timestamp", "s", Kind.GAUGE,
+           "Unix time of the last successful load of the config: the start, or the last accepted reload."),
     # --- OTLP export (exporters/otlp.py) -----------------------------------------------------
     Metric("gpuwatch.otlp.items", "", Kind.COUNTER,
            "OTLP export, from the OpenTelemetry SDK's own counters: signal=metrics (data points) or logs "

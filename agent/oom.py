@@ -33,6 +33,8 @@ from gpuwatch.agent.metrics import Histogram
 
 FULL = 0.95  # of the GPU's memory in use: an exit then is taken for an OOM
 RECENT_S = 5.0  # how far back "before it exited" looks in the GPU's memory series
+# series whose labels name a process while it runs (the history keeps them an hour after it ends)
+NAMED_BY = ("gpuwatch.process.gpu.memory.usage", "gpuwatch.cuda.calls")
 SAME_OOM_S = 60.0  # evidence for the same process within this long is the same OOM
 MAX_TRACKED = 1024  # forecasts kept (processes with a leak finding); the oldest go first
 # Evidence may come after the leak's finding closed: a program that dies of its OOM exits right
@@ -182,12 +184,24 @@ class OomRecorder:
         used, limit = recent_max("hw.gpu.memory.usage"), recent_max("hw.gpu.memory.limit")
         return used / limit if used is not None and limit else None
 
+    def _known_name(self, pid: str) -> str:
+        """The name a probe gave `pid` while it ran (its GPU memory from NVML, its CUDA calls from eBPF)."""
+        for metric in NAMED_BY:
+            for key, _points in self.history.series(metric):
+                labels = dict(key[2])
+                if labels.get("pid") == pid and labels.get("process") not in (None, "", "unknown"):
+                    return str(labels["process"])
+        return ""
+
     def _event(self, pid: str, process: str, fc: _Forecast | None, cause: str, wall: float, full: float = 0.0,
                detail: str = "", gpu: str = "", error: str = "", extra: dict | None = None) -> Event:
         self._last_oom[pid] = wall
         if len(self._last_oom) > MAX_TRACKED:
             del self._last_oom[next(iter(self._last_oom))]
         gpu = fc.gpu if fc else gpu  # the leak's GPU first: its forecast is what is scored
+        if process in ("", "unknown"):  # a short-lived process, gone before the evidence came
+            leak_named = fc.process if fc and fc.process not in ("", "unknown") else ""
+            process = leak_named or self._known_name(pid) or process
         attrs: dict = {"kind": "oom", "severity": "critical", "pid": pid, "process": process, "cause": cause,
                        **(extra or {})}
         why = CAUSE_WORDS[cause].format(full=full, error=error) + detail

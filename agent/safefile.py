@@ -110,7 +110,12 @@ class Dir:
                 except OSError as e:
                     if e.errno not in (errno.ELOOP, errno.ENOTDIR):
                         raise SafeFileError(f"{self.path}: cannot open {where}/{comp}: {e.strerror}") from None
-                    lst = os.stat(comp, dir_fd=fd, follow_symlinks=False)
+                    try:
+                        lst = os.stat(comp, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        raise self._changed(where, comp) from None
+                    if stat.S_ISDIR(lst.st_mode):  # a link a moment ago: someone renames names here
+                        raise self._changed(where, comp)
                     if not stat.S_ISLNK(lst.st_mode):
                         raise SafeFileError(f"{self.path}: {where}/{comp} is not a directory") from None
                     here = os.fstat(fd)
@@ -123,7 +128,10 @@ class Dir:
                     links += 1
                     if links > _MAX_LINKS:
                         raise SafeFileError(f"{self.path}: too many levels of symbolic links") from None
-                    target = os.readlink(comp, dir_fd=fd)
+                    try:
+                        target = os.readlink(comp, dir_fd=fd)
+                    except OSError:  # no longer a link
+                        raise self._changed(where, comp) from None
                     parts[:0] = [p for p in target.split("/") if p]
                     if target.startswith("/"):
                         os.close(fd)
@@ -138,6 +146,10 @@ class Dir:
             if fd >= 0:
                 os.close(fd)
             raise
+
+    def _changed(self, where: str, comp: str) -> SafeFileError:
+        return SafeFileError(f"{self.path}: {where}/{comp} was renamed or swapped while gpuwatch opened it "
+                             "(someone else changes names in that directory): not writing there")
 
     def create(self, name: str, mode: int = 0o600, flags: int = os.O_WRONLY, *, replace: bool = True) -> int:
         """A new file `name` (its fd): whatever was at the name (a file, a link) is removed first
@@ -252,21 +264,41 @@ class AtomicFile:
         if st is not None and stat.S_ISDIR(st.st_mode):
             self.dir.close()
             raise SafeFileError(f"{path} is a directory")
+        # A device or a FIFO at the name (/dev/stdout's target, /dev/null, /dev/full, a pipe a script
+        # reads) is what the person asked to write into: written in place, never replaced by a file.
+        self.tmp = ""
         try:
-            self.tmp, fd = self.dir.create_temp(self.name, mode)
+            if st is not None and (stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)):
+                fd = self._open_special(path)
+            else:
+                self.tmp, fd = self.dir.create_temp(self.name, mode)
         except BaseException:
             self.dir.close()
             raise
         self.file: IO[str] = os.fdopen(fd, "w", buffering=1 << 20)
         self.done = False
 
+    def _open_special(self, path: str) -> int:
+        try:  # O_NONBLOCK: a FIFO nobody reads is an error (ENXIO), not a hang
+            fd = os.open(self.name, os.O_WRONLY | os.O_NOFOLLOW | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=self.dir.fd)
+        except OSError as e:
+            raise SafeFileError(f"cannot write {path}: {e.strerror}") from None
+        st = os.fstat(fd)
+        if not (stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode)):  # swapped for a file meanwhile
+            os.close(fd)
+            raise SafeFileError(f"{path} was replaced while gpuwatch opened it")
+        os.set_blocking(fd, True)
+        return fd
+
     def commit(self) -> None:
         try:
             self.file.flush()
-            if self.fsync:
+            if self.fsync and self.tmp:  # a device or FIFO has nothing to sync
                 os.fsync(self.file.fileno())
             self.file.close()
-            self.dir.rename(self.tmp, self.name)
+            if self.tmp:
+                self.dir.rename(self.tmp, self.name)
         except OSError as e:
             self.discard()
             if isinstance(e, SafeFileError):
@@ -281,8 +313,9 @@ class AtomicFile:
         self.done = True
         with contextlib.suppress(OSError):
             self.file.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.tmp, dir_fd=self.dir.fd)
+        if self.tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp, dir_fd=self.dir.fd)
         self.dir.close()
 
 

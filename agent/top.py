@@ -241,6 +241,29 @@ class Options:
     text: str | None = None
     pids: tuple[int, ...] = ()
     source: str = ""  # what the header says the data comes from
+    help: bool = False  # h or ?: the keys, in place of the processes
+
+
+HELP = (
+    "keys",
+    "  q, Ctrl-C   quit",
+    "  h, ?        this help (again, or Esc, closes it)",
+    "  m c p n     sort the processes by GPU memory, CPU, pid, CUDA calls/s",
+    "  /TEXT       show only the processes whose command or user holds TEXT, as it is typed;",
+    "              Enter keeps the filter, Esc clears it",
+    "colors of GPU memory: WHITE tensors, GREY the allocator's pool, BLACK what the driver charges",
+)
+
+
+def why_no_gpus(probes: Mapping[str, Mapping]) -> str:
+    """Why an agent lists no GPUs, in the words `status` uses for its NVML probe."""
+    nvml = probes.get("nvml")
+    if nvml is None:
+        return "the NVML probe does not run in this agent (nvml.enabled is false, or --no-nvml)"
+    if nvml.get("up"):
+        return "NVML lists no GPUs on this machine"
+    state = nvml.get("state") or "down"
+    return f"NVML probe {state}" + (f": {nvml['reason']}" if nvml.get("reason") else "")
 
 
 def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hint: bool = True) -> list:
@@ -261,11 +284,14 @@ def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hin
         return t
 
     when = time.strftime("%H:%M:%S", time.localtime(view.get("ts") or time.time()))
-    hint = "  q quit · m c p n / keys" if keys_hint else ""  # the keys: `gpuwatch top --help`
+    hint = "  q quit · h help" if keys_hint else ""  # the keys: h or ? (HELP), `gpuwatch top --help`
     head = f"gpuwatch top  {when}  {opts.source}  sort {opts.sort}"
     if opts.text or opts.pids:
         head += "  filter " + " ".join([repr(opts.text)] * bool(opts.text) + [f"pid {p}" for p in opts.pids])
     lines.append(line((head, "bold"), (hint if len(head) + len(hint) <= width else "", "dim")))
+    if opts.help:
+        lines += [line((h, "bold" if not h.startswith(" ") else "")) for h in HELP]
+        return lines if height is None else lines[:height]
 
     # GPUs: one line each
     gpus = view.get("gpus") or []
@@ -275,7 +301,8 @@ def frame(view: Mapping, width: int, height: int | None, opts: Options, keys_hin
     lines.append(line((f"{'GPU':>3} {'NAME':<{name_w}} {'UTIL':>{4 + pad}} {'MEMORY':>{10 + pad}} {'TEMP':>4} "
                        f"{'POWER':>9} {'SM CLOCK':>9}{extra} {'BASELINE':<9} THROTTLE", "bold reverse")))
     if not gpus:
-        lines.append(line(("  no GPUs", "dim")))
+        why = view.get("no_gpus_reason")
+        lines.append(line((f"  no GPUs: {why}" if why else "  no GPUs", "dim")))
     for g in gpus:
         name = (g.get("name") or "?").removeprefix("NVIDIA ")
         mem = f"{_bytes(g.get('memory_used_bytes'))}/{_bytes(g.get('memory_total_bytes'))}"
@@ -397,7 +424,9 @@ class AgentSource:
         from gpuwatch.agent import wire
         from gpuwatch.agent.control import call
 
-        result = call(self.socket_path, "top", {}, timeout=5.0, result_type=wire.TopResult).to_json()
+        # the first fetch, for a person: no agent there says where agents do listen (as `status` does)
+        result = call(self.socket_path, "top", {}, timeout=5.0, result_type=wire.TopResult,
+                      explain=self.label == "agent").to_json()
         self.label = f"agent pid {result.get('pid')}"
         return result
 
@@ -484,6 +513,10 @@ def live(source, opts: Options, interval: float = INTERVAL, console=None) -> Non
                                 opts.text = ((opts.text or "") + k)[:64]
                         elif k in ("q", "Q"):
                             return
+                        elif k in ("h", "?"):
+                            opts.help = not opts.help
+                        elif k == "\x1b":
+                            opts.help = False
                         elif k in SORT_KEYS:
                             opts.sort = SORT_KEYS[k]
                         elif k == "/":

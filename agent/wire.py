@@ -495,6 +495,15 @@ class StoreResult(Result):
 
 
 @dataclass(frozen=True)
+class ConfigReloadResult(Result):
+    success: bool = wire(Bool(), True)
+    success_timestamp: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+    error: str = wire(Str(4096, clean=True), "")
+    error_timestamp: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
+    path: str = wire(Str(4096, clean=True), "")
+
+
+@dataclass(frozen=True)
 class EventResult(Result):
     ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
     kind: str = wire(Str(128, clean=True), "")
@@ -570,6 +579,8 @@ class TopResult(Result):
     gpus: tuple = wire(ListOf(Obj(TopGpuResult), MAX_GPUS), ())
     processes: tuple = wire(ListOf(Obj(ProcessResult), 4096), ())
     findings: tuple = wire(ListOf(Obj(TopFindingResult), 1024), ())
+    # why there are no GPUs, as `status` says it (the NVML probe's state and reason); "" when there are
+    no_gpus_reason: str = wire(Str(4096, clean=True), "")
 
 
 @dataclass(frozen=True)
@@ -587,6 +598,7 @@ class StatusResult(Result):
     exporters: Mapping = wire(MapOf(Obj(ExporterResult), 16), EMPTY_MAP)
     state_dir: str = wire(Str(4096, clean=True), "")
     store: StoreResult = wire(Obj(StoreResult), StoreResult())
+    config: ConfigReloadResult = wire(Obj(ConfigReloadResult), ConfigReloadResult())
     inprocess_agents: tuple = wire(ListOf(Json(), 1024), ())
     recent_events: tuple = wire(ListOf(Obj(EventResult), 100), ())
     processes: tuple = wire(ListOf(Obj(ProcessResult), 4096), ())

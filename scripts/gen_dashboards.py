@@ -20,7 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # dashboards/generator is a package of this checkout, not of the installed gpuwatch
 
-from dashboards.generator import dashboards, file_name, render  # noqa: E402 (after the path it needs)
+try:
+    from dashboards.generator import dashboards, file_name, render  # noqa: E402 (after the path it needs)
+except ImportError as e:  # grafana-foundation-sdk comes with the test extra
+    sys.exit(f"scripts/gen_dashboards.py needs the test extra ({e.name or e}): scripts/setup --test, or "
+             f".venv/bin/pip install -e '.[test]'")
 
 OUT = ROOT / "dashboards" / "grafana"
 

@@ -20,6 +20,17 @@ FIXTURE = ROOT / "tests" / "fixtures" / "nvml-h200.json"
 # this), never in the machine's /var/cache/gpuwatch: the first test that loads it compiles.
 os.environ.setdefault("GPUWATCH_BPF_CACHE", tempfile.mkdtemp(prefix="gpuwatch-bpf-cache-"))
 
+# Tests see only what they start (issue 35): the CLI's scan for running agents looks only at this
+# run's descendants, and an agent or CLI started without --runtime-dir/--state-dir/--listen/--config
+# gets this run's own directories, a free port and no config file, never the host's.
+os.environ["GPUWATCH_SCAN_ROOT_PID"] = str(os.getpid())
+_OWN = tempfile.mkdtemp(prefix="gpuwatch-tests-")
+os.chmod(_OWN, 0o755)  # ordinary users (setpriv tests) reach sockets beneath it
+os.environ.setdefault("GPUWATCH_RUNTIME_DIR", os.path.join(_OWN, "run"))
+os.environ.setdefault("GPUWATCH_STATE_DIR", os.path.join(_OWN, "state"))
+os.environ.setdefault("GPUWATCH_LISTEN", "127.0.0.1:0")
+os.environ.setdefault("GPUWATCH_CONFIG", "")
+
 # Tests look in tracefs' uprobe_events for uprobes left behind (gpuwatch itself needs no tracefs).
 if os.geteuid() == 0 and not os.path.exists("/sys/kernel/tracing/uprobe_events"):
     subprocess.run(["mount", "-t", "tracefs", "nodev", "/sys/kernel/tracing"], capture_output=True, check=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from typing import Any
 
 from gpuwatch.agent import safefile
@@ -51,13 +52,18 @@ class TraceOutputs:
                 if output:
                     option = "--output"
                     self.trace = safefile.AtomicFile(output)
-                    self.events_dir = safefile.Dir(os.path.dirname(os.path.abspath(output)))
+                    # Raw records go beside the output, or, for a device or FIFO (/dev/stdout), in a
+                    # private directory: never a new file in /dev.
+                    self.events_dir = safefile.Dir(os.path.dirname(os.path.abspath(output)) if self.trace.tmp
+                                                   else tempfile.mkdtemp(prefix="gpuwatch-trace-"))
                     self.events_name = os.path.basename(output) + ".events"
                     self.events_fd = self.events_dir.create(self.events_name, 0o600, os.O_RDWR)
         except BaseException as e:
             self.close()
             if isinstance(e, safefile.SafeFileError):
                 raise TraceError(f"{option} {e}") from None
+            if isinstance(e, OSError):
+                raise TraceError(f"{option}: {e.strerror or e}") from None
             raise
 
     @property
@@ -89,6 +95,9 @@ class TraceOutputs:
             self.events_fd = -1
         if self.events_dir is not None:
             self.events_dir.close()
+            if self.trace is not None and not self.trace.tmp:  # our private directory, if emptied
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.events_dir.path)
 
 
 def read_summary(path: str) -> dict:
@@ -158,8 +167,9 @@ def _kernel_stacks(final: dict) -> dict[int, list[str]]:
     return out
 
 
-def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: dict, err) -> None:
-    """The recorded calls as a Chrome/Perfetto trace, kernels named as the final snapshot names them."""
+def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: dict, err) -> str | None:
+    """The recorded calls as a Chrome/Perfetto trace, kernels named as the final snapshot names them.
+    Returns the error to exit with when it could not be written, else None."""
     from gpuwatch.probes.ebpf.events import write_chrome_trace
     names = _kernel_names(final)
     output, raw = outputs.trace.path, outputs.events_path
@@ -169,9 +179,30 @@ def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: di
                                processes={target.pid: target.process}, kernel_stacks=_kernel_stacks(final))
         outputs.remove_events()
     except OSError as e:
-        err.print(f"[red]could not write {output}: {e.strerror or e}[/red] (the raw records stay in {raw})")
-        return
+        return f"--output: could not write {output}: {_why(e, output)} (the raw records stay in {raw})"
     lost = events["not_written"] + final.get("dropped_events", 0)
     err.print(f"trace written to {output}: {n} calls" + (f"; {lost} calls not in it (dropped or over "
               f"--max-events; see the summary)" if lost else "") + " — open it in https://ui.perfetto.dev",
               highlight=False)
+    return None
+
+
+def write_summary(outputs: TraceOutputs, summary: dict, err) -> str | None:
+    """--summary-json; the error to exit with when it could not be written, else None."""
+    import json
+
+    path = outputs.summary.path
+    try:
+        outputs.summary.file.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        outputs.summary.commit()
+    except OSError as e:
+        return f"--summary-json: could not write {path}: {_why(e, path)}"
+    err.print(f"summary written to {path}", highlight=False)
+    return None
+
+
+def _why(e: OSError, path: str) -> str:
+    # a SafeFileError's text names the path already
+    if isinstance(e, safefile.SafeFileError):
+        return str(e).removeprefix(f"cannot write {path}: ")
+    return e.strerror or str(e)

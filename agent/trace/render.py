@@ -124,12 +124,15 @@ def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
     cols = ["kernel"] + (["launches/s"] if kr is not None else []) + \
         ["launches", "in graphs", "grid", "block", "shared mem", "1-block launches"]
     for c in cols:
-        # the name is cut with "…" rather than wrapped: a row stays one line
-        t.add_column(c, justify="left" if c.startswith("kernel") else "right", no_wrap=c == "kernel",
+        # The name column is the one that gives way (rich narrows wrapable columns first), its text cut
+        # with "…" rather than wrapped (no_wrap on the Text): a row stays one line, and the numbers and
+        # their headers ("1-block launches") stay whole at 80 columns.
+        t.add_column(c, justify="left" if c.startswith("kernel") else "right", no_wrap=c != "kernel",
                      overflow="ellipsis", min_width=12 if c == "kernel" else None)
     for k in kernels[:limit]:
         # Text, not a str: a name is the traced process's choice and must not be read as rich markup
-        row = [Text(kernel_label(k))] + ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
+        row = [Text(kernel_label(k), no_wrap=True, overflow="ellipsis")] + \
+            ([f"{kr.get(k.get('handle'), 0.0):.0f}"] if kr is not None else [])
         row += [str(k.get("launches", 0)), str(k.get("graph_launches", 0)), fmt_dims(k.get("grid")), fmt_dims(k.get("block")),
                 fmt_bytes(k.get("shared_mem_bytes")) if k.get("shared_mem_bytes") is not None else "—",
                 str(k.get("degenerate_launches", 0))]

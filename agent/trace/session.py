@@ -4,7 +4,6 @@ read through its control socket (AgentTrace), GPU-side kernels from the in-proce
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import signal
 import sys
@@ -15,7 +14,7 @@ from typing import Any
 from gpuwatch.agent.control import ControlError, call
 from gpuwatch.agent.wire import TraceSnapshotResult, TraceSummary, WireError
 from gpuwatch.agent.trace.errors import TraceError
-from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path
+from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path, write_summary
 from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
 from gpuwatch.agent.trace.render import render_line, render_live, render_summary
 from gpuwatch.agent.trace.summary import since, summarize
@@ -296,21 +295,19 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
             TraceSummary.parse(summary)  # what scripts read: its wire type (a mismatch is our bug)
         except WireError as e:
             err.print(f"[red]the summary does not match its wire type ({e}): please report this[/red]")
+        # Every output asked for is attempted; any one not written makes the exit status 1, with one
+        # line each (scripts carry on only when all of them are there).
+        failed = []
         if outputs.summary is not None:
-            try:
-                outputs.summary.file.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-                outputs.summary.commit()
-                err.print(f"summary written to {summary_json}", highlight=False)
-            except OSError as e:
-                err.print(f"[red]could not write {summary_json}: {e.strerror or e}[/red]")
-        undelivered = None
-        if otlp is not None and events is not None:
-            undelivered = _send_spans(outputs.events_reader() if output else raw_events, otlp, final, target,
-                                      events, err, keep=bool(output))
+            failed.append(write_summary(outputs, summary, err))
+        if otlp is not None and events is not None:  # the trace ran, but what --otlp was for did not happen
+            failed.append(_send_spans(outputs.events_reader() if output else raw_events, otlp, final, target,
+                                      events, err, keep=bool(output)))
         if output and events is not None:
-            _write_output(outputs, final, target, events, err)
-        if undelivered:
-            raise TraceError(undelivered)  # the trace ran, but what --otlp was for did not happen
+            failed.append(_write_output(outputs, final, target, events, err))
+        failed = [f for f in failed if f]
+        if failed:
+            raise TraceError("\nError: ".join(failed))  # the CLI prints the first "Error: "
         return summary
     finally:
         outputs.close()

@@ -19,12 +19,19 @@ def dashboard() -> grafana.Dashboard:
         [
             Row("Agent"),
             table("Build", Q(sel("gpuwatch.build")), hide=("Value",)).span(12).height(5),
-            stat("Scraped", Q('up{job=~".*gpuwatch.*",instance=~"$instance"}', "{{instance}}")).span(6).height(5)
+            stat("Scraped", Q('up{job=~".*gpuwatch.*",instance=~"$instance"}', "{{instance}}")).span(4).height(5)
             .thresholds(steps("red", (1, "green"))).mappings(value_texts({"1": "up", "0": "down"}))
             .description("Prometheus' own `up` for scrape jobs whose name contains gpuwatch (as the "
                          "GpuwatchAgentDown alert assumes)."),
-            stat("Probes down", Q(f'sum({sel("gpuwatch.probe.state", state=("=~", DOWN_STATES))}) or vector(0)')).unit("none").span(6).height(5)
+            stat("Probes down", Q(f'sum({sel("gpuwatch.probe.state", state=("=~", DOWN_STATES))}) or vector(0)')).unit("none").span(4).height(5)
             .thresholds(steps("green", (1, "red"))),
+            stat("Config reload", Q(sel("gpuwatch.config.last_reload.success"), "{{instance}}")).span(4).height(5)
+            .thresholds(steps("red", (1, "green"))).mappings(value_texts({"1": "ok", "0": "rejected"}))
+            .description("Whether the last SIGHUP reload of the config was accepted (1) or rejected (0: the agent "
+                         "runs on its old config; `gpuwatch status` says why). Alert: GpuwatchConfigReloadFailed."),
+            stat("Config loaded", Q(f'time() - {sel("gpuwatch.config.last_reload.success_timestamp")}',
+                                    "{{instance}}")).unit("s").span(12).height(5)
+            .description("How long ago the config last loaded: the start, or the last accepted reload."),
             Row("Probes"),
             ts("Probe up", Q(sel("gpuwatch.probe.up"), probe)).unit("none").min(0).max(1)
             .line_interpolation(STEPPED)

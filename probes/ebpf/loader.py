@@ -101,12 +101,9 @@ def check_environment(compiling: bool = True) -> None:
         raise ProbeUnavailable(BCC_REMEDY)
     if kernel_headers() is None:
         release = platform.release()
-        raise ProbeUnavailable(
-            f"no kernel headers for {release} (bcc looks in /lib/modules/{release}/build): install "
-            f"linux-headers-{release}, or, for a kernel without a headers package, install the nearest "
-            f"distribution headers (e.g. linux-headers-amd64) and symlink /lib/modules/{release}/build to "
-            f"/usr/src/linux-headers-VERSION-amd64 and /source to its -common sibling: uprobe programs "
-            f"need little from them (verified with Debian's 6.1 headers on 6.18 kernels)")
+        from gpuwatch.agent.kernel_headers import remedy
+        raise ProbeUnavailable(f"no kernel headers for {release} (bcc looks in /lib/modules/{release}/build): "
+                               f"{remedy(release)}")
 
 
 # ---- processes in /proc ----------------------------------------------------------------------

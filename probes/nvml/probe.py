@@ -23,7 +23,7 @@ from gpuwatch.probes.nvml.backend import (
     NvmlError, RealBackend, RecordingError,
 )
 from gpuwatch.probes.nvml.events import XidWatcher
-from gpuwatch.probes.process.identity import sanitise_process_name
+from gpuwatch.probes.process.identity import comm, sanitise_process_name
 from gpuwatch.probes.process.kubernetes import PodResolver
 
 log = logging.getLogger("gpuwatch.nvml")
@@ -106,7 +106,7 @@ class NvmlProbe(Probe):
         self._gpus: list[_Gpu] = []
         self._unsupported: set[tuple] = set()
         self._nvlink_said: set[tuple] = set()  # (gpu, field key, error) already logged
-        self._names: dict[int, str] = {}
+        self._names: dict[int, tuple[str, str | None]] = {}  # pid -> (name, the comm it was read at)
         self._pids_seen: set[int] = set()
         self._system = {"driver_version": "", "cuda_driver_version": ""}
         self._next_static = self._next_slow = 0.0
@@ -453,11 +453,15 @@ class NvmlProbe(Probe):
             return None
 
     def _process_name(self, pid: int) -> str:
+        """NVML's name for the process, asked again when its /proc comm changes (it exec'd another
+        program); the comm itself where NVML has none (a replay listing a local process)."""
         self._pids_seen.add(pid)
-        name = self._names.get(pid)
-        if name is None:
-            name = self._names[pid] = sanitise_process_name(self._ask(None, "process_name", pid) or "")
-        return name
+        live = comm(pid)  # None: not on this host (a replayed pid), or gone
+        cached = self._names.get(pid)
+        if cached is None or (live is not None and cached[1] != live):
+            name = sanitise_process_name(self._ask(None, "process_name", pid) or live or "")
+            self._names[pid] = (name, live)
+        return self._names[pid][0]
 
     def _pod_samples(self, wall: float) -> list[Sample]:
         """gpuwatch.process.kubernetes for each kept GPU process in a pod: one series per pid, not
@@ -467,7 +471,7 @@ class NvmlProbe(Probe):
             found = self.pods.lookup(pid)
             if found is not None:
                 out.append(Sample("gpuwatch.process.kubernetes", 1.0, "", {
-                    "pid": str(pid), "process": self._names[pid], "namespace": found.namespace,
+                    "pid": str(pid), "process": self._names[pid][0], "namespace": found.namespace,
                     "pod": found.pod, "pod_uid": found.pod_uid, "container": found.container}, wall))
         self.pods.retain(self._pids_seen)
         return out

@@ -23,6 +23,7 @@ CHANGES = {
     "otlp": ("endpoint", '"http://127.0.0.1:4999"'),
     "baseline": ("interval", "3600.0"),
     "host": ("interval", "10.0"),
+    "budget": ("files_per_user", "16"),
     "agent": ("log_level", '"debug"'),  # last: it is applied at once, and debug is verbose
 }
 
@@ -88,10 +89,46 @@ def test_sighup_with_the_config_replaced_by_a_fifo_leaks_no_thread_and_says_it_o
     assert wait_for(lambda: "is a FIFO" in agent.output(), 10), agent.output()
     time.sleep(1)
     assert wait_for(lambda: _threads(agent.proc.pid) <= before, 5), (before, _threads(agent.proc.pid))
-    assert agent.output().count("config reload rejected") == 1, agent.output()
+    assert agent.output().count("ERROR gpuwatch.agent: config reload rejected") == 1, agent.output()
+    assert agent.output().count("event config.reload_rejected") == 1, agent.output()  # one event, too
     assert agent.proc.poll() is None and "hw_power_watts" in agent.metrics()
     # Back to a file: the reload works, and a later FIFO is said again.
     cfg.unlink()
     cfg.write_text("[history]\npoints = 100\n")
     agent.proc.send_signal(signal.SIGHUP)
     assert wait_for(lambda: "history.points changed" in agent.output(), 10), agent.output()
+
+
+def test_a_rejected_reload_is_a_metric_a_status_line_and_an_event(agent_factory, tmp_path):
+    """Issue 35 item 5: was only in the log."""
+    import json
+
+    cfg = tmp_path / "gpuwatch.toml"
+    cfg.write_text("")
+    agent = agent_factory(*REPLAY, config=str(cfg))
+    import re
+
+    def value(name):
+        m = re.search(rf"^{name} (\S+)$", agent.metrics(), re.M)
+        return float(m.group(1)) if m else None
+    assert wait_for(lambda: value("gpuwatch_config_last_reload_success") == 1.0, 20), agent.metrics()
+    started = value("gpuwatch_config_last_reload_success_timestamp_seconds")
+    assert abs(started - time.time()) < 60
+    cfg.write_text("[nvml]\ninterval = -1\n")
+    agent.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: value("gpuwatch_config_last_reload_success") == 0.0, 10), agent.output()
+    assert value("gpuwatch_config_last_reload_success_timestamp_seconds") == started
+
+    def status(*args):
+        return subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "status", "--socket", str(agent.socket),
+                               *args], capture_output=True, text=True, timeout=30).stdout
+    st = json.loads(status("--json"))
+    assert st["config"]["success"] is False and "nvml.interval" in st["config"]["error"]
+    assert wait_for(lambda: any(e["kind"] == "config.reload_rejected"
+                                for e in json.loads(status("--json"))["recent_events"]), 10)
+    assert "config: the last reload" in status() and "was rejected" in status()
+    cfg.write_text("[nvml]\ninterval = 2.0\n")  # fixed: 1 again, with the time of that reload
+    agent.proc.send_signal(signal.SIGHUP)
+    assert wait_for(lambda: value("gpuwatch_config_last_reload_success") == 1.0, 10), agent.output()
+    assert value("gpuwatch_config_last_reload_success_timestamp_seconds") > started
+    assert json.loads(status("--json"))["config"]["success"] is True

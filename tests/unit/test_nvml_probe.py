@@ -882,3 +882,36 @@ def test_shutdown_leaves_nvml_to_a_stuck_xid_thread(caplog):
         fine.start()
         fine.shutdown()
     assert caplog.records == [] and fine._backend is None
+
+
+def test_a_process_that_execs_is_renamed(tmp_path):
+    """Issue 35 item 8: the name was read once per pid, so a process that exec'd kept its old one.
+    A real local process listed by the replayed NVML (which has no name for it: its comm is used)."""
+    import subprocess
+    import time
+
+    from tests.conftest import nvml_listing
+
+    child = subprocess.Popen(["bash", "-c", "read line; exec sleep 60"], stdin=subprocess.PIPE)
+    try:
+        backend = ReplayBackend(nvml_listing(tmp_path, [child.pid]))
+        clock = Clock()
+        probe = NvmlProbe(lambda: backend, clock=clock, xid_events=False)
+        probe.start()
+        try:
+            def name():
+                clock.now += 1.0
+                found = pick(list(probe.collect()), "gpuwatch.process.gpu.memory.usage", pid=str(child.pid))
+                return found[0].labels["process"] if found else None
+            assert name() == "bash"
+            child.stdin.write(b"go\n")
+            child.stdin.flush()
+            deadline = time.monotonic() + 10
+            while name() != "sleep" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert name() == "sleep"
+        finally:
+            probe.shutdown()
+    finally:
+        child.kill()
+        child.wait()

@@ -257,3 +257,15 @@ def test_a_two_gpu_process_exiting_holds_one_exit_the_fuller_gpus():
     (ev,) = rec.due(1100.0 + oom_mod.EXIT_HOLD_S)
     assert (ev.resource, ev.attrs["forecast_seconds"], ev.attrs["evidence"]) == (
         "GPU-1", 200.0, "it exited with its GPU 99% full")
+
+
+def test_a_short_lived_process_is_named_as_the_probes_named_it_while_it_ran():
+    """Issue 35 item 8: the driver's OOM of a process gone before its name could be read said "unknown"."""
+    history = History()
+    history.append([Sample("gpuwatch.cuda.calls", 10.0, "", {"pid": "77", "process": "trainer", "api": "cuMemAlloc_v2"},
+                           ts=100.0)])
+    rec = OomRecorder(history)
+    ev = rec.driver_oom(Event("cuda.oom", "", {"pid": 77, "process": "unknown", "api": "cuMemAlloc_v2"}), 101.0)
+    assert ev.attrs["process"] == "trainer" and ev.attrs["summary"].startswith("trainer (pid 77) ran out")
+    ev = rec.driver_oom(Event("cuda.oom", "", {"pid": 78, "process": ""}), 101.0)  # never named: as before
+    assert ev.attrs["process"] == "" and ev.attrs["summary"].startswith("process (pid 78)")

@@ -289,3 +289,69 @@ print(open(f"/proc/self/stat").read().rsplit(")", 1)[1].split()[4])
             assert os.fstat(fd).st_ino == os.fstat(held.fileno()).st_ino
         finally:
             os.close(fd)
+
+
+def _swapped_output_dir() -> tuple[Path, Path, subprocess.Popen]:
+    """(DIR, victim, swapper): nobody's DIR/a (their directory) swapped with DIR/b, a link to root's
+    0700 victim directory, as fast as renameat2 goes."""
+    top = _shared_dir(NOBODY)
+    (top / "a").mkdir()
+    os.chown(top / "a", NOBODY, NOBODY)
+    victim = Path(tempfile.mkdtemp(prefix="gw-victim-"))
+    os.symlink(victim, top / "b")
+    os.lchown(top / "b", NOBODY, NOBODY)
+    return top, victim, _swapper(top / "a", top / "b")
+
+
+@root_only
+def test_trace_outputs_in_a_swapped_directory_are_refused_in_one_line(monkeypatch):
+    """Issue 31 break 7: `sudo gpuwatch trace --summary-json DIR/a/s.json` while the sudo user swaps
+    DIR/a with a link: the old code let readlink's EINVAL (the link was a directory again) out as a
+    traceback in about a third of the tries. Now a TraceError (one line), and nothing in root's
+    directory."""
+    from gpuwatch.agent.trace.errors import TraceError
+    from gpuwatch.agent.trace.output import TraceOutputs, validate_output_path
+
+    top, victim, swapper = _swapped_output_dir()
+    monkeypatch.setenv("SUDO_UID", str(NOBODY))
+    monkeypatch.setenv("SUDO_GID", str(NOBODY))
+    written = refused = 0
+    try:
+        for _ in range(600):
+            path = str(top / "a" / "s.json")
+            try:
+                validate_output_path(path, "--summary-json")
+                outputs = TraceOutputs(path, str(top / "a" / "t.json"))
+                outputs.summary.file.write("{}\n")
+                outputs.summary.commit()
+                outputs.close()
+                written += 1
+            except TraceError:
+                refused += 1
+    finally:
+        swapper.kill()
+        swapper.wait()
+    assert os.listdir(victim) == []
+    assert written + refused == 600
+
+
+@root_only
+def test_trace_cli_with_a_swapped_output_directory_says_one_line(tmp_path):
+    import sys
+
+    top, victim, swapper = _swapped_output_dir()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    env = dict(os.environ, SUDO_UID=str(NOBODY), SUDO_GID=str(NOBODY))
+    try:
+        for _ in range(8):
+            r = subprocess.run([sys.executable, "-m", "gpuwatch.agent.cli", "trace", "--pid", str(sleeper.pid),
+                                "--summary-json", str(top / "a" / "s.json")], capture_output=True, text=True,
+                               env=env, timeout=60)
+            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("Error: "), r.stderr
+    finally:
+        swapper.kill()
+        swapper.wait()
+        sleeper.kill()
+        sleeper.wait()
+    assert os.listdir(victim) == []

@@ -145,3 +145,13 @@ def test_the_top_kernel_is_cuptis_by_gpu_time_else_ebpfs_by_launches():
     v = top.build(_samples(), [], None, now=NOW, user=lambda pid: None, kernels={77: "add_kernel(float*, int)",
                                                                                4242: "launched_most"})
     assert {p["pid"]: p["top_kernel"] for p in v["processes"]} == {4242: "ampere_bf16_gemm", 77: "add_kernel(float*, int)"}
+
+
+def test_h_shows_the_keys_in_place_of_the_processes():
+    """Issue 35 item 8: top had no h/? help."""
+    view = {"gpus": [], "processes": [], "findings": []}
+    lines = [t.plain for t in top.frame(view, 80, 24, top.Options(help=True))]
+    assert lines[0].endswith("  q quit · h help")
+    assert any(x.startswith("  m c p n ") for x in lines) and any(x.startswith("  h, ? ") for x in lines)
+    assert not any(x.startswith("GPU NAME") for x in lines) and all(len(x) <= 80 for x in lines)
+    assert [t.plain for t in top.frame(view, 80, 24, top.Options())][1].startswith("GPU NAME")

@@ -47,3 +47,22 @@ def test_at_80x24_names_give_way_to_the_numbers():
     kernel = next(line for line in lines if line.startswith("void flash::"))
     assert "…" in kernel and kernel.split()[-4:] == ["0", "500", "3×5×7", "32×4×2"]
     assert sum(line.startswith("… ") and "more" in line for line in lines) == 2  # APIs and kernels left out, said
+
+
+def test_the_summary_at_80_columns_keeps_every_number_and_header_whole():
+    """Issue 35 item 8: the summary's kernel table cut its headers and numbers ("1-…", "la…") to keep
+    long kernel names; now the names give way."""
+    from gpuwatch.agent.trace.render import render_summary
+
+    summary = {"pid": 1, "process": "p", "duration_seconds": 3.0, "ended": "duration", "dropped_events": 0,
+               "apis": {k: dict(v, p50_latency_s=1e-6, p99_latency_s=2e-6) for k, v in BUSY["apis"].items()},
+               "kernels": [dict(k, graph_launches=0, shared_mem_bytes=0, degenerate_launches=0)
+                           for k in BUSY["kernels"]], "memory": BUSY["memory"]}
+    c = Console(width=80, file=io.StringIO(), record=True)
+    c.print(render_summary(summary))
+    lines = c.export_text().splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    head = next(line for line in lines if line.startswith("kernel "))
+    assert head.split() == ["kernel", "launches", "in", "graphs", "grid", "block", "shared", "mem", "1-block", "launches"]
+    row = next(line for line in lines if line.startswith("void flash::"))
+    assert row.split()[-7:] == ["500", "0", "3×5×7", "32×4×2", "0", "B", "0"], row
