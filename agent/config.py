@@ -309,6 +309,17 @@ SETTINGS: tuple[Setting, ...] = (
             "launch, exact, at the full cost. Needs links; allocations, copies, syncs and errors are always exact, "
             "and `gpuwatch trace` always counts every launch.",
             "--ebpf-launch-sampling", "a fraction > 0 and <= 1", _fraction),
+    Setting("ebpf", "launch_budget", float, 20000.0,
+            "Launches per second, node-wide, under which every launch is probed whatever launch_sampling "
+            "says (the duty cycle applies only above it): the cost the daemon may add to launches, ~1 us of "
+            "probe each (gpuwatch_ebpf_launch_rate{what=\"measured\"} beside {what=\"budget\"}). 0: the "
+            "duty cycle always applies. A graph-replaying server launches little and is counted exactly.",
+            "--ebpf-launch-budget", "a number >= 0 (launches per second)", _at_least_float(0.0)),
+    Setting("ebpf", "new_process_exact", float, 120.0,
+            "Seconds after a process's first CUDA call during which every launch on the node is probed, "
+            "whatever launch_sampling and launch_budget say: the graphs a server captures at its start are "
+            "known whole. 0: not.",
+            "--ebpf-new-process-exact", "seconds >= 0", _at_least_float(0.0)),
     Setting("ebpf", "pool_libraries", str, "",
             "Libraries of pool allocators beside the known ones (PyTorch's libc10_cuda, CuPy's memory pool, "
             "XLA/jaxlib, RMM, TensorFlow): live driver allocations whose call stack runs through one are its "

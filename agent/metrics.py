@@ -349,6 +349,12 @@ METRICS: tuple[Metric, ...] = (
            "Fraction of the time since the eBPF probe started during which launch calls were counted; "
            "below 1 the launch APIs' gpuwatch_cuda_calls_total are estimates (calls in the windows scaled "
            "by the cycle).", ()),
+    Metric("gpuwatch.ebpf.launch.rate", "", Kind.GAUGE,
+           "Kernel launches per second on the node as the eBPF probe last measured them (what=\"measured\"), "
+           "and the budget (what=\"budget\", ebpf.launch_budget) under which every launch is probed: above "
+           "it the launch duty cycle (ebpf.launch_sampling) applies, except while a process is in its first "
+           "ebpf.new_process_exact seconds, a graph capture began in the last 60 s or a trace asks. Exported "
+           "while launch_sampling < 1.", ("what",)),
     # --- CUPTI, from in-process agents (`gpuwatch run`) ---------------------------------------
     # Kernel series count only while activity was on in that process (a duty cycle by default):
     # divide by gpuwatch.cupti.observed for the fraction of time. The busiest kernels

@@ -115,6 +115,13 @@ def finding_attrs(f: Finding) -> dict:
     return {"kind": f.kind, "severity": f.severity, "summary": f.summary, **f.attrs}
 
 
+def _shutdown_probe(probe: Probe) -> None:
+    try:
+        probe.shutdown()
+    except Exception:
+        log.exception("probe %s shutdown failed", probe.name)
+
+
 class Runner:
     def __init__(
         self,
@@ -209,11 +216,14 @@ class Runner:
         for slot in self.slots:
             if slot.thread.is_alive():
                 slot.thread.join(max(0.0, deadline - time.monotonic()))
-            if not slot.thread.is_alive() or slot.busy_since is None:
-                try:
-                    slot.probe.shutdown()
-                except Exception:
-                    log.exception("probe %s shutdown failed", slot.probe.name)
+        # All at once: one probe's wait (NVML's event wait, uprobes detaching) no longer adds to the next's.
+        stopping = [threading.Thread(target=_shutdown_probe, args=(slot.probe,), daemon=True,
+                                     name=f"gpuwatch-stop-{slot.probe.name}")
+                    for slot in self.slots if not slot.thread.is_alive() or slot.busy_since is None]
+        for t in stopping:
+            t.start()
+        for t in stopping:
+            t.join()
         for exp in self.exporters:
             try:
                 exp.shutdown()

@@ -439,6 +439,7 @@ METHODS: dict[str, type[Message]] = {
     "ping": NoParams,
     "status": NoParams,
     "trace.snapshot": PidParams,
+    "trace.graphs": PidParams,
     "cupti.report": CuptiReport,
     "cupti.process": PidParams,
     "findings": FindingsParams,
@@ -717,9 +718,48 @@ class TraceSummary(Message):
     communicators: tuple = wire(ListOf(Obj(CommunicatorResult), 4096), ())
 
 
+MAX_GRAPH_EXECS = 4096  # probes/ebpf/graphs.py MAX_GRAPHS_PER_PROCESS
+MAX_GRAPH_NODES = 4096  # MAX_SPECS_PER_GRAPH: distinct node configurations of one graph
+MAX_EXPORTED_NODES = 65536  # graphs.MAX_EXPORTED_NODES: in one answer, all graphs together
+_U64 = Int(0, 2**64 - 1)  # a handle in the traced process
+
+
+@dataclass(frozen=True)
+class GraphExecResult(Result):
+    """An executable graph the agent follows: its handle, whether its content is complete, and its
+    kernel nodes as [function handle, grid x, y, z, block x, y, z, shared memory bytes, nodes]."""
+
+    exec: int = wire(_U64)
+    complete: bool = wire(Bool(), False)
+    nodes: tuple = wire(ListOf(Fixed(_U64, 9), MAX_GRAPH_NODES), ())
+
+
+@dataclass(frozen=True)
+class GraphKernelResult(Result):
+    handle: int = wire(_U64)
+    symbol: str = wire(Str(1024, clean=True))
+
+
+@dataclass(frozen=True)
+class TraceGraphsResult(Result):
+    """`trace.graphs`: what the agent's probe knows of a process's executable graphs, for a root trace
+    attached after they were made (EbpfCudaProbe.graphs_of). At most MAX_EXPORTED_NODES nodes in all:
+    the graphs past that are left out ("truncated"), and their replays stay of unknown content."""
+
+    name: ClassVar[str] = "result"
+    execs: tuple = wire(ListOf(Obj(GraphExecResult), MAX_GRAPH_EXECS), ())
+    kernels: tuple = wire(ListOf(Obj(GraphKernelResult), MAX_EXPORTED_NODES), ())
+    truncated: bool = wire(Bool(), False)
+
+    def __post_init__(self) -> None:
+        if sum(len(x.nodes) for x in self.execs) > MAX_EXPORTED_NODES:
+            raise WireError("execs", f"must hold at most {MAX_EXPORTED_NODES} nodes in all")
+
+
 # method -> the wire type of its result, where there is one
 RESULTS: dict[str, type[Message]] = {
     "status": StatusResult,
     "top": TopResult,
     "trace.snapshot": TraceSnapshotResult,
+    "trace.graphs": TraceGraphsResult,
 }

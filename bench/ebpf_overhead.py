@@ -13,12 +13,24 @@ Work: a tiny-op launch loop (x.add_(1) on 16 floats: launch-bound, the worst cas
 training step (a 4-layer MLP, batch 256, width 2048: forward, backward, AdamW).
 
   python3 bench/ebpf_overhead.py --rounds 15 --tiny 100000 --steps 40 --out overhead.json  (tests/gpu/ebpf_links_check.sh)
+
+The daemon's default, resolved: each round measures every state on both workers in both orders, and
+the default's cost in that round is a paired difference on the workers' main-thread CPU time
+(time.thread_time: the probe's traps are that thread's system time; the machine's stalls are not),
+f x every_launch + (1 - f) x launches_off, each relative to "none" of the same round. Over many
+short rounds the mean of those differences gets a 95 % bootstrap confidence interval (and a
+t-interval beside it): printed last, with whether it is within +-1 %. (On the H200, <= 3 minutes:
+  python3 bench/ebpf_overhead.py --rounds 60 --tiny 20000 --steps 8 --out overhead.json)
+--fake BUILD_DIR runs the same on the tests' fake libcuda (no GPU: a launch loop through ctypes and
+a "step" of CPU work between launches), to check the method's resolution on any machine:
+  sudo .venv/bin/python bench/ebpf_overhead.py --fake /tmp/fakecuda --rounds 60 --tiny 5000 --steps 20
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -43,18 +55,54 @@ tiny(1000); train(5); torch.cuda.synchronize()
 print("ready", flush=True)
 for line in sys.stdin:
     what, n = line.split()
-    t, c = time.perf_counter(), time.process_time()
+    t, c = time.perf_counter(), time.thread_time()
     (tiny if what == "tiny" else train)(int(n))
     torch.cuda.synchronize()
-    print(f"{time.perf_counter() - t:.6f} {time.process_time() - c:.6f}", flush=True)
+    print(f"{time.perf_counter() - t:.6f} {time.thread_time() - c:.6f}", flush=True)
+'''
+
+# The same protocol on the fake libcuda (tests/ebpf/fakecuda.c, found through LD_LIBRARY_PATH).
+FAKE_WORKER = r'''
+import ctypes, sys, time
+lib = ctypes.CDLL("libcuda.so.1")
+launch, sync = lib.cuLaunchKernel, lib.cuStreamSynchronize
+f = ctypes.c_void_p(0x1000)
+def tiny(n):
+    for _ in range(n):
+        launch(f, 64, 1, 1, 128, 1, 1, 0, None, None, None)
+def train(n):
+    for _ in range(n):
+        sum(i * i for i in range(20000))  # the step's host work
+        for _ in range(30):
+            launch(f, 64, 1, 1, 128, 1, 1, 0, None, None, None)
+        sync(None)
+tiny(1000); train(2)
+print("ready", flush=True)
+for line in sys.stdin:
+    what, n = line.split()
+    t, c = time.perf_counter(), time.thread_time()
+    (tiny if what == "tiny" else train)(int(n))
+    print(f"{time.perf_counter() - t:.6f} {time.thread_time() - c:.6f}", flush=True)
 '''
 
 
+def interval(xs: list[float], boot: int = 4000, seed: int = 1) -> dict:
+    """The mean of per-round paired differences with a 95 % bootstrap interval (rounds resampled)
+    and a t-interval."""
+    n, m = len(xs), statistics.fmean(xs)
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=n)) for _ in range(boot))
+    sd = statistics.stdev(xs) if n > 1 else 0.0
+    t = 2.0 if n >= 40 else {10: 2.26, 15: 2.14, 20: 2.09, 30: 2.05}.get(min((10, 15, 20, 30), key=lambda k: abs(k - n)), 2.1)
+    return {"mean": round(m, 5), "ci95": [round(means[int(0.025 * boot)], 5), round(means[int(0.975 * boot) - 1], 5)],
+            "t_half_width": round(t * sd / n ** 0.5, 5), "rounds": n}
+
+
 class Worker:
-    def __init__(self, env: dict, cpu: int | None = None) -> None:
+    def __init__(self, env: dict, cpu: int | None = None, code: str = WORKER) -> None:
         # pinned to a core of its own: a launch loop is CPU-bound, and migrations are noise
         pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
-        self.p = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                   text=True, env=env, preexec_fn=pin)
         assert self.p.stdout.readline().strip() == "ready"
 
@@ -96,20 +144,32 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20, help="training steps per round")
     ap.add_argument("--launch-sampling", type=float, default=0.1, help="the daemon's default (ebpf.launch_sampling)")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin each worker to a core of its own")
+    ap.add_argument("--fake", metavar="BUILD_DIR", help="run on the tests' fake libcuda, built in BUILD_DIR (no GPU)")
     ap.add_argument("--out")
     a = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")}
     for var in ("LD_LIBRARY_PATH", "PYTHONPATH"):
         if os.environ.get(f"WORKLOAD_{var}"):
             env[var] = os.environ[f"WORKLOAD_{var}"]
+    code = WORKER
+    if a.fake:
+        fake = os.path.abspath(a.fake)
+        os.makedirs(fake, exist_ok=True)
+        lib = os.path.join(fake, "libcuda.so.1")
+        if not os.path.exists(lib):
+            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", lib,
+                            os.path.join(root, "tests/ebpf/fakecuda.c")], check=True)
+        env["LD_LIBRARY_PATH"] = fake
+        code = FAKE_WORKER
     cpus = sorted(os.sched_getaffinity(0))
     pins = (cpus[-1], cpus[-2]) if a.pin and len(cpus) >= 4 else (None, None)
-    traced = Worker(env, pins[0])
+    traced = Worker(env, pins[0], code)
     real = traced.libcuda()[0]
     copy_dir = tempfile.mkdtemp(prefix="gpuwatch-libcuda-copy-")
     shutil.copy2(real, os.path.join(copy_dir, "libcuda.so.1"))
     cenv = dict(env, LD_LIBRARY_PATH=copy_dir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else ""))
-    control = Worker(cenv, pins[1])
+    control = Worker(cenv, pins[1], code)
     result: dict = {"traced_libcuda": real, "control_libcuda": control.libcuda(), "pinned_to_cpus": pins}
     assert control.libcuda() and os.path.samefile(control.libcuda()[0], os.path.join(copy_dir, "libcuda.so.1")), \
         f"the control process did not load the copy: {control.libcuda()}"
@@ -123,8 +183,11 @@ def main() -> int:
     states = ("none", "launches_off", "every_launch")
     ratios: dict = {s: {"tiny": [], "train": []} for s in states}
     cpu_ratios: dict = {s: {"tiny": [], "train": []} for s in states}
+    # per round, per state and work: the mean CPU ratio of its two orders (paired within the round)
+    by_round: list[dict] = []
     try:
         for i in range(a.rounds):
+            by_round.append({})
             for state in states[i % 3:] + states[:i % 3]:  # rotated: no state always first
                 fid = loader.file_id(real)
                 if state == "none":
@@ -134,6 +197,7 @@ def main() -> int:
                     ld.set_launches(state == "every_launch")
                 for w, n in (("tiny", a.tiny), ("train", a.steps)):
                     ratios[state][w] += rounds(traced, control, w, n, 2, cpu_ratios[state][w])  # both orders
+                    by_round[-1][(state, w)] = statistics.fmean(cpu_ratios[state][w][-2:])
         ld.attach(real)
         ld.set_launches(True)
         per_launch = {label: statistics.median(w.run("tiny", a.tiny) for _ in range(3)) / a.tiny
@@ -160,6 +224,12 @@ def main() -> int:
     result["daemon_default"] = {"launch_sampling": f, **{w: {k: round(
         f * result["every_launch"][w][k] + (1 - f) * result["launches_off"][w][k], 4) for k in ("overhead", "cpu_overhead")}
         for w in ("tiny", "train")}}
+    # the default's cost, resolved: per round, paired against that round's "none"
+    result["daemon_default_ci"] = {}
+    for w in ("tiny", "train"):
+        per_round = [f * (r[("every_launch", w)] / r[("none", w)] - 1) + (1 - f) * (r[("launches_off", w)] / r[("none", w)] - 1)
+                     for r in by_round]
+        result["daemon_default_ci"][w] = interval(per_round)
     result["calls_counted"] = {"traced": counted[traced.p.pid], "control": counted[control.p.pid]}
     result["per_launch_us_end"] = {k: round(v * 1e6, 3) for k, v in per_launch.items()}
     if a.out:
@@ -177,6 +247,13 @@ def main() -> int:
               f"  (= {f:g} x every_launch + {1 - f:g} x launches_off)")
     print(f"calls counted in the control (must be 0): {counted[control.p.pid]}; per tiny launch, every launch "
           f"probed, control/traced {result['per_launch_us_end']} us")
+    print(f"daemon default (launch_sampling {f:g}), main-thread CPU time, paired per round over {a.rounds} rounds:")
+    for w in ("tiny", "train"):
+        r = result["daemon_default_ci"][w]
+        lo, hi = r["ci95"]
+        half = (hi - lo) / 2
+        print(f"  {w:6s} {r['mean'] * 100:+7.2f} %  95 % CI [{lo * 100:+.2f}, {hi * 100:+.2f}] % (+-{half * 100:.2f}; "
+              f"t: +-{r['t_half_width'] * 100:.2f}) {'resolved to +-1 %' if half <= 0.01 else 'NOT within +-1 %: more rounds'}")
     return 0 if counted[control.p.pid] == 0 else 1
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpuwatch.agent.control import ControlError, call
-from gpuwatch.agent.wire import TraceSnapshotResult, TraceSummary, WireError
+from gpuwatch.agent.wire import TraceGraphsResult, TraceSnapshotResult, TraceSummary, WireError
 from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path, write_summary
 from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
@@ -159,6 +159,32 @@ class GpuKernels:
         return dict(snap, gpu=self.gpu(pid))
 
 
+GRAPHS_TIMEOUT = 5.0
+
+
+def preload_graphs(probe: Any, pid: int, socket_path: str | None) -> str:
+    """A root trace attaches after the process's graphs were made: ask the gpuwatch agent (when one
+    answers) what it followed of them (trace.graphs, checked as its wire type), so that their
+    replays count with that content. What happened, said in one line."""
+    preload = getattr(probe, "preload_graphs", None)
+    if preload is None:
+        return ""
+    unknown = "replays of graphs made before the trace attached are of unknown content"
+    if not socket_path:
+        return f"no gpuwatch agent configured: {unknown}"
+    try:
+        known = call(socket_path, "trace.graphs", {"pid": pid}, timeout=GRAPHS_TIMEOUT, result_type=TraceGraphsResult)
+    except ControlError as e:
+        return f"the gpuwatch agent was not asked about graphs made before the trace ({e}): {unknown}"
+    execs = [{"exec": x.exec, "complete": x.complete, "nodes": [list(n) for n in x.nodes]} for x in known.execs]
+    kernels = [{"handle": k.handle, "symbol": k.symbol} for k in known.kernels]
+    taken = preload(pid, {"execs": execs, "kernels": kernels})
+    text = f"the gpuwatch agent knew {taken} executable CUDA graphs of process {pid} made before the trace"
+    if known.truncated:
+        text += " (not all: its answer holds at most 65,536 nodes; the rest are of unknown content)"
+    return text
+
+
 def _control_socket(socket_path: str | None, config_path: str | None) -> str | None:
     if socket_path:
         return socket_path
@@ -257,6 +283,10 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         uprobes = sum(lib.get("uprobes", 0) for lib in libs)
         if not alive(pid, target.start_time):
             raise TraceError(f"process {pid} ({target.process}) exited before the probe attached")
+        if agent is None:  # attached after the process's graphs were made: what the agent knew of them
+            said = preload_graphs(probe, pid, probe.socket_path)
+            if said:
+                err.print(said, highlight=False)
         n_sym = sum(len(lib.get("attached", [])) for lib in libs)
         err.print(f"tracing PID {pid} ({target.process})" + (" through the gpuwatch agent" if agent else "")
                   + f": {n_sym} CUDA driver functions, {uprobes} uprobes on "
@@ -363,6 +393,7 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
     snap: dict | None = None
     live = None
     keys = _Keys() if live_tty else None
+    exited = _pidfd(pid)  # readable once the process exits: the loop wakes then, not at its next step
     if live_tty:
         from rich.live import Live
         live = Live(console=out, auto_refresh=False, transient=True, vertical_overflow="crop")
@@ -394,10 +425,10 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
                     next_tick = now + interval
             wake = min(next_tick, deadline if deadline is not None else next_tick, now + step)
             if keys is not None:
-                if keys.wait_for_q(max(0.0, wake - time.monotonic())):
+                if keys.wait_for_q(max(0.0, wake - time.monotonic()), exited):
                     return "quit", t0, snap
             else:
-                time.sleep(max(0.0, wake - time.monotonic()))
+                _wait_readable(exited, max(0.0, wake - time.monotonic()))
     except (KeyboardInterrupt, _Stop):
         return "interrupted", t0, snap
     finally:
@@ -405,6 +436,23 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
             live.stop()
         if keys is not None:
             keys.close()
+        if exited is not None:
+            os.close(exited)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # before Linux 5.3: the loop looks every step
+        return None
+
+
+def _wait_readable(fd: int | None, timeout: float) -> None:
+    if fd is None:
+        time.sleep(timeout)
+        return
+    import select
+    select.select([fd], [], [], timeout)
 
 
 class _Keys:
@@ -425,14 +473,14 @@ class _Keys:
         except (OSError, ValueError, termios.error):
             self.fd = None
 
-    def wait_for_q(self, timeout: float) -> bool:
-        """Wait up to `timeout` seconds; True when q (or Q) was typed meanwhile."""
+    def wait_for_q(self, timeout: float, also: int | None = None) -> bool:
+        """Wait up to `timeout` seconds, or until `also` is readable; True when q (or Q) was typed meanwhile."""
         if self.fd is None:
-            time.sleep(timeout)
+            _wait_readable(also, timeout)
             return False
         import select
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if not ready:
+        ready, _, _ = select.select([self.fd] + ([also] if also is not None else []), [], [], timeout)
+        if self.fd not in ready:
             return False
         try:
             typed = os.read(self.fd, 64)

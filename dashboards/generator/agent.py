@@ -58,6 +58,12 @@ def dashboard() -> grafana.Dashboard:
             .unit("percentunit").min(0)
             .description("Fraction of the time launches were counted (ebpf.launch_sampling); below 100 % the "
                          "launch APIs' call counts are estimates. Every other API is exact."),
+            ts("eBPF launch rate and budget", Q(sel("gpuwatch.ebpf.launch.rate"), "{{instance}} {{what}}", needs="ebpf"))
+            .unit("ops").min(0)
+            .description("Kernel launches per second on the node as the eBPF probe measured them, and the budget "
+                         "(ebpf.launch_budget) under which every launch is probed; above it the duty cycle "
+                         "samples, except in a process's first minutes, after a graph capture begins, and during "
+                         "a trace."),
             Row("Bounds"),
             ts("History series", Q(sel("gpuwatch.history.series"), "{{instance}}"),
                Q(f'sum by (instance, reason) ({rate("gpuwatch.history.series.evicted")})',

@@ -27,6 +27,7 @@ def from_config(cfg: Config) -> EbpfCudaProbe | None:
         return None
     p = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (), max_processes=cfg.ebpf.max_processes,
                       attach=cfg.ebpf.attach, launch_sampling=cfg.ebpf.launch_sampling,
-                      pools=pool_table(cfg.ebpf.pool_libraries))
+                      pools=pool_table(cfg.ebpf.pool_libraries), exact_launch_rate=cfg.ebpf.launch_budget,
+                      young_seconds=cfg.ebpf.new_process_exact)
     p.deadline = 30.0  # the first start on a machine compiles the BPF program (1-6 s; then it is cached)
     return p

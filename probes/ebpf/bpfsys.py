@@ -88,6 +88,9 @@ def map_info(fd: int) -> dict:
             "name": info.raw[24:40].split(b"\0")[0].decode()}
 
 
+BATCH_BYTES = 128 << 10
+
+
 class Map:
     """A map by its fd, keys and values as ctypes types of the map's sizes."""
 
@@ -163,6 +166,9 @@ class Map:
             yield ctypes.string_at(keys, n * ks), ctypes.string_at(values, n * vs), n
 
     def _batches(self, chunk: int) -> Iterator[tuple]:
+        # at most BATCH_BYTES of buffers: 4096 of the communicators' 1 KiB values were 4.3 MiB
+        # zeroed at each collection, kept by malloc between them
+        chunk = max(1, min(chunk, BATCH_BYTES // (ctypes.sizeof(self.key_type) + ctypes.sizeof(self.value_type))))
         keys = (self.key_type * chunk)()
         values = (self.value_type * chunk)()
         token_in = ctypes.c_uint64(0)  # the opaque batch position (a bucket index for hash maps)
@@ -277,6 +283,9 @@ class RingBuffer:
         self._mask = size - 1
         self._poll = select.epoll()
         self._poll.register(fd, select.EPOLLIN)
+        # wake(): a thread waiting on the ring returns at once (a stop does not wait out its timeout)
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._poll.register(self._wake, select.EPOLLIN)
 
     def consume(self) -> int:
         """Hand every committed record to on_record; how many."""
@@ -309,8 +318,13 @@ class RingBuffer:
             return self.consume()
         return 0
 
+    def wake(self) -> None:
+        """End every wait() and poll() now and from now on (the waiter checks why it woke)."""
+        os.eventfd_write(self._wake, 1)
+
     def close(self) -> None:
         self._poll.close()
+        os.close(self._wake)
         self._data.release()
         self._prod.close()
         self._cons.close()

@@ -22,7 +22,8 @@ BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
 // allocations, 3 kernels, 4 kernel names, 5 errors by return code, 6 per-call events (the ring
 // buffer was full: the reader fell behind), 7 allocation stacks, 8 graph events, 9 captures
-// (streams and events of captures too), 10 executable graphs' launches, 11 launch stacks, 12 NCCL communicators. (A full histogram map loses
+// (streams and events of captures too), 10 executable graphs' launches, 11 launch stacks, 12 NCCL communicators,
+// 13 allocation stack copies (a process's USTACKS_PER_PID, or a map, full). (A full histogram map loses
 // buckets silently.) Python sizes its reads from the map: keep GW_DROPPED_KINDS in step.
 BPF_ARRAY(dropped, u64, GW_DROPPED_KINDS);
 // frozen[0] != 0: every program returns at once, so the maps stop changing in one step (one map
@@ -332,6 +333,53 @@ static __always_inline u64 gw_caller(struct pt_regs *ctx) {
     u64 ret = 0;
     bpf_probe_read_user(&ret, sizeof(ret), (void *)PT_REGS_SP(ctx));
     return ret;
+}
+
+// ---- allocation stacks without frame pointers (unwind.py unwinds them with the binaries' CFI).
+// Scratch for one copy (8 KiB: far beyond the 512-byte BPF stack).
+BPF_PERCPU_ARRAY(ustack_buf, struct gw_ustack, 1);
+
+// The top GW_USTACK_CHUNKS x GW_USTACK_CHUNK bytes of the user stack and rip, rsp, rbp, at the
+// allocating function's first instruction: once per (process, stack id, caller, rsp), at most
+// GW_USTACKS_PER_PID copies per process; the copy waits in ustack_copies until Python unwinds it.
+static __always_inline void gw_copy_stack(struct pt_regs *ctx, struct gw_call *c) {
+    struct gw_ustack_key k = {};
+    k.pid = bpf_get_current_pid_tgid() >> 32;
+    k.stack = c->stack;
+    k.caller = c->caller;
+    k.sp = PT_REGS_SP(ctx);
+    c->sp = k.sp;
+    if (ustack_seen.lookup(&k))
+        return;  // copied before: the same chain
+    u32 zero = 0;
+    u32 *n = ustack_count.lookup_or_try_init(&k.pid, &zero);
+    if (!n || *n >= GW_USTACKS_PER_PID) {
+        gw_drop(13);
+        return;
+    }
+    int err = ustack_seen.insert(&k, &zero);
+    if (err != 0) {
+        if (err != -17)  // -EEXIST (another thread of the process is copying the same chain)
+            gw_drop(13);
+        return;
+    }
+    __sync_fetch_and_add(n, 1);
+    struct gw_ustack *s = ustack_buf.lookup(&zero);
+    if (!s)
+        return;
+    s->ip = PT_REGS_IP(ctx);
+    s->sp = k.sp;
+    s->bp = PT_REGS_FP(ctx);
+    u32 len = 0;
+    for (int i = 0; i < GW_USTACK_CHUNKS; i++) {
+        if (bpf_probe_read_user((char *)s->data + i * GW_USTACK_CHUNK, GW_USTACK_CHUNK,
+                                (void *)(k.sp + i * GW_USTACK_CHUNK)) != 0)
+            break;
+        len += GW_USTACK_CHUNK;
+    }
+    s->len = len;
+    if (ustack_copies.update(&k, s) != 0)
+        gw_drop(13);
 }
 
 // ---- launch call stacks (sampled). Scratch for one key (216 bytes: too big for the BPF stack).
@@ -693,6 +741,20 @@ static __always_inline void gw_name_store(u32 pid, u32 kind, u64 h, const char *
     gw_name_put(pid, kind, h, n);
 }
 
+// A process's first timed call (cuInit, a context, a module: before any launch) is said once
+// (GE_FIRST), so that the daemon counts every launch of a new process from then on.
+static __always_inline void gw_first_call(u32 pid, u64 ts) {
+    if (procs.lookup(&pid))
+        return;
+    if (procs.insert(&pid, &ts) != 0) {
+        gw_drop(8);  // the map is full: not said (the next collection sees the process)
+        return;
+    }
+    struct gw_graph_event *e = gw_graph_event(pid, GW_GE_FIRST);
+    if (e)
+        graph_events.ringbuf_submit(e, 0);
+}
+
 static __always_inline int gw_finish(struct pt_regs *ctx, u32 api, u32 op, u64 record) {
     u64 now = bpf_ktime_get_ns();
     struct gw_call_key k = {};
@@ -705,6 +767,7 @@ static __always_inline int gw_finish(struct pt_regs *ctx, u32 api, u32 op, u64 r
     inflight.delete(&k);
 
     u32 pid = k.pid_tgid >> 32;
+    gw_first_call(pid, c.ts);
     int rc = (int)PT_REGS_RC(ctx);  // CUresult (ncclResult_t for NCCL's)
     if (api >= GW_FIRST_NCCL_API && rc == GW_NCCL_IN_PROGRESS)
         rc = 0;  // a non-blocking communicator call going on is not an error
@@ -737,6 +800,7 @@ static __always_inline int gw_finish(struct pt_regs *ctx, u32 api, u32 op, u64 r
             lv.api = api;
             lv.stack = c.stack;
             lv.caller = c.caller;
+            lv.sp = c.sp;
             if (live.update(&lk, &lv) == 0)
                 gw_add_live(pid, delta);
             else

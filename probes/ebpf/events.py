@@ -76,6 +76,7 @@ class EventRecorder:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._ring.wake()
         self._thread.join()
         self._ring.consume()
         self._ring.close()

@@ -57,6 +57,7 @@ COPY_BYTES = 64
 HANDLE_BYTES = 96
 GRAPH_BYTES = 512  # a graph, capture or executable graph itself (its object, Counter and dict)
 KERNEL_BYTES = 256  # a kernel's running counts
+MAX_EXPORTED_NODES = 65536  # node configurations one answer to a later probe holds (trace.graphs)
 
 # A kernel node: (function handle, grid x, y, z, block x, y, z, shared memory bytes)
 Spec = tuple
@@ -168,6 +169,7 @@ class _Process:
     launches: Counter = field(default_factory=Counter)  # "known" | "partial" | "unknown" -> replays
     last_serial: int = 0  # of the last instantiation seen, kept or not
     unfollowed: int = 0  # the most launches seen of executable graphs not kept (the bounds, the budget)
+    known: dict = field(default_factory=dict)  # exec handle -> _Graph: told by the agent (preload), not seen
 
 
 def _spec(e) -> Spec:
@@ -190,6 +192,7 @@ class GraphBook:
         self._procs: dict[int, _Process] = {}
         self.captures_begun = 0  # captures seen to begin (the daemon turns launches on for them)
         self.new_processes: set[int] = set()  # first sampled launch of these (GE_PROCESS), not yet taken
+        self.first_calls: set[int] = set()  # first CUDA call of these (GE_FIRST), not yet taken
         self.overflow = 0  # graphs, processes or nodes not followed: the bounds above
 
     def _proc(self, pid: int) -> _Process | None:
@@ -237,6 +240,10 @@ class GraphBook:
         if e.kind == S.GE_PROCESS:
             if len(self.new_processes) < MAX_PROCESSES:
                 self.new_processes.add(e.pid)
+            return
+        if e.kind == S.GE_FIRST:
+            if len(self.first_calls) < MAX_PROCESSES:
+                self.first_calls.add(e.pid)
             return
         p = self._proc(e.pid)
         if p is None:
@@ -371,7 +378,8 @@ class GraphBook:
             if len(p.execs) >= MAX_GRAPHS_PER_PROCESS or not p.meter.take(GRAPH_BYTES):
                 self.overflow += 1
                 return None
-            x = p.execs[(exec_, 0)] = _Exec(None)  # made before the probe attached
+            # made before the probe attached: its content is what the agent knew of it, if it did
+            x = p.execs[(exec_, 0)] = _Exec(p.known.pop(exec_, None))
         delta = launches - x.counted
         if delta <= 0:
             return x
@@ -390,6 +398,49 @@ class GraphBook:
                 k[1] += n * delta
         p.launches[content] += delta
         return x
+
+    # ---- what another probe knew (a root trace asks the agent: trace.graphs) -----------------
+    def export(self, pid: int, max_nodes: int = MAX_EXPORTED_NODES) -> dict:
+        """The executable graphs of a process whose content is known, for a probe that attaches
+        later: {"execs": [{"exec", "complete", "nodes": [[function, gx, gy, gz, bx, by, bz, shared
+        memory, nodes of that configuration]]}], "truncated"}. The newest instantiation of each
+        handle; at most max_nodes node configurations in all (the rest: "truncated", left out)."""
+        p = self._procs.get(pid)
+        out: list[dict] = []
+        truncated, total = False, 0
+        if p is not None:
+            newest: dict[int, tuple[int, _Exec]] = {}
+            for (handle, serial), x in p.execs.items():
+                if x.graph is not None and serial >= newest.get(handle, (-1, None))[0]:
+                    newest[handle] = (serial, x)
+            for handle, (_serial, x) in sorted(newest.items()):
+                g = x.graph
+                if total + len(g.counts) > max_nodes:
+                    truncated = True
+                    continue
+                total += len(g.counts)
+                out.append({"exec": handle, "complete": g.complete,
+                            "nodes": [list(spec) + [n] for spec, n in sorted(g.counts.items())]})
+        return {"execs": out, "truncated": truncated}
+
+    def preload(self, pid: int, execs: list[dict]) -> int:
+        """What the agent knew of the executable graphs of a process made before this probe
+        attached (export()'s "execs", checked as their wire type): their replays are counted with
+        that content instead of as unknown. The graphs taken."""
+        p = self._proc(pid)
+        taken = 0
+        for x in execs if p is not None else ():
+            if x["exec"] in p.known or len(p.known) >= MAX_GRAPHS_PER_PROCESS:
+                continue
+            g = _Graph.new(p.meter, complete=bool(x["complete"]))
+            if g is None:
+                self.overflow += 1
+                continue
+            for node in x["nodes"]:
+                g.add(tuple(node[:8]), node[8])
+            p.known[x["exec"]] = g
+            taken += 1
+        return taken
 
     # ---- answers -----------------------------------------------------------------------------
     def kernels(self, pid: int | None = None) -> dict[tuple[int, int], dict]:
@@ -429,7 +480,7 @@ class GraphBook:
         for pid in pids:
             p = self._procs.pop(pid, None)
             if p is not None:
-                p.meter.give(p.meter.held)
+                p.meter.give(p.meter.held)  # the known graphs' charges too
 
     def clear(self) -> None:
         """Forget every process (the probe stops): what they held goes back to the budget."""
@@ -440,38 +491,45 @@ class GraphFollower:
     """Drains graph_events into a GraphBook as they come (a thread), so that a capture beginning
     is known at once: on_capture() is called then (the daemon turns the launch probes on); and
     on_processes(pids) for processes whose launches were sampled for the first time (GE_PROCESS:
-    the probe looks at once whether it can read their Python frames)."""
+    the probe looks at once whether it can read their Python frames); on_first_calls(pids) for
+    processes that made their first CUDA call (GE_FIRST: the daemon counts their launches)."""
 
     POLL_MS = 100
 
     def __init__(self, ring: tuple[int, int], book: GraphBook, on_capture: Callable[[], None] | None = None,
-                 on_processes: Callable[[set[int]], None] | None = None) -> None:
+                 on_processes: Callable[[set[int]], None] | None = None,
+                 on_first_calls: Callable[[set[int]], None] | None = None) -> None:
         self.book = book
         self.on_capture = on_capture
         self.on_processes = on_processes
+        self.on_first_calls = on_first_calls
         self._lock = threading.Lock()  # one consumer of the ring at a time; the book's one owner
         self._ring = bpfsys.RingBuffer(ring[0], ring[1], book.on_event)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpuwatch-ebpf-graphs", daemon=True)
         self._thread.start()
 
-    def _drain(self) -> tuple[bool, set[int]]:
-        """Take what the ring holds: whether a capture began meanwhile, and the new processes."""
+    def _drain(self) -> tuple[bool, set[int], set[int]]:
+        """Take what the ring holds: whether a capture began meanwhile, the processes whose launches
+        were sampled for the first time, and those that made their first CUDA call."""
         with self._lock:
             if self._stop.is_set():
-                return False, set()
+                return False, set(), set()
             before = self.book.captures_begun
             self._ring.consume()
             new, self.book.new_processes = self.book.new_processes, set()
-            return self.book.captures_begun != before, new
+            first, self.book.first_calls = self.book.first_calls, set()
+            return self.book.captures_begun != before, new, first
 
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 if not self._ring.wait(self.POLL_MS):
                     continue
-                began, new = self._drain()
+                began, new, first = self._drain()
                 # outside our lock: these take the probe's
+                if first and self.on_first_calls is not None:
+                    self.on_first_calls(first)
                 if new and self.on_processes is not None:
                     self.on_processes(new)
                 if began and self.on_capture is not None:
@@ -495,6 +553,7 @@ class GraphFollower:
 
     def stop(self) -> None:
         self._stop.set()
+        self._ring.wake()
         self._thread.join(2 * self.POLL_MS / 1000 + 1)
         with self._lock:
             self._ring.close()

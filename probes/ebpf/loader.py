@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import ctypes
 import errno
 import importlib.util
@@ -20,11 +21,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.api import ProbeUnavailable
-from gpuwatch.probes.ebpf import bpfsys, compiler, symbols
+from gpuwatch.probes.ebpf import bpfsys, compiler, symbols, unwind
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, SAMPLED_APIS
 
 log = logging.getLogger("gpuwatch.ebpf")
@@ -230,6 +231,8 @@ _SYS_MEMBARRIER = {"x86_64": 324, "aarch64": 283}.get(platform.machine(), -1)  #
 _MEMBARRIER_CMD_GLOBAL = 1  # synchronize_rcu()
 LAUNCH_GAPS = 4096  # launch-probe off times remembered (a 10 s duty cycle: 11 hours)
 SYMBOL_BYTES = 192  # a symbolised frame kept, beside its text: its key and dict slot (charged to "stacks")
+# an unwound allocation stack kept: its key, dict slot and tuple (RSS per stack kept, bench/stack_cost.py: 1.7 KiB for 7 frames)
+UNWOUND_BYTES, UNWOUND_FRAME_BYTES = 1400, 44
 
 
 class NotAdmitted(Exception):
@@ -250,6 +253,26 @@ def attach_method(mode: str = "auto") -> str:
     if mode != "auto":
         return mode
     return LINKS if kernel_version() >= LINKS_SINCE else PERF_EVENTS
+
+
+def _close_at_once(fds: list[int], threads: int = 16) -> None:
+    """Close every link at once: each close waits for an RCU grace period (~25 ms on 6.18), and
+    waits that overlap end together (one after another: 3 links took 75 ms). Entry before return
+    no longer matters here: the maps are not read after close()."""
+    def close(part: list[int]) -> None:
+        for fd in part:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    parts = [fds[i::threads] for i in range(min(threads, len(fds)))]
+    workers = [threading.Thread(target=close, args=(p,), name="gpuwatch-ebpf-detach", daemon=True) for p in parts[1:]]
+    for w in workers:
+        w.start()
+    if parts:
+        close(parts[0])
+    for w in workers:
+        w.join()
 
 
 @dataclass
@@ -290,8 +313,15 @@ class Loader:
         self._detacher: threading.Thread | None = None
         self._stop = threading.Event()  # set at interpreter exit: a background detach stops
         self._symbols: dict[tuple[int, int], str] = {}  # (pid, address) -> symbolised frame
+        self._symbol_batch: list[tuple[int, list[int], list[str]]] | None = None  # see symbols_batch()
         # what _symbols holds per process, charged to its user ("stacks"); None: not charged
         self.stack_ledger: budget_.Ledger | None = None
+        # allocation stacks unwound from their copies (ustack_copies): (pid, stack id, caller, sp) ->
+        # the return addresses, innermost first; () where unwinding found no more than the walk
+        self._unwound: dict[tuple[int, int, int, int], tuple[int, ...]] = {}
+        self.unwinder = unwind.Unwinder()
+        self.unwind_seconds = 0.0  # spent unwinding, and stacks unwound (bench/stack_cost.py)
+        self.unwound = 0
         self._symboliser: threading.Thread | None = None
         self._fds: list[int] = []  # maps and programs
         self.launches_on = True  # launch entry probes attached (see set_launches)
@@ -530,6 +560,12 @@ class Loader:
     def _detach(self) -> None:
         t0 = time.perf_counter()
         n = sum(lib.uprobes for lib in self.libraries.values())
+        if self.method == LINKS:
+            _close_at_once([fd for lib in self.libraries.values() for fd in
+                            ([lib.launch_fd] if lib.launch_fd is not None else []) + lib.fds])
+            for lib in self.libraries.values():
+                lib.launch_fd = None
+                lib.fds.clear()
         for lib in list(self.libraries.values()):
             self._close_library(lib)
             if self._stop.is_set():
@@ -574,27 +610,27 @@ class Loader:
     def live_bytes(self) -> dict[int, int]:
         return {k.value: v.value for k, v in self.maps["live_bytes"].items()}
 
-    def live_by_stack(self, pid: int) -> dict[tuple[int, int], tuple[int, int]]:
+    def live_by_stack(self, pid: int) -> dict[tuple[int, int, int], tuple[int, int]]:
         """Live allocations of a process by the user stack that made them: (stack id, return
-        address) -> (bytes, allocations); stack id -1 where the stack could not be taken."""
-        out: dict[tuple[int, int], tuple[int, int]] = {}
+        address, stack pointer) -> (bytes, allocations); stack id -1 where the stack could not be taken."""
+        out: dict[tuple[int, int, int], tuple[int, int]] = {}
         for k, v in self.maps["live"].items():
             if k.pid == pid:
-                b, n = out.get((v.stack, v.caller), (0, 0))
-                out[(v.stack, v.caller)] = (b + v.size, n + 1)
+                b, n = out.get((v.stack, v.caller, v.sp), (0, 0))
+                out[(v.stack, v.caller, v.sp)] = (b + v.size, n + 1)
         return out
 
-    def live_by_pid_stack(self) -> dict[tuple[int, int, int], int]:
+    def live_by_pid_stack(self) -> dict[tuple[int, int, int, int], int]:
         """Live bytes of every process by allocating stack, in one pass over the live allocations:
-        (pid, stack id, return address) -> bytes. Each collection may ask, so the records are read
-        in batches and decoded with struct (0.5 us an allocation, not 2 through ctypes)."""
+        (pid, stack id, return address, stack pointer) -> bytes. Each collection may ask, so the
+        records are read in batches and decoded with struct (0.5 us an allocation, not 2 through ctypes)."""
         m, out = self.maps["live"], {}
         key_of, value_of = _fields(m.key_type, ("pid", "I")), _fields(m.value_type, ("size", "Q"), ("stack", "i"),
-                                                                      ("caller", "Q"))
+                                                                      ("caller", "Q"), ("sp", "Q"))
         try:
             for keys, values, _n in m.raw_batches():
-                for (pid,), (size, stack, caller) in zip(key_of.iter_unpack(keys), value_of.iter_unpack(values)):
-                    k = (pid, stack, caller)
+                for (pid,), (size, stack, caller, sp) in zip(key_of.iter_unpack(keys), value_of.iter_unpack(values)):
+                    k = (pid, stack, caller, sp)
                     out[k] = out.get(k, 0) + size
             return out
         except OSError as e:
@@ -602,12 +638,63 @@ class Loader:
                 raise
         out = {}
         for k, v in m.items():
-            key = (k.pid, v.stack, v.caller)
+            key = (k.pid, v.stack, v.caller, v.sp)
             out[key] = out.get(key, 0) + v.size
         return out
 
-    def stack_addresses(self, stack_id: int, caller: int, limit: int = symbols.STACK_DEPTH + 1) -> list[int]:
-        """An allocation's stack as addresses, innermost first: the API, its caller, then the walk."""
+    # ---- allocation stacks without frame pointers (unwind.py) ---------------------------------
+    def unwind_copies(self, limit: int = symbols.MAP_SIZES["USTACK_COPIES_MAX"]) -> int:
+        """Unwind the stack copies waiting in the kernel (at most `limit`) and free them: their
+        map is bounded node-wide, so each collection empties it. Returns how many were unwound."""
+        keys = self.maps["ustack_copies"].keys()[:limit]
+        maps: dict[int, list[unwind.Mapping]] = {}
+        for k in keys:
+            self._unwind_copy(k, maps)
+        return len(keys)
+
+    def _unwind_copy(self, k, maps: dict[int, list[unwind.Mapping]]) -> tuple[int, ...] | None:
+        copies = self.maps["ustack_copies"]
+        v = copies.lookup(k)
+        copies.delete(k)
+        if v is None:
+            return None
+        key = (k.pid, k.stack, k.caller, k.sp)
+        t0 = time.perf_counter()
+        if k.pid not in maps:
+            maps[k.pid] = unwind.read_maps(k.pid)
+        frames = self.unwinder.unwind(k.pid, v.ip, v.sp, v.bp, bytes(v.data)[:min(v.len, unwind.STACK_BYTES)],
+                                      maps[k.pid])
+        self.unwind_seconds += time.perf_counter() - t0
+        self.unwound += 1
+        chain = tuple(frames) if len(frames) > 2 else ()  # no further than the API and its caller: the walk's
+        ledger = self.stack_ledger
+        if ledger is not None and not ledger.charge(k.pid, UNWOUND_BYTES + UNWOUND_FRAME_BYTES * len(chain)):
+            # over the user's budget: no more copies of this process (its stacks are the walk's)
+            self.maps["ustack_count"].update(symbols.ctype("u32")(k.pid),
+                                             symbols.ctype("u32")(symbols.USTACKS_PER_PID))
+            return None
+        self._unwound[key] = chain
+        return chain
+
+    def unwound_stack(self, pid: int, stack_id: int, caller: int, sp: int) -> tuple[int, ...] | None:
+        """The unwound return addresses of an allocating stack (its copy unwound now if it is
+        waiting), None when there is none (not copied: the process's copies or the budget ran out)."""
+        key = (pid, stack_id, caller, sp)
+        chain = self._unwound.get(key)
+        if chain is None and sp:
+            k = symbols.ctype("gw_ustack_key")(pid=pid, stack=stack_id, caller=caller, sp=sp)
+            chain = self._unwind_copy(k, {})
+        return chain or None
+
+    def stack_addresses(self, stack_id: int, caller: int, limit: int = symbols.STACK_DEPTH + 1,
+                        pid: int = 0, sp: int = 0) -> list[int]:
+        """An allocation's stack as addresses, innermost first: the API, its caller, then its
+        callers, unwound from the stack's copy with the binaries' CFI where there is one (pid and sp
+        given), else the frame-pointer walk."""
+        if pid and sp:
+            chain = self.unwound_stack(pid, stack_id, caller, sp)
+            if chain:
+                return list(chain[:limit])
         addrs: list[int] = []
         if stack_id >= 0:
             v = self.maps["stacks"].lookup(symbols.ctype("u32")(stack_id))
@@ -617,16 +704,21 @@ class Loader:
             addrs = addrs[:1] + [caller] + addrs[1:]
         return addrs[:limit]
 
-    def stack_frames(self, stack_id: int, caller: int, pid: int, limit: int = 16, wait: bool = True) -> list[str]:
+    def stack_frames(self, stack_id: int, caller: int, pid: int, limit: int = 16, wait: bool = True,
+                     sp: int = 0) -> list[str]:
         """The frames of an allocation's stack, innermost first (the API, its caller, ...),
         symbolised and demangled by bcc (in a child, once per address) in the process's binaries:
         "function+0x1c [library]", or the address when nothing names it. With frame pointers
         missing (most optimised builds) the walk stops early: the API and its caller are there.
         wait=False: addresses not symbolised yet are given as hex now and symbolised in the
         background (a live view must not wait for the child)."""
-        addrs = self.stack_addresses(stack_id, caller, limit)
+        addrs = self.stack_addresses(stack_id, caller, limit, pid=pid, sp=sp)
         unknown = [a for a in dict.fromkeys(addrs) if (pid, a) not in self._symbols]
         if unknown:
+            if wait and self._symbol_batch is not None:  # named at the batch's end, with the others
+                frames = [f"{a:#x}" for a in addrs]
+                self._symbol_batch.append((pid, addrs, frames))
+                return frames
             if wait:
                 self._symbolise(pid, unknown)
             elif self._symboliser is None or not self._symboliser.is_alive():
@@ -635,7 +727,27 @@ class Loader:
                 self._symboliser.start()
         return [self._symbols.get((pid, a), f"{a:#x}") for a in addrs]
 
+    @contextlib.contextmanager
+    def symbols_batch(self) -> Iterator[None]:
+        """Within it, stack_frames(wait=True) names its frames at the end, all of them from one
+        bcc child (~0.2 s each: a snapshot with ten stacks took ten, 2 s at the end of a trace)."""
+        outer, self._symbol_batch = self._symbol_batch, []
+        try:
+            yield
+        finally:
+            batch, self._symbol_batch = self._symbol_batch, outer
+            by_pid: dict[int, dict[int, None]] = {}
+            for pid, addrs, _frames in batch:
+                by_pid.setdefault(pid, {}).update((a, None) for a in addrs if (pid, a) not in self._symbols)
+            for pid, unknown in by_pid.items():
+                if unknown:
+                    self._symbolise(pid, list(unknown))
+            for pid, addrs, frames in batch:
+                frames[:] = [self._symbols.get((pid, a), f"{a:#x}") for a in addrs]
+
     def _symbolise(self, pid: int, addrs: list[int]) -> None:
+        if not os.path.exists(f"/proc/{pid}"):
+            return  # bcc reads the process's maps: a process that exited leaves addresses (and no child to start)
         try:
             names = compiler.symbolise(pid, addrs)
         except ProbeUnavailable as e:
@@ -738,13 +850,17 @@ class Loader:
                              ("capture_streams", lambda k: k.pid), ("capture_events", lambda k: k.pid),
                              ("captures", lambda k: k.pid), ("execs", lambda k: k.pid),
                              ("launch_stacks", lambda k: k.pid), ("py_procs", lambda k: k.value),
-                             ("py_seen", lambda k: k.value), ("comms", lambda k: k.pid)):
+                             ("py_seen", lambda k: k.value), ("comms", lambda k: k.pid),
+                             ("ustack_seen", lambda k: k.pid), ("ustack_copies", lambda k: k.pid),
+                             ("ustack_count", lambda k: k.value), ("procs", lambda k: k.value)):
             table = self.maps[name]
             for k in table.keys():
                 if pid_of(k) in pids:
                     table.delete(k)
         if self._symbols:
             self._symbols = {k: v for k, v in self._symbols.items() if k[0] not in pids}
+        if self._unwound:
+            self._unwound = {k: v for k, v in self._unwound.items() if k[0] not in pids}
         if self.stack_ledger is not None:
             for pid in pids:
                 self.stack_ledger.release(pid)

@@ -5,16 +5,17 @@ TensorFlow's BFC allocator) takes chunks from the driver and hands out pieces of
 chunks are the leak detector's grey color. Whatever else a process takes through cuMemAlloc* or
 cuMemCreate (plain cudaMalloc calls, library workspaces) is outside any allocator: black beyond grey.
 
-The eBPF probe keeps, per live allocation, the id of its user stack and its caller's return address.
-Each address is looked up in the process's executable mappings (/proc/PID/maps: no symbols, no bcc
-child; an address is enough where frame pointers are missing), and the allocation belongs to the
-pool of the innermost frame whose file is a pool library (POOLS, and ebpf.pool_libraries); with none,
-it is outside any allocator. A stack that stops short of the allocator's library (a library built
-without frame pointers between it and libcuda) counts as outside: CUDA 13's libcudart keeps them.
+The eBPF probe keeps, per live allocation, the id of its user stack, its caller's return address and
+the stack pointer; the stack itself is unwound from a copy of its top with the binaries' CFI
+(unwind.py: through code built without frame pointers, as libcudart_static inside CuPy, XLA, RMM and
+TensorFlow are), falling back to the frame-pointer walk where no copy was made or unwinding found
+nothing. Each address is looked up in the process's executable mappings (/proc/PID/maps: no
+symbols, no bcc child), and the allocation belongs to the pool of the innermost frame whose file is
+a pool library (POOLS, and ebpf.pool_libraries); with none, it is outside any allocator.
 
 Cheap by construction: a process's mappings are read once (again only when an address lies in none
 of them, a library loaded since, at most once a second), a file is matched against the globs once
-per path, and a stack's allocator is found once per (pid, stack id, caller). A collection then only
+per path, and a stack's allocator is found once per (pid, stack id, caller, stack pointer). A collection then only
 sums bytes by stack, and reads the live allocations at all only for processes that map a pool
 library (checked again every `recheck` seconds).
 """
@@ -143,7 +144,7 @@ class Classifier:
         self._clock = clock
         self._file: dict[str, Pool | None] = {}  # path -> its pool
         self._maps: dict[int, _Maps] = {}
-        self._stack: dict[tuple[int, int, int], Pool | None] = {}  # (pid, stack id, caller) -> pool
+        self._stack: dict[tuple[int, int, int, int], Pool | None] = {}  # (pid, stack id, caller, sp) -> pool
 
     def file_pool(self, path: str) -> Pool | None:
         if path not in self._file:
@@ -166,10 +167,11 @@ class Classifier:
             m = self._maps[pid] = _Maps(pid, self._proc, self._clock())
         return any(self.file_pool(path) is not None for path in m.paths)
 
-    def pool_of(self, pid: int, stack_id: int, caller: int, addresses: Callable[[], list[int]]) -> Pool | None:
+    def pool_of(self, pid: int, stack_id: int, caller: int, addresses: Callable[[], list[int]],
+                sp: int = 0) -> Pool | None:
         """The pool whose library holds the innermost frame of this stack; `addresses()` gives the
         stack's frames, innermost first (asked once per key)."""
-        key = (pid, stack_id, caller)
+        key = (pid, stack_id, caller, sp)
         if key in self._stack:
             return self._stack[key]
         pool = None

@@ -48,7 +48,8 @@ CUDA graphs (graphs.py): the kernels of each graph replay are counted from how e
 per kernel as "graph_launches" beside "direct_launches" (launches = both), with snapshot()["graphs"]
 saying how many replays were of content known, partial or unknown (instantiated before the probe
 attached), and gpuwatch.cuda.graph.launches / .kernel.launches per process. A capture beginning
-turns the launch probes on for CAPTURE_HOLD seconds (its nodes are launch calls).
+turns the launch probes on for CAPTURE_HOLD seconds (its nodes are launch calls); a root trace
+takes what the daemon knew of graphs made before it attached (graphs_of / preload_graphs).
 
 Pooled or not: gpuwatch.process.cuda.memory.pooled splits each process's live bytes by the pool
 allocator whose library lies on the allocating call stack (PyTorch's caching allocator, CuPy, XLA,
@@ -69,6 +70,13 @@ attached for 10 % of each 10 s and the launch APIs' call counts are estimated fr
 degenerate launches are those of the windows. Every other API is probed all the time, exact.
 A trace through the daemon (query(exact_launches=...)) turns the launches on at once for as long as
 it asks; `gpuwatch trace` on its own (pid set) and events always count every launch.
+The duty cycle applies only when probing every launch would cost more than exact_launch_rate
+(ebpf.launch_budget: the node's launches per second, measured between collections while every
+launch is probed; gpuwatch.ebpf.launch.rate): under it the launch link is never detached, so every
+capture's nodes are seen, whenever it happens. Above it, a process's first timed CUDA call (GE_FIRST
+from the BPF program) keeps every launch probed for young_seconds (ebpf.new_process_exact: a server
+captures its graphs in its first minutes), and a capture's begin for CAPTURE_HOLD, each from the
+moment the event is read (milliseconds: see docs/trace.md, "What is exact when").
 
 Threads: start, collect and shutdown (the runner's) and the queries (snapshot, query, live_stacks,
 attached; the control socket's threads) take the probe's own lock, so a query never reads maps a
@@ -130,6 +138,8 @@ STARTING = "it is starting (compiling takes a few seconds): try again shortly"  
 STACK_KERNELS = 64  # the busiest kernels of a process get their launch stacks in a snapshot (a decode step has ~33)
 STACKS_PER_KERNEL = 5
 CAPTURE_HOLD = 60.0  # seconds every launch is probed after a graph capture begins (its nodes are launches)
+YOUNG_SECONDS = 120.0  # seconds every launch is probed after a process's first CUDA call (servers capture then)
+EXACT_LAUNCH_RATE = 20_000.0  # launches per second, node-wide, under which every launch is probed
 GRAPH_CONTENT = ("known", "partial", "unknown")
 MAX_REFUSED = 4096  # library files remembered as refused by the budget (not retried until room frees)
 
@@ -143,11 +153,24 @@ class _LaunchSampling:
     window_seconds: float = 0.0  # how long the last closed window was on
     on_seconds: float = 0.0  # on, in closed windows
     exact_until: float = 0.0
+    window_end: float = 0.0  # when the last window closed
+    rate: float = 0.0  # node-wide launches per second, over the last collection interval seen on
+    last: tuple | None = None  # (time, launch calls, on) at the last collection
     scaled: dict = field(default_factory=dict)  # (pid, api) -> estimate of closed, scaled windows
     at_open: dict = field(default_factory=dict)  # (pid, api) -> calls when the window opened
     pending: dict = field(default_factory=dict)  # (pid, api) -> calls of the closed window, not yet scaled
 
+    def measure(self, calls: dict, now: float, on: bool) -> None:
+        """The node's launch rate since the last collection, when every launch was probed since."""
+        if on and self.last is not None and self.last[2] and now > self.last[0]:
+            self.rate = max(0, sum(calls.values()) - self.last[1]) / (now - self.last[0])
+
+    def mark(self, calls: dict, now: float, on: bool) -> None:
+        """Where the next measure() counts from: now, the calls and whether the probes are on."""
+        self.last = (now, sum(calls.values()), on)
+
     def close_window(self, calls: dict, now: float) -> None:
+        self.window_end = now
         self.window_seconds = now - self.window_start
         self.on_seconds += self.window_seconds
         self.pending = {k: c - self.at_open.get(k, 0) for k, c in calls.items()}
@@ -207,7 +230,8 @@ class EbpfCudaProbe(Probe):
                  driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
                  max_events: int = 5_000_000, attach: str = "auto", launch_sampling: float = 1.0,
                  sampling_period: float = 10.0, pools: Iterable[pools_.Pool] = pools_.POOLS,
-                 max_communicators: int = MAX_COMMUNICATORS, budgets: budget_.Budgets | None = None) -> None:
+                 max_communicators: int = MAX_COMMUNICATORS, budgets: budget_.Budgets | None = None,
+                 exact_launch_rate: float = EXACT_LAUNCH_RATE, young_seconds: float = YOUNG_SECONDS) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
         apis: hook only these symbols (default: every symbol in symbols.HOOKS); launch_latency:
         entry and return probes on the launch APIs too (latency and errors; see the module doc);
@@ -221,7 +245,10 @@ class EbpfCudaProbe(Probe):
         pool allocators live bytes are attributed to by allocating stack (pools.py); max_communicators:
         the NCCL communicators of one process with series of their own (the rest: comm="other");
         budgets: what each user's processes may make the probe keep (agent/budget.py: graphs,
-        libraries, uprobes, stacks), the daemon's; default: budgets of the default size of its own."""
+        libraries, uprobes, stacks), the daemon's; default: budgets of the default size of its own;
+        exact_launch_rate: the node-wide launches per second under which the duty cycle keeps every
+        launch probed; young_seconds: how long every launch is probed after a process's first CUDA
+        call (0: not; see "Launch sampling" above)."""
         self.budgets = budgets if budgets is not None else budget_.Budgets()
         self._charged: dict[tuple[int, int], tuple[int, int]] = {}  # attached file -> (uid, uprobes) charged
         self._refused: dict[tuple[int, int], None] = {}  # files the budget refused, while they are found
@@ -231,6 +258,8 @@ class EbpfCudaProbe(Probe):
             raise ValueError(f"launch_sampling {launch_sampling}: a fraction in (0, 1]")
         self.launch_sampling = launch_sampling if pid is None and events_path is None else 1.0  # trace: exact
         self.sampling_period = sampling_period
+        self.exact_launch_rate = exact_launch_rate
+        self.young_seconds = young_seconds
         self._sampling = _LaunchSampling()
         self._events: list[Event] = []  # "cuda.oom", drained by events()
         self._oom_seen: dict[tuple[int, str], int] = {}  # (pid, api) -> CUDA_ERROR_OUT_OF_MEMORY calls seen
@@ -268,11 +297,13 @@ class EbpfCudaProbe(Probe):
         self._resolvers: dict[int, pyframes.Resolver] = {}
         self._graph_retired = [0, {}]  # kernel launches and replays by content of processes that exited
         self._pools = pools_.Classifier(pools, clock=clock)
+        self._said_copies = False
         self._allocators: dict[int, set[str]] = {}  # pid -> allocators that held its live bytes
         self._pool_split: dict[int, dict[str, int]] = {}  # the last _pooled pass
         self._pool_pass_next = 0.0
         self._pool_timer = time.perf_counter
         self._aligner = nccl_.RankAligner()  # NCCL: which local rank enters each collective last
+        self._agent_names: dict[tuple[int, int], str] = {}  # (pid, handle) -> name the agent gave (preload_graphs)
 
     # ---- Probe API ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -298,7 +329,8 @@ class EbpfCudaProbe(Probe):
             ld = self._loader
             self._stack_ledger = ld.stack_ledger = budget_.Ledger(self.budgets["stacks"])
             book = graphs_.GraphBook(ld.launches_seen, budget=self.budgets["graphs"])
-            self._graphs = graphs_.GraphFollower(ld.graph_ring, book, self._on_capture, self._on_processes)
+            self._graphs = graphs_.GraphFollower(ld.graph_ring, book, self._on_capture, self._on_processes,
+                                                 self._on_first_calls)
             if self.events_path is not None:
                 try:
                     self._recorder = events_.EventRecorder(self._loader.events_map, self.events_path, self.max_events)
@@ -352,6 +384,12 @@ class EbpfCudaProbe(Probe):
         dead = self._prune(stats, seen)
         if new - dead:
             self._rescan(new - dead)  # a new CUDA process: its libnccl now, before it makes a communicator
+        ld.unwind_copies()  # the allocation stacks copied since (their map is bounded: emptied each time)
+        if not self._said_copies and ld.dropped_by_kind().get("stack_copies"):
+            self._said_copies = True
+            log.warning("allocation stack copies: a process reached its %d copies, or the node's maps are full; "
+                        "further stacks are the frame-pointer walk's (pools behind code without frame pointers "
+                        "count as outside any allocator) (said once)", symbols.USTACKS_PER_PID)
         comms = [c for c in ld.communicators() if c["pid"] not in dead]
         self._aligner.update(comms)
         self._aligner.forget(dead, {c["id"] for c in comms})
@@ -414,6 +452,9 @@ class EbpfCudaProbe(Probe):
                               "", {"what": "libraries"}, wall))
         samples.append(Sample("gpuwatch.ebpf.attached", float(ld.uprobe_count), "", {"what": "uprobes"}, wall))
         samples.append(Sample("gpuwatch.ebpf.launch.sampled", self._sampling.ratio(now, ld.launches_on), "", {}, wall))
+        if self.launch_sampling < 1:
+            samples += [Sample("gpuwatch.ebpf.launch.rate", self._sampling.rate, "", {"what": "measured"}, wall),
+                        Sample("gpuwatch.ebpf.launch.rate", float(self.exact_launch_rate), "", {"what": "budget"}, wall)]
         return samples
 
     def _graph_samples(self, counts: dict, kept: set[int], wall: float) -> list[Sample]:
@@ -499,6 +540,18 @@ class EbpfCudaProbe(Probe):
         finally:
             self._lock.release()
 
+    def _on_first_calls(self, pids: set[int]) -> None:
+        """Processes that made their first CUDA call: every launch is probed for young_seconds (a
+        server captures its graphs in its first minutes), at once, not at the next collection."""
+        if self.young_seconds <= 0 or not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            ld = self._loader
+            if ld is not None and self.launch_sampling < 1 and ld.can_toggle_launches:
+                self._exact_launches(ld, self.young_seconds)
+        finally:
+            self._lock.release()
+
     def events(self) -> list[Event]:
         """"cuda.oom" events since the last call: a process got CUDA_ERROR_OUT_OF_MEMORY from the
         driver (attrs pid, process, api, errors: how many more calls than at the last collection)."""
@@ -537,13 +590,18 @@ class EbpfCudaProbe(Probe):
         if self.launch_sampling >= 1 or not ld.can_toggle_launches:
             return  # always on: the ratio is 1
         launch = _launch_calls(stats)
-        exact = now < smp.exact_until
+        smp.measure(launch, now, ld.launches_on)
+        # exact: asked for (a trace, a capture, a new process); cheap: the node launches so little
+        # that probing every launch costs less than the budget (a graph-replaying server)
+        exact = now < smp.exact_until or smp.rate < self.exact_launch_rate
         if ld.launches_on and not exact and now - smp.window_start >= self.launch_sampling * self.sampling_period:
             ld.set_launches(False)  # the window closes
             smp.close_window(launch, now)
-        elif not ld.launches_on and (exact or now - smp.window_start >= self.sampling_period):
+        elif not ld.launches_on and (exact or now >= max(smp.window_start + self.sampling_period,
+                                                          smp.window_end + (1 - self.launch_sampling) * self.sampling_period)):
             smp.open_window(launch, now)  # the last window is scaled by the cycle it began
             ld.set_launches(True)
+        smp.mark(launch, now, ld.launches_on)
         for key, calls in launch.items():
             values = stats[key]
             stats[key] = (smp.estimate(key, calls, ld.launches_on),) + tuple(values[1:])
@@ -628,6 +686,41 @@ class EbpfCudaProbe(Probe):
                 self._exact_launches(ld, exact_launches)
             return ProcessQuery(self._snapshot(ld, pid), {lib.path: lib.file for lib in ld.libraries.values()})
 
+    def graphs_of(self, pid: int, timeout: float | None = None) -> dict:
+        """What this probe knows of a process's executable graphs (GraphBook.export: {"execs",
+        "truncated"}) and "kernels": [{"handle", "symbol"}] the names of their kernels where known,
+        for a probe attached later (a root trace, see preload_graphs). Waits at most `timeout`
+        seconds (ProbeBusy); ProbeNotRunning when down."""
+        with self._running(timeout) as ld:
+            if self._graphs is None:
+                return {"execs": [], "truncated": False, "kernels": []}
+            self._graphs.account(ld.execs)  # the events so far taken first: every graph made until now
+            out = self._graphs.read(lambda b: b.export(pid))
+            names = ld.names(pid)
+            kernels = []
+            for f in sorted({n[0] for x in out["execs"] for n in x["nodes"]}):
+                raw, truncated = names.get((pid, NAME_FUNCTION, f)) or names.get((pid, NAME_KERNEL, f)) or (None, False)
+                if (raw is None or truncated) and self.driver_names:
+                    full = self._driver_name(pid, f)
+                    if full is not None and (raw is None or full.startswith(raw)):
+                        raw, truncated = full, False
+                if raw is not None:
+                    kernels.append({"handle": f, "symbol": _name_text(raw, truncated)})
+            out["kernels"] = kernels
+            return out
+
+    def preload_graphs(self, pid: int, known: dict) -> int:
+        """Take what another probe (the agent's, through trace.graphs, checked as its wire type)
+        knew of a process's executable graphs made before this one attached: their replays count
+        with that content, their kernels get its names. The executable graphs taken."""
+        with self._running(None):
+            for k in known.get("kernels", ()):
+                if len(self._agent_names) < graphs_.MAX_EXPORTED_NODES:
+                    self._agent_names[(pid, k["handle"])] = k["symbol"]
+            if self._graphs is None:
+                return 0
+            return self._graphs.read(lambda b: b.preload(pid, known.get("execs", ())))
+
     def top_kernels(self, timeout: float | None = None) -> dict[int, str]:
         """pid -> the name of its kernel with the most launches (direct ones: graphs are not
         followed), demangled where the name is whole; kernels whose handle predates the probe have
@@ -690,7 +783,9 @@ class EbpfCudaProbe(Probe):
             ld = self._loader
             if ld is None:
                 raise ProbeUnavailable("the eBPF probe is not started")
-            return self._snapshot(ld, pid, wait_symbols)
+            # every stack's frames from one symbolising child, filled in before the snapshot is returned
+            with ld.symbols_batch() if wait_symbols else contextlib.nullcontext():
+                return self._snapshot(ld, pid, wait_symbols)
 
     def _snapshot(self, ld: _loader.Loader, pid: int | None, wait_symbols: bool = True) -> dict:
         apis: dict[str, dict] = {}
@@ -780,6 +875,8 @@ class EbpfCudaProbe(Probe):
                 if full is not None and (raw is None or full.startswith(raw)):
                     raw, truncated, source = full, False, "driver"
             symbol = _name_text(raw, truncated) if raw is not None else None
+            if symbol is None and (p, handle) in self._agent_names:  # told by the agent (preload_graphs)
+                symbol, source = self._agent_names[(p, handle)], "agent"
             entry = {"handle": hex(handle), "name": symbol, "symbol": symbol, "name_source": source,
                      "launches": k["launches"] + g["launches"], "direct_launches": k["launches"],
                      "graph_launches": g["launches"], "grid": k["grid"],
@@ -816,16 +913,24 @@ class EbpfCudaProbe(Probe):
         """The user stacks holding the most live bytes: [{"bytes", "allocations", "allocator", "frames"}],
         "allocator" the pool that made them or pools.OUTSIDE. by_stack: ld.live_by_stack(pid), read already."""
         live = ld.live_by_stack(pid) if by_stack is None else by_stack
-        by_stack = []
-        for (sid, caller), (b, n) in live.items():
-            pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller))  # noqa: B023
+        # stacks copied from several threads or depths unwind to one chain: one entry each chain
+        chains: dict[tuple, list] = {}
+        for (sid, caller, sp), (b, n) in live.items():
+            pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller, pid=pid, sp=sp),  # noqa: B023
+                                       sp=sp)
             label = pool.allocator if pool is not None else pools_.OUTSIDE
             if allocator is None or label == allocator or (allocator == "*" and pool is not None):
-                by_stack.append(((sid, caller), (b, n), label))
-        by_stack.sort(key=lambda e: (-e[1][0], e[0]))
+                chain = tuple(ld.stack_addresses(sid, caller, pid=pid, sp=sp))
+                e = chains.get(chain)
+                if e is None:
+                    chains[chain] = [(sid, caller, sp), b, n, label]
+                else:
+                    e[1] += b
+                    e[2] += n
+        by_chain = sorted(chains.values(), key=lambda e: (-e[1], e[0]))
         return [{"bytes": b, "allocations": n, "allocator": label,
-                 "frames": ld.stack_frames(sid, caller, pid, wait=wait)}
-                for (sid, caller), (b, n), label in by_stack[:top]]
+                 "frames": ld.stack_frames(sid, caller, pid, wait=wait, sp=sp)}
+                for (sid, caller, sp), b, n, label in by_chain[:top]]
 
     def _pooled(self, ld: _loader.Loader, live: dict[int, int]) -> dict[int, dict[str, int]]:
         """pid -> allocator -> the live bytes that pool made (pools.py). The live allocations are
@@ -842,10 +947,11 @@ class EbpfCudaProbe(Probe):
                                              for pid in live if pid in self._allocators}
         mapping = {pid for pid in live if self._pools.maps_pool(pid)}
         if mapping:
-            for (pid, sid, caller), nbytes in ld.live_by_pid_stack().items():
+            for (pid, sid, caller, sp), nbytes in ld.live_by_pid_stack().items():
                 if pid not in mapping:
                     continue
-                pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller))  # noqa: B023
+                pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller, pid=pid, sp=sp),  # noqa: B023
+                                           sp=sp)
                 if pool is not None:
                     acc = pooled.setdefault(pid, {})
                     acc[pool.allocator] = acc.get(pool.allocator, 0) + nbytes

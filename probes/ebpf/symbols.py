@@ -80,7 +80,9 @@ OP_NCCL_DESTROY = 23    # ARG(ptr) is a communicator destroyed or aborted
 
 # graph_events kinds (gw_graph_event.kind), one per thing the Python side follows (graphs.py)
 GE_BEGIN, GE_NODE, GE_END, GE_ADD, GE_SET, GE_INSTANTIATE, GE_UPDATE, GE_DESTROY, GE_EXEC_DESTROY, \
-    GE_CLONE, GE_CREATE, GE_PROCESS = range(1, 13)  # GE_PROCESS: a process's first sampled launch
+    GE_CLONE, GE_CREATE, GE_PROCESS, GE_FIRST = range(1, 14)
+# GE_PROCESS: a process's first sampled launch; GE_FIRST: its first timed CUDA call the probe saw
+# (the daemon counts every launch of a new process from then on, see probe.py "Launch sampling")
 
 # Live-allocation key kinds: device pointers and physical allocation handles are different spaces.
 KIND_DPTR = 0
@@ -349,6 +351,9 @@ PY_NONE = 0xFFFFFFFF
 # A kernel's launch stack is sampled at its launches 1, 2, 4, ... 512, then one in LAUNCH_SAMPLE_EVERY
 # (a power of two), and at every capture of it into a graph.
 LAUNCH_SAMPLE_EVERY = 1024
+USTACK_BYTES = 8192  # user stack copied per allocating chain (unwind.STACK_BYTES), in USTACK_CHUNK reads
+USTACK_CHUNK = 1024  # (a read that would cross the stack's top fails whole: the copy ends a chunk before)
+USTACKS_PER_PID = 256  # stack copies a process may make over its life (then: frame-pointer stacks only)
 
 # Struct layouts shared with cuda.bpf.c: (C type, field) in declaration order.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -366,14 +371,22 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
                 # allocations: the user stack id (else -1) and the return address, which a
                 # frame-pointer walk from a function's first instruction skips
                 ("s32", "stack"), ("u32", "pad"), ("u64", "caller"),
-                ("u64", "aux2")),  # graph ops: the graph or executable graph the call changes
+                ("u64", "aux2"),  # graph ops: the graph or executable graph the call changes
+                ("u64", "sp")),  # allocations: the user stack pointer at entry (the key of its stack copy)
     # one call, in the ring buffer (events on): entry time and duration in ns, bytes, the pointer
     # or handle the call produced or took (allocations: the device pointer; launches: the kernel)
     "gw_event": (("u64", "ts"), ("u64", "ns"), ("u64", "bytes"), ("u64", "ptr"),
                  ("u32", "pid"), ("u32", "tid"), ("u32", "api"), ("s32", "rc"), ("struct gw_dims", "dims")),
     # live allocations: (process, kind, device pointer or handle) -> size
     "gw_live_key": (("u32", "pid"), ("u32", "kind"), ("u64", "ptr")),
-    "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("s32", "stack"), ("u64", "caller")),
+    "gw_live": (("u64", "size"), ("u64", "ts"), ("u32", "api"), ("s32", "stack"), ("u64", "caller"), ("u64", "sp")),
+    # --- allocation stacks without frame pointers (unwind.py): one copy of the top USTACK_BYTES of
+    # the user stack, with rip, rsp and rbp at the hooked function's first instruction, per (process,
+    # frame-pointer stack id, return address, rsp): the same chain from the same thread and depth
+    # is copied once; len: the bytes read (less near the top of a stack)
+    "gw_ustack_key": (("u32", "pid"), ("s32", "stack"), ("u64", "caller"), ("u64", "sp")),
+    "gw_ustack": (("u64", "ip"), ("u64", "sp"), ("u64", "bp"), ("u32", "len"), ("u32", "pad"),
+                  ("u64", f"data[{USTACK_BYTES // 8}]")),
     # errors by return code: (process, API, CUresult) -> count
     "gw_error_key": (("u32", "pid"), ("u32", "api"), ("s32", "code"), ("u32", "pad")),
     # log2 latency histogram key
@@ -429,7 +442,7 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
 # What dropped[] counts, by index (cuda.bpf.c's gw_drop calls)
 DROPPED_KINDS = ("stats", "in_flight_calls", "live_allocations", "kernels", "kernel_names", "errors_by_code",
                  "events", "allocation_stacks", "graph_events", "captures", "graph_launches", "launch_stacks",
-                 "nccl_communicators")
+                 "nccl_communicators", "stack_copies")
 RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230k events of 72 bytes
 # graph construction (graph_events): 1 MiB, ~9,000 events of 112 bytes between two reads; captures
 # come in bursts at a server's start (a node per kernel of each graph), drained as they come
@@ -437,7 +450,10 @@ GRAPH_RINGBUF_PAGES = 256
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
              "HIST_MAX": 65536, "ERRORS_MAX": 16384, "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18,
              "CAPTURES_MAX": 4096, "CAPTURE_HANDLES_MAX": 16384, "EXECS_MAX": 65536,
-             "LAUNCH_STACKS_MAX": 16384, "PY_PROCS_MAX": 4096, "COMMS_MAX": 4096}
+             "LAUNCH_STACKS_MAX": 16384, "PY_PROCS_MAX": 4096, "COMMS_MAX": 4096,
+             # stack copies: keys copied (kept until the process exits), copies not unwound yet (Python
+             # unwinds and deletes them each collection: 1024 x 8 KiB = 8 MiB at most, in the kernel)
+             "USTACK_KEYS_MAX": 65536, "USTACK_COPIES_MAX": 1024}
 
 
 # The hash maps: name -> (key struct, value struct, size cap). Their C declarations are rendered
@@ -464,11 +480,17 @@ HASH_MAPS: dict[str, tuple[str, str, str]] = {
     "py_procs": ("u32", "gw_py", "PY_PROCS_MAX"),
     "py_seen": ("u32", "u32", "PY_PROCS_MAX"),  # processes said once (GE_PROCESS) to be read for Python
     "comms": ("gw_handle_key", "gw_comm", "COMMS_MAX"),  # NCCL communicators
+    "procs": ("u32", "u64", "LIVE_PIDS_MAX"),  # process -> its first timed call seen (said once: GE_FIRST)
+    # allocation stack copies (gw_copy_stack): the keys copied, the copies, copies per process
+    "ustack_seen": ("gw_ustack_key", "u32", "USTACK_KEYS_MAX"),
+    "ustack_copies": ("gw_ustack_key", "gw_ustack", "USTACK_COPIES_MAX"),
+    "ustack_count": ("u32", "u32", "LIVE_PIDS_MAX"),
 }
 STACK_DEPTH = 127  # PERF_MAX_STACK_DEPTH: a stack map's value is this many u64 addresses
 MAP_TYPES: dict[str, tuple[str, str]] = {**{k: (v[0], v[1]) for k, v in HASH_MAPS.items()},
                                          "dropped": ("u32", "u64"), "frozen": ("u32", "u32"), "stacks": ("u32", f"u64[{STACK_DEPTH}]"),
-                                         "lstack_buf": ("u32", "gw_launch_stack_key"), "comm_zero": ("u32", "gw_comm")}
+                                         "lstack_buf": ("u32", "gw_launch_stack_key"), "comm_zero": ("u32", "gw_comm"),
+                                         "ustack_buf": ("u32", "gw_ustack")}
 
 # The attach cookie of every probe (bpf_get_attach_cookie): the API's index in HOOKS, and flags.
 COOKIE_API = 0xFFFF
@@ -498,7 +520,9 @@ def render_c() -> str:
     lines.append(f"#define GW_RINGBUF_PAGES {RINGBUF_PAGES}")
     lines.append(f"#define GW_GRAPH_RINGBUF_PAGES {GRAPH_RINGBUF_PAGES}")
     lines += [f"#define GW_PY_DEPTH {PY_DEPTH}", f"#define GW_PY_THREADS {PY_THREADS}",
-              f"#define GW_PY_NONE {PY_NONE:#x}", f"#define GW_LAUNCH_SAMPLE_EVERY {LAUNCH_SAMPLE_EVERY}"]
+              f"#define GW_PY_NONE {PY_NONE:#x}", f"#define GW_LAUNCH_SAMPLE_EVERY {LAUNCH_SAMPLE_EVERY}",
+              f"#define GW_USTACK_CHUNK {USTACK_CHUNK}", f"#define GW_USTACK_CHUNKS {USTACK_BYTES // USTACK_CHUNK}",
+              f"#define GW_USTACKS_PER_PID {USTACKS_PER_PID}"]
     lines.append(f"#define GW_DROPPED_KINDS {len(DROPPED_KINDS)}")
     lines.append(f"#define GW_FIRST_NCCL_API {FIRST_NCCL_API}")
     lines += [f"#define GW_COOKIE_API {COOKIE_API:#x}", f"#define GW_COOKIE_TIMED {COOKIE_TIMED:#x}",
@@ -544,7 +568,7 @@ def _entry_body(h: Hook) -> str:
         body = " ".join(p for p in parts if p)
     # allocations remember who asked: the user stack (its id in the stack map) and the caller
     if h.op in (OP_ALLOC, OP_ALLOC_PITCH, OP_CREATE):
-        body += " c.stack = gw_stack(ctx); c.caller = gw_caller(ctx);"
+        body += " c.stack = gw_stack(ctx); c.caller = gw_caller(ctx); gw_copy_stack(ctx, &c);"
     return body.strip()
 
 

@@ -49,8 +49,21 @@ def _build(d: Path) -> dict:
                     *link, "-lfakert"], check=True)
     subprocess.run([cc, "-O1", fp, "-pthread", "-o", str(d / "allocs"), str(HERE / "allocs.c"), *link,
                     "-lfakepool", "-lfakert", "-l:libcuda.so.1"], check=True)
+    # the same three built as optimised vendor code is (-O2 -fomit-frame-pointer): the pool calls the
+    # driver through a runtime function without a frame pointer (libcudart_static inside CuPy's
+    # runtime module), so the frame-pointer walk never reaches the pool; .eh_frame is there (gcc's default)
+    nofp, opt = d / "nofp", ["-O2", "-fomit-frame-pointer"]
+    nofp.mkdir()
+    link_nofp = [f"-L{nofp}", f"-L{d}", f"-Wl,-rpath,{nofp}:{d}"]
+    subprocess.run([cc, *opt, "-shared", "-fPIC", "-o", str(nofp / "libfakert.so"), str(HERE / "fakert.c"),
+                    *link_nofp, "-l:libcuda.so.1"], check=True)
+    subprocess.run([cc, *opt, "-shared", "-fPIC", "-o", str(nofp / "libfakepool.so"), str(HERE / "fakepool.c"),
+                    *link_nofp, "-lfakert"], check=True)
+    subprocess.run([cc, *opt, "-pthread", "-o", str(nofp / "allocs"), str(HERE / "allocs.c"), *link_nofp,
+                    "-lfakepool", "-lfakert", "-l:libcuda.so.1"], check=True)
     return {"lib": str(lib), "driver": str(drv), "hooked_calls": str(calls), "allocs": str(d / "allocs"),
-            "pool_lib": str(d / "libfakepool.so"), "runtime_lib": str(d / "libfakert.so")}
+            "pool_lib": str(d / "libfakepool.so"), "runtime_lib": str(d / "libfakert.so"),
+            "allocs_nofp": str(nofp / "allocs")}
 
 
 @pytest.fixture(scope="session")

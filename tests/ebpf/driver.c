@@ -352,6 +352,39 @@ static void graphs_work(void) {
 }
 
 /* Edge cases the main workload does not have (mirrored in test_ebpf_cuda.py EDGE_*). */
+/* ---- "server" (test_graph_server.py): a server's decode step captured once into a CUDA graph at
+ * its start, never again, and replayed. "server early": the kernels fetched and SERVER_NODES launches
+ * captured within microseconds of the first CUDA call (cuInit); "server warm": SERVER_WARM direct
+ * launches first, a pause of SERVER_PAUSE_MS, then the same capture. "ready" comes after the
+ * capture; the workload is SERVER_REPLAYS replays of it. */
+#define SERVER_A 52  /* nodes of kernel A (grid 1056, block 256) */
+#define SERVER_C 26  /* nodes of kernel C (grid 7, block 128, 64 bytes of shared memory), every third: 78 in all */
+#define SERVER_WARM 200
+#define SERVER_PAUSE_MS 1500
+#define SERVER_REPLAYS 300
+CUresult cuInit(unsigned);
+static CUgraphExec SERVER_X;
+
+static void server_start(int warm) {
+    CUgraph g;
+    cuInit(0);
+    cuModuleGetFunction(&KERNEL_A, 0, "_Z10add_kernelPfi");
+    cuModuleGetFunction(&KERNEL_C, 0, "coop_reduce");
+    if (warm) {
+        launch_a(STREAM(7), SERVER_WARM);
+        usleep(SERVER_PAUSE_MS * 1000);
+    }
+    cuStreamBeginCapture_v2(STREAM(7), 0);
+    for (int i = 0; i < SERVER_A + SERVER_C; i++) {
+        if (i % 3 == 2)
+            cuLaunchKernel(KERNEL_C, 7, 1, 1, 128, 1, 1, 64, STREAM(7), 0, 0);
+        else
+            cuLaunchKernel(KERNEL_A, 1056, 1, 1, 256, 1, 1, 0, STREAM(7), 0, 0);
+    }
+    cuStreamEndCapture(STREAM(7), &g);
+    cuGraphInstantiateWithFlags(&SERVER_X, g, 0);
+}
+
 static void edge(void) {
     CUfunction e = 0, f = 0, g = 0;
     cuModuleGetFunction(&e, 0, "grid_z_only");    /* fakecuda's objects: +0x20000, +0x20400, +0x20800 */
@@ -401,6 +434,9 @@ int main(int argc, char **argv) {
     early = argc > 1 && strcmp(argv[1], "early") == 0;
     int edges = argc > 1 && strcmp(argv[1], "edge") == 0;
     int graphs = argc > 1 && strcmp(argv[1], "graphs") == 0;
+    int server = argc > 1 && strcmp(argv[1], "server") == 0;
+    if (server)
+        server_start(argc > 2 && strcmp(argv[2], "warm") == 0);
     if (early)
         cuModuleGetFunction(&KERNEL_C, 0, "coop_reduce");
     if (graphs) {
@@ -415,7 +451,9 @@ int main(int argc, char **argv) {
         printf("done\n");
         loop();
     }
-    if (edges)
+    if (server)
+        launch_graph(SERVER_X, SERVER_REPLAYS);
+    else if (edges)
         edge();
     else if (graphs)
         graphs_work();

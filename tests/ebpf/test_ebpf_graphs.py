@@ -83,7 +83,7 @@ def test_the_daemon_probe_exports_graph_replays_and_their_kernels(fake_cuda, dri
 
 def test_a_capture_while_launches_are_off_is_partial_and_turns_them_on(fake_cuda, drivers):
     probe = EbpfCudaProbe(libraries=[fake_cuda["lib"]], driver_names=False, launch_sampling=0.1,
-                          sampling_period=3600)
+                          sampling_period=3600, exact_launch_rate=0, young_seconds=0)
     probe.start()
     try:
         probe.collect()  # the duty cycle starts with its window open

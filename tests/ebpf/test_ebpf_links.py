@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import pytest
 
@@ -52,7 +53,9 @@ def _launch_installed(pid: int, lib: str) -> list[bool]:
 def test_launch_duty_cycle_estimates_launches_and_keeps_the_rest_exact(fake_cuda_private, drivers):
     lib = fake_cuda_private["lib"]
     clock = Clock()
-    p = EbpfCudaProbe(libraries=[lib], launch_sampling=0.1, sampling_period=10.0, clock=clock)
+    # budget 0, no new-process hold: the duty cycle itself, whatever the rate
+    p = EbpfCudaProbe(libraries=[lib], launch_sampling=0.1, sampling_period=10.0, clock=clock,
+                      exact_launch_rate=0, young_seconds=0)
     p.start()
     try:
         a = drivers(fake_cuda_private["driver"])
@@ -93,6 +96,69 @@ def test_launch_duty_cycle_estimates_launches_and_keeps_the_rest_exact(fake_cuda
         clock.t += 30.0
         p.collect()  # still within the 60 s asked for
         assert _launch_installed(b.pid, lib) == [True, True]
+    finally:
+        p.shutdown()
+
+
+def test_every_launch_stays_probed_while_cheap_and_is_sampled_once_costly(fake_cuda_private, drivers):
+    """The duty cycle applies only above the node-wide launch budget (ebpf.launch_budget), which is
+    exported beside the rate measured."""
+    lib = fake_cuda_private["lib"]
+    clock = Clock()
+    budget = 2 * sum(LAUNCHES.values())  # launches per second
+    p = EbpfCudaProbe(libraries=[lib], launch_sampling=0.1, sampling_period=10.0, clock=clock,
+                      exact_launch_rate=budget, young_seconds=0)
+    p.start()
+    try:
+        a = drivers(fake_cuda_private["driver"])
+        p.collect()
+        a.go()  # its launches within the next second: half the budget
+        for _ in range(3):
+            clock.t += 1.0
+            samples = p.collect()
+            assert _launch_installed(a.pid, lib) == [True, True]  # a window longer than 1 s of 10
+        rate = {s.labels["what"]: s.value for s in samples if s.metric == "gpuwatch.ebpf.launch.rate"}
+        assert rate == {"measured": 0.0, "budget": budget}  # none in the last second
+        p.exact_launch_rate = 0  # now every rate is too costly: the window closes
+        clock.t += 1.0
+        p.collect()
+        assert _launch_installed(a.pid, lib) == [False, True]
+        clock.t += 8.0
+        p.collect()  # off for 9 s of each 10
+        assert _launch_installed(a.pid, lib) == [False, True]
+        clock.t += 1.0
+        p.collect()
+        assert _launch_installed(a.pid, lib) == [True, True]
+    finally:
+        p.shutdown()
+
+
+def test_a_new_process_turns_every_launch_on_at_its_first_call(fake_cuda_private, drivers):
+    """Above the budget, a process's first CUDA call turns the launch probes on at once (not at the
+    next collection), for young_seconds: what a server captures at its start is seen whole."""
+    lib = fake_cuda_private["lib"]
+    clock = Clock()
+    p = EbpfCudaProbe(libraries=[lib], launch_sampling=0.1, sampling_period=10.0, clock=clock,
+                      exact_launch_rate=0, young_seconds=120)
+    p.start()
+    try:
+        p.collect()
+        clock.t += 1.0
+        p.collect()
+        ld = p.loader
+        assert not ld.launches_on
+        d = drivers(fake_cuda_private["driver"])
+        d.go()  # its first CUDA call
+        deadline = time.monotonic() + 5
+        while not ld.launches_on:
+            assert time.monotonic() < deadline, "a first CUDA call did not turn the launch probes on"
+            time.sleep(0.01)
+        clock.t += 100.0
+        p.collect()
+        assert ld.launches_on  # within its first 120 s
+        clock.t += 30.0
+        p.collect()
+        assert not ld.launches_on
     finally:
         p.shutdown()
 

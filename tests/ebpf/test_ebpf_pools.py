@@ -81,6 +81,30 @@ def test_a_pools_chunks_are_pooled_and_plain_calls_outside_any_allocator(probe, 
     assert _series(samples, "gpuwatch.process.cuda.memory.live", a.pid) == {"": 17 * MIB}
 
 
+def test_without_frame_pointers_the_pool_is_found_by_unwinding_the_stack_copy(probe, allocs, fake_cuda):
+    """The same pool, runtime and program built -O2 -fomit-frame-pointer: the frame-pointer walk
+    loses every frame between libcuda's caller and the program, the pool's among them (before the
+    stack copies, its chunks were outside any allocator); unwound with .eh_frame, it is there."""
+    a = allocs(path=fake_cuda["allocs_nofp"])
+    _work(a)
+    samples = probe.collect()
+    assert _series(samples, "gpuwatch.process.cuda.memory.live", a.pid) == {"": 3 * CHUNK + 17 * MIB}
+    assert _series(samples, "gpuwatch.process.cuda.memory.pooled", a.pid) == {"fakepool": 3 * CHUNK}
+    stacks = probe.snapshot(a.pid)["stacks"]
+    by: dict[str, int] = {}
+    for st in stacks:
+        by[st["allocator"]] = by.get(st["allocator"], 0) + st["bytes"]
+    assert by == {"fakepool": 3 * CHUNK, pools.OUTSIDE: 17 * MIB}
+    for st in stacks:
+        frames = " ".join(st["frames"])
+        if st["allocator"] == "fakepool":  # the whole chain: runtime, pool, program
+            assert st["frames"][1].startswith("fakert_malloc+") and "pool_grow" in frames and "pooled" in frames, frames
+            assert frames.index("pool_grow") < frames.index("pooled") < frames.index("main+"), frames
+        elif "fakert_malloc+" in st["frames"][1]:
+            assert "plain" in frames and "[libfakepool.so]" not in frames, frames
+    assert probe.loader.unwound >= 3
+
+
 def test_without_the_setting_the_same_pool_is_outside_any_allocator(fake_cuda, allocs):
     # The built-in table knows no libfakepool.so: its chunks are plain driver allocations.
     p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], rescan_interval=3600)
@@ -123,7 +147,7 @@ def test_classification_is_cached_per_stack_and_mappings_read_once(probe, allocs
 
     real_addresses, real_pass = ld.stack_addresses, ld.live_by_pid_stack
     monkeypatch.setattr(pools, "_Maps", CountedMaps)
-    monkeypatch.setattr(ld, "stack_addresses", lambda *a: lookups.append(a) or real_addresses(*a))
+    monkeypatch.setattr(ld, "stack_addresses", lambda *a, **kw: lookups.append(a) or real_addresses(*a, **kw))
     monkeypatch.setattr(ld, "live_by_pid_stack", lambda: passes.append(1) or real_pass())
     # A process that maps no pool library: its live allocations are not even read.
     d = drivers()

@@ -5,7 +5,10 @@ H200 with the two leaking processes charged more every second (an edit of the re
 Two tests/ebpf/allocs.c processes leak, neither with an in-process agent: one through the pool
 (its chunks are grey: the finding names the pool), one with plain calls (black: outside any
 allocator, with the stacks that hold it). Before the allocating stacks were told apart, both were
-grey ("the allocator's pool"). A finding needs a minute of growth: this takes about 70 s.
+grey ("the allocator's pool"). The same two again, with the program, the pool and the runtime built
+-O2 -fomit-frame-pointer (as CuPy's modules, XLA and RMM are): before allocation stacks were unwound
+from their copies with .eh_frame, the pool's leak was black too ("plain cuMemAlloc/cudaMalloc calls").
+A finding needs a minute of growth: this takes about 70 s.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ def _open_leaks(agent: Agent) -> dict[str, dict]:
 
 def test_a_pools_leak_is_grey_and_named_and_plain_calls_are_black(tmp_path, allocs, fake_cuda):
     pooled, plain = allocs(), allocs()
-    agent = Agent(tmp_path / "agent", "--nvml-replay", str(nvml_listing(tmp_path, [pooled.pid, plain.pid])),
+    pooled_nofp, plain_nofp = allocs(path=fake_cuda["allocs_nofp"]), allocs(path=fake_cuda["allocs_nofp"])
+    pids = [pooled.pid, plain.pid, pooled_nofp.pid, plain_nofp.pid]
+    agent = Agent(tmp_path / "agent", "--nvml-replay", str(nvml_listing(tmp_path, pids)),
                   "--nvml-slow-interval", "1", "--ebpf-library", fake_cuda["lib"],
                   "--ebpf-pool-libraries", "libfakepool.so=fakepool", "--no-baseline", "--no-cupti-sampling")
     try:
@@ -37,12 +42,21 @@ def test_a_pools_leak_is_grey_and_named_and_plain_calls_are_black(tmp_path, allo
         while 'gpuwatch_probe_up{probe="ebpf"} 1' not in agent.metrics():
             assert time.monotonic() < deadline, agent.output()
             time.sleep(0.2)
-        pooled.send("leak pool 4194304 50")  # 80 MiB/s from the pool: a 32 MiB chunk every 0.4 s
-        plain.send("leak plain 16777216 250")  # 64 MiB/s of plain cudaMalloc-like calls
+        for p in (pooled, pooled_nofp):
+            p.send("leak pool 4194304 50")  # 80 MiB/s from the pool: a 32 MiB chunk every 0.4 s
+        for p in (plain, plain_nofp):
+            p.send("leak plain 16777216 250")  # 64 MiB/s of plain cudaMalloc-like calls
         deadline = time.monotonic() + 150
-        while len(leaks := _open_leaks(agent)) < 2:
+        while len(leaks := _open_leaks(agent)) < 4:
             assert time.monotonic() < deadline, f"findings {leaks} after 150 s:\n{agent.output()[-3000:]}"
             time.sleep(2)
+        # without frame pointers: the pool's leak is grey with the pool named, the plain calls black
+        grey, black = leaks[str(pooled_nofp.pid)], leaks[str(plain_nofp.pid)]
+        assert (black["color"], black.get("allocator")) == ("black", "none"), black["summary"]
+        assert (grey["color"], grey.get("allocator")) == ("grey", "fakepool"), grey["summary"]
+        assert all("pool_grow" in " ".join(s["frames"]) for s in grey["stacks"]), grey["stacks"]
+        assert all("plain" in " ".join(s["frames"]) and "[libfakepool.so]" not in " ".join(s["frames"])
+                   for s in black["stacks"]), black["stacks"]
         grey, black = leaks[str(pooled.pid)], leaks[str(plain.pid)]
         # the plain calls first: eBPF's live bytes alone once made them grey, "the allocator's pool"
         assert (black["color"], black["grey_source"], black.get("allocator")) == ("black", "ebpf", "none")

@@ -1197,3 +1197,39 @@ def test_a_driver_oom_from_a_probe_becomes_one_scored_oom_event():
     snap = r.tick_once()
     counted = [s for s in snap.samples if s.metric == "gpuwatch.oom.events"]
     assert [(s.resource, s.labels, s.value, s.ts) for s in counted] == [("", {"cause": "driver"}, 1.0, wall[0])]
+
+
+def test_shutdown_shuts_every_probe_down_at_once_and_the_exporters_after_them():
+    """One probe's shutdown waiting (NVML's event wait, uprobes detaching) does not hold up the
+    others': here the first waits for the second's to have begun, which a stop one probe after
+    another never lets happen. Every probe is shut down once, before any exporter."""
+    order: list[str] = []
+    second_began = threading.Event()
+
+    class WaitsForTheOther(Scripted):
+        def shutdown(self):
+            self.saw_the_other = second_began.wait(10)
+            super().shutdown()
+            order.append(self.name)
+
+    class Second(Scripted):
+        def shutdown(self):
+            second_began.set()
+            super().shutdown()
+            order.append(self.name)
+
+    class Last(RecordingExporter):
+        def shutdown(self):
+            order.append(self.name)
+            super().shutdown()
+
+    c = Clocks()
+    first, second = WaitsForTheOther("first"), Second("second")
+    exporter = Last("exporter")
+    r = clocked([first, second], c, exporters=[exporter])
+    at(r, c, 0.0)
+    returned(r, "first", "second")
+    at(r, c, 0.0)
+    r.shutdown()
+    assert first.saw_the_other and (first.shutdowns, second.shutdowns, exporter.shutdowns) == (1, 1, 1)
+    assert order == ["second", "first", "exporter"]
