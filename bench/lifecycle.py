@@ -107,9 +107,8 @@ class Side:
     def __init__(self, name: str, pythonpath: str | None) -> None:
         self.name = name
         self.env = dict(os.environ)
-        self.env.pop("PYTHONPATH", None)
-        if pythonpath:
-            self.env["PYTHONPATH"] = pythonpath
+        if pythonpath:  # first: the older copy wins over this checkout (installed, or on the caller's path)
+            self.env["PYTHONPATH"] = ":".join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
         self.env["PYTHONUNBUFFERED"] = "1"
         self.cwd = tempfile.mkdtemp(prefix="gw-lifecycle-cwd-")  # not the checkout: its own gpuwatch must win
 

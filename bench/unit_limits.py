@@ -194,8 +194,9 @@ def main() -> int:
                 # holds the GPU, ...), each change once.
                 try:
                     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
-                        now = [ln.split('"')[1] for ln in r.read().decode().splitlines()
-                               if ln.startswith("gpuwatch_profiling_state{") and ln.endswith(" 1.0")]
+                        now = [ln.split('state="', 1)[1].split('"', 1)[0] for ln in r.read().decode().splitlines()
+                               if ln.startswith("gpuwatch_profiling_state{") and 'state="' in ln
+                               and float(ln.rsplit(" ", 1)[1]) == 1]
                     if now and (not sampler_states or sampler_states[-1][1] != now[0]):
                         sampler_states.append((round(a.seconds - (end - time.monotonic()), 1), now[0]))
                 except (OSError, IndexError):
@@ -213,8 +214,14 @@ def main() -> int:
         uprobes = ""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-                uprobes = " ".join(line for line in r.read().decode().splitlines()
-                                   if line.startswith("gpuwatch_ebpf_attached"))
+                text = r.read().decode().splitlines()
+            uprobes = " ".join(line for line in text if line.startswith("gpuwatch_ebpf_attached"))
+            if a.gpu:  # the agent's own GPU processes and what NVML charges them (the sampler's context)
+                own = {line.split('pid="', 1)[1].split('"', 1)[0] for line in text
+                       if line.startswith("gpuwatch_agent_gpu_process{") and 'pid="' in line}
+                print("the agent's own GPU processes:", *(line for line in text if line.startswith(
+                    ("gpuwatch_agent_gpu_process{", "gpuwatch_process_gpu_memory_usage_bytes{"))
+                    and any(f'pid="{p}"' in line for p in own)), sep="\n  ")
         except OSError:
             pass
         cgp, kmem = cgroup_peak(cg), cgroup_peak(cg, kernel=True)

@@ -746,7 +746,10 @@ static __always_inline void gw_name_store(u32 pid, u32 kind, u64 h, const char *
 static __always_inline void gw_first_call(u32 pid, u64 ts) {
     if (procs.lookup(&pid))
         return;
-    if (procs.insert(&pid, &ts) != 0) {
+    int r = procs.insert(&pid, &ts);
+    if (r == -17)  // -EEXIST: another thread of the process got there first, and said it
+        return;
+    if (r != 0) {
         gw_drop(8);  // the map is full: not said (the next collection sees the process)
         return;
     }

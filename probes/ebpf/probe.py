@@ -684,7 +684,11 @@ class EbpfCudaProbe(Probe):
         with self._running(timeout) as ld:
             if exact_launches:
                 self._exact_launches(ld, exact_launches)
-            return ProcessQuery(self._snapshot(ld, pid), {lib.path: lib.file for lib in ld.libraries.values()})
+            # every stack's frames from one symbolising child: a new process's few dozen stacks, one
+            # child each, held trace.snapshot past its client's 10 s on the H200
+            with ld.symbols_batch():
+                snap = self._snapshot(ld, pid)
+            return ProcessQuery(snap, {lib.path: lib.file for lib in ld.libraries.values()})
 
     def graphs_of(self, pid: int, timeout: float | None = None) -> dict:
         """What this probe knows of a process's executable graphs (GraphBook.export: {"execs",
@@ -905,7 +909,7 @@ class EbpfCudaProbe(Probe):
         """The allocating call stacks holding the most live device bytes of `pid` now: what a leak
         finding points at. allocator: only the stacks of this pool ("*": of any pool; pools.OUTSIDE:
         outside any allocator). Waits at most `timeout` seconds (ProbeBusy); ProbeNotRunning when down."""
-        with self._running(timeout) as ld:
+        with self._running(timeout) as ld, ld.symbols_batch():
             return self._stacks(ld, pid, top, allocator=allocator)
 
     def _stacks(self, ld: _loader.Loader, pid: int, top: int = TOP_STACKS, wait: bool = True,

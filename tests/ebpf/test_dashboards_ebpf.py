@@ -15,8 +15,10 @@ pytestmark = [pytest.mark.root, pytest.mark.prometheus]
 
 
 def test_every_ebpf_panel_returns_series(agent_factory, prometheus, fake_cuda, drivers, allocs):  # noqa: F811
-    # every launch probed: the driver's launches come in one burst, which a 1-in-10-s window may miss
-    agent = agent_factory("--nvml-replay", str(FIXTURE), "--ebpf-library", fake_cuda["lib"], "--ebpf-launch-sampling", "1",
+    # the daemon's launch defaults (duty cycle, budget, new processes exact): the driver's one burst of
+    # launches is counted because the process is new and the node under budget, and the launch rate
+    # panel has its series because the duty cycle is on
+    agent = agent_factory("--nvml-replay", str(FIXTURE), "--ebpf-library", fake_cuda["lib"],
                           "--ebpf-pool-libraries", "libfakepool.so=fakepool")
     agent.metrics()
     d = drivers()

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issues 31, 33, 34 and 36 on one H200: the steps named, in order, a short table last.
+#
+#   graphs       tests/gpu/graphs_server_check.sh (33: a server's graphs counted whole by the daemon,
+#                a trace through the agent and a root trace)                                ~2.5 min
+#   pools        tests/gpu/pools_unwind_check.sh (33: CuPy / JAX pools grey with the allocator named,
+#                a raw cudaMalloc black)                                                    ~5 min
+#   overhead     bench/ebpf_overhead.py (33: the daemon's default cost, with its interval)  ~3 min
+#   lifecycle    bench/lifecycle.py --nvml-real (36: the daemon on the real NVML, the trace on the
+#                fake libcuda)                                                              ~1.5 min
+#   unit_limits  bench/unit_limits.py --gpu (31, 34: the unit's limits with real NVML, eBPF, the CUPTI
+#                sampler and a baseline run that the sampler steps aside for)               ~2.5 min
+#
+# Every step needs bcc: carry .gpu-bundle (../shared/device/bundle-bcc.sh .gpu-bundle) and .gpu-extra
+# (pyelftools' wheel). unit_limits also needs the CUPTI wheels in .whl (cupti-python 13.4.0,
+# nvidia-cuda-cupti 13.4.92), which do not fit in one call beside the bundle: a call that carries
+# .whl without .gpu-bundle uses the bcc that an earlier call unpacked in /tmp while the machine
+# stayed warm.
+#
+# Usage (repo root, on the GPU machine): OUT=/tmp/out tests/gpu/round_check.sh STEP...
+set -uo pipefail
+[ $# -gt 0 ] || { sed -n 2,20p "$0"; exit 2; }
+OUT=${OUT:-/tmp/gpuwatch-round}
+mkdir -p "$OUT"
+logs=$(mktemp -d)
+trap 'tar -C "$logs" -czf "$OUT/logs.tgz" . 2>/dev/null' EXIT
+export PYTHONUNBUFFERED=1
+table() { printf '%-28s %s\n' "$1" "$2" >> "$OUT/table.txt"; }
+
+if [ -f .gpu-bundle/activate.sh ] && [ -d .gpu-bundle/debs ]; then
+  source .gpu-bundle/activate.sh
+  cp .gpu-bundle/activate.sh /tmp/bccroot/activate.sh  # for a later call that cannot carry the bundle
+elif [ -f /tmp/bccroot/activate.sh ]; then
+  mkdir -p .gpu-bundle && cp /tmp/bccroot/activate.sh .gpu-bundle/activate.sh && source .gpu-bundle/activate.sh
+else
+  echo "no bcc: carry .gpu-bundle (or call while a machine that had it is warm)"; exit 3
+fi
+mkdir -p .whl /tmp/gpuwatch-graphs-extra
+cp .gpu-extra/pyelftools-*.whl .whl/ && cp .gpu-extra/pyelftools-*.whl /tmp/gpuwatch-graphs-extra/
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; } > "$OUT/env.txt" 2>&1
+source tests/gpu/env.sh  # gpuwatch from this tree; pyelftools and CUPTI (when carried) from .whl/
+bcc() { LD_LIBRARY_PATH=$GW_BCC_LD_LIBRARY_PATH:$LD_LIBRARY_PATH PYTHONPATH=$PYTHONPATH:$GW_BCC_PYTHONPATH "$@"; }
+
+for step in "$@"; do
+  echo "== $step"
+  case $step in
+    graphs) OUT=$logs/graphs timeout 240 tests/gpu/graphs_server_check.sh > "$logs/graphs.txt" 2>&1
+            rc=$?; cp "$logs/graphs/graphs_server.json" "$OUT/" 2>/dev/null; tail -12 "$logs/graphs.txt" ;;
+    pools) timeout 330 tests/gpu/pools_unwind_check.sh "$logs/pools" --timeout 120 > "$logs/pools.txt" 2>&1
+           rc=$?; cp "$logs/pools/pools.json" "$OUT/" 2>/dev/null; tail -8 "$logs/pools.txt" ;;
+    overhead) bcc timeout 190 python3 bench/ebpf_overhead.py --rounds 30 --tiny 20000 --steps 8 \
+                --out "$OUT/overhead.json" > "$logs/overhead.txt" 2>&1
+              rc=$?; tail -12 "$logs/overhead.txt" ;;
+    lifecycle) bcc timeout 120 python3 bench/lifecycle.py --runs 6 --nvml-real --out "$OUT/lifecycle.json" \
+                 > "$logs/lifecycle.txt" 2>&1
+               rc=$?; tail -12 "$logs/lifecycle.txt" ;;
+    unit_limits) bcc timeout 200 python3 bench/unit_limits.py --gpu --seconds 75 > "$logs/unit_limits.txt" 2>&1
+                 rc=$?; cp "$logs/unit_limits.txt" "$OUT/"; tail -16 "$logs/unit_limits.txt" ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+  table "$step" "rc $rc"
+done
+echo "== steps"; cat "$OUT/table.txt"
