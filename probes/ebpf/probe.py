@@ -684,11 +684,7 @@ class EbpfCudaProbe(Probe):
         with self._running(timeout) as ld:
             if exact_launches:
                 self._exact_launches(ld, exact_launches)
-            # every stack's frames from one symbolising child: a new process's few dozen stacks, one
-            # child each, held trace.snapshot past its client's 10 s on the H200
-            with ld.symbols_batch():
-                snap = self._snapshot(ld, pid)
-            return ProcessQuery(snap, {lib.path: lib.file for lib in ld.libraries.values()})
+            return ProcessQuery(self._snapshot(ld, pid), {lib.path: lib.file for lib in ld.libraries.values()})
 
     def graphs_of(self, pid: int, timeout: float | None = None) -> dict:
         """What this probe knows of a process's executable graphs (GraphBook.export: {"execs",
@@ -787,11 +783,16 @@ class EbpfCudaProbe(Probe):
             ld = self._loader
             if ld is None:
                 raise ProbeUnavailable("the eBPF probe is not started")
-            # every stack's frames from one symbolising child, filled in before the snapshot is returned
-            with ld.symbols_batch() if wait_symbols else contextlib.nullcontext():
-                return self._snapshot(ld, pid, wait_symbols)
+            return self._snapshot(ld, pid, wait_symbols)
 
     def _snapshot(self, ld: _loader.Loader, pid: int | None, wait_symbols: bool = True) -> dict:
+        # every stack's frames from one symbolising child, filled in before the snapshot is returned:
+        # a new process's few dozen stacks, one child each, held trace.snapshot past its client's
+        # 10 s on the H200
+        with ld.symbols_batch() if wait_symbols else contextlib.nullcontext():
+            return self._read(ld, pid, wait_symbols)
+
+    def _read(self, ld: _loader.Loader, pid: int | None, wait_symbols: bool) -> dict:
         apis: dict[str, dict] = {}
         for (p, api), (calls, errors, ns, nbytes) in ld.stats().items():
             if pid is not None and p != pid:
