@@ -9,7 +9,8 @@ The caller is a process, not a PID: at accept the server takes a pidfd of the pe
 (SO_PEERPIDFD) or, on older kernels, its PID and start time, and before every request
 it checks that this same process still runs. A connection whose process has exited
 (its descriptor inherited or passed on) is refused and closed, even once the PID names
-another process. Handlers get that identity (`PeerCred.identity`).
+another process; so is one whose PID names, by the time the server accepts it, a process
+without the uid the kernel recorded at connect. Handlers get that identity (`PeerCred.identity`).
 
 Nothing a client sends can take the server down, and no user can crowd out another:
 malformed, oversized, slow and vanishing clients get an error reply or a closed
@@ -109,14 +110,38 @@ def _peercred(conn: socket.socket) -> PeerCred:
     return PeerCred(pid=pid, uid=uid, gid=gid)
 
 
+# getsockopt(SO_PEERPIDFD) errors that mean "this kernel cannot": the server falls back to the
+# peer's PID and start time. Any other (ESRCH, or EINVAL before Linux 6.16) means the process that
+# connected has exited and been reaped: it is gone, whatever process has its PID now.
+_NO_PEERPIDFD = (errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.ENODATA)
+_GONE = -1  # _peer_pidfd's answer for a peer that has been reaped
+
+
+def _sockopt_pidfd(conn: socket.socket) -> int:
+    return struct.unpack("i", conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4))[0]
+
+
 def _peer_pidfd(conn: socket.socket) -> int | None:
-    """A pidfd of the process that connect()ed, or None where the kernel has no SO_PEERPIDFD."""
+    """A pidfd of the process that connect()ed; None where the kernel has no SO_PEERPIDFD; _GONE
+    when that process has been reaped (its PID may name another process already)."""
     try:
-        fd = struct.unpack("i", conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4))[0]
-    except OSError:  # ENOPROTOOPT before Linux 6.5; ESRCH when that process is gone and reaped
-        return None
+        fd = _sockopt_pidfd(conn)
+    except OSError as e:
+        return None if e.errno in _NO_PEERPIDFD else _GONE
     os.set_inheritable(fd, False)  # the agent starts children (baseline, CUPTI sampler)
     return fd
+
+
+def _peer_identity(cred: PeerCred) -> ProcessIdentity | None:
+    """The process that has the peer's PID now, if it can be the one that connected: its uids must
+    hold the uid the kernel recorded at connect, else the PID names another user's process (the
+    peer exited and its PID was reused before the server got to it). None: not that process."""
+    if cred.pid <= 0:
+        return None
+    who = ident.identify(cred.pid)
+    if who is None or cred.uid not in who.uids:
+        return None
+    return who
 
 
 def _gid(group: str) -> int:
@@ -385,11 +410,15 @@ class ControlServer:
             conn.close()
 
     def _serve(self, conn: socket.socket, cred: PeerCred) -> None:
-        pidfd = _peer_pidfd(conn)
+        pidfd = None
         try:
-            # The identity is read before the pidfd is asked: if the process runs after it was
-            # read, its PID cannot have been reused meanwhile.
-            peer = PeerCred(cred.pid, cred.uid, cred.gid, ident.identify(cred.pid) if cred.pid > 0 else None, pidfd)
+            # The identity is read before the pidfd is asked: if that process still runs when the
+            # pidfd is taken, its PID cannot have been reused meanwhile.
+            identity = _peer_identity(cred)
+            pidfd = _peer_pidfd(conn)
+            if pidfd == _GONE:
+                identity, pidfd = None, None  # alive() is False: the connection is refused as gone
+            peer = PeerCred(cred.pid, cred.uid, cred.gid, identity, pidfd)
             buf = b""
             while True:
                 if not peer.alive():

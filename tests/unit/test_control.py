@@ -1,4 +1,5 @@
 """The control socket, over a real Unix socket: protocol, misbehaving clients, permissions, restarts."""
+import errno
 import json
 import os
 import socket
@@ -12,7 +13,7 @@ import pytest
 
 from dataclasses import dataclass
 
-from gpuwatch.agent import wire
+from gpuwatch.agent import control, wire
 from gpuwatch.agent.control import ControlError, ControlServer, call
 
 
@@ -338,10 +339,20 @@ def _replies(s: socket.socket, send: bytes = b"", timeout: float = 5.0) -> list[
     return [json.loads(line) for line in buf.splitlines()]
 
 
-@pytest.fixture(params=["pidfd", "pid and start time"])
+@pytest.fixture(params=["pidfd", "pidfd of a running process only", "pid and start time"])
 def peer_server(request, sock_path, monkeypatch):
-    if request.param != "pidfd":  # as on kernels before 6.5: no SO_PEERPIDFD
+    if request.param == "pid and start time":  # as on kernels before 6.5: no SO_PEERPIDFD
         monkeypatch.setattr("gpuwatch.agent.control.SO_PEERPIDFD", -1)
+    elif request.param == "pidfd of a running process only":  # as on 6.5 to 6.15: none once reaped
+        real = control._sockopt_pidfd
+
+        def before_6_16(conn):
+            fd = real(conn)
+            if control._readable(fd, 0):
+                os.close(fd)
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            return fd
+        monkeypatch.setattr(control, "_sockopt_pidfd", before_6_16)
     srv = ControlServer(sock_path, {"status": status}, types=TYPES, timeout=3.0, idle_timeout=3.0)
     srv.start()
     yield srv
@@ -373,6 +384,40 @@ def test_a_connection_whose_pid_another_process_has_taken_is_refused(peer_server
         assert other.pid == child, "could not reuse the PID"
         (reply,) = _replies(s, b'{"method": "status"}\n')
         assert reply["ok"] is False and f"(pid {child}) has exited" in reply["error"]
+    finally:
+        other.kill()
+        other.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to choose the next PID and play another user")
+def test_a_connection_accepted_after_its_pid_went_to_another_users_process_is_refused(peer_server, sock_path,
+                                                                                      monkeypatch):
+    # The server reads the peer's credentials only once it accepts: on a busy machine the process
+    # that connected may have exited, and its PID gone to another user's process, before that.
+    accept = threading.Event()
+    real = control._peercred
+
+    def held(conn):
+        accept.wait(10)
+        return real(conn)
+    monkeypatch.setattr(control, "_peercred", held)
+    s, child = _inherited(sock_path)
+    time.sleep(0.05)  # start times count clock ticks (10 ms): the new process starts on a later one
+    for _ in range(50):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(child - 1))
+        other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "30"])
+        if other.pid == child:
+            break
+        other.kill()
+        other.wait()
+    try:
+        assert other.pid == child, "could not reuse the PID"
+        assert wait_until(lambda: os.stat(f"/proc/{child}").st_uid == 65534)  # setpriv has dropped to nobody
+        accept.set()
+        (reply,) = _replies(s, b'{"method": "status"}\n')
+        assert reply == {"ok": False, "error": f"the process that opened this connection (pid {child}) has exited; "
+                                              f"a connection speaks only for the process that opened it"}
     finally:
         other.kill()
         other.wait()
