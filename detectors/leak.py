@@ -75,6 +75,7 @@ class Trend:
     r2: float            # how well a line fits the floors (0..1)
     rising: float        # fraction of bucket-to-bucket steps that rose
     latest: float        # the newest value
+    slack: float = 0.0   # a pool that grows in steps: what of it the process is not using yet
 
 
 @dataclass
@@ -87,6 +88,7 @@ class LeakSettings:
     min_r2: float = 0.8
     min_rising: float = 0.75        # of the bucket-to-bucket steps
     min_late_ratio: float = 0.5     # the second half's slope over the first half's: warm-up flattens
+    min_steps: int = 4              # a pool that grows in steps: its rises seen before a line is fitted
     step_epsilon: float = 1 * MIB   # a floor must rise by more than this to count as rising
     critical_seconds: float = 900.0 # time to OOM under this is critical
     lookback: float = 600.0         # a drop this recent, as large as half the rise, means a sawtooth
@@ -207,17 +209,50 @@ def rise(points: Sequence[tuple[float, float]], tr: Trend, now: float, s: LeakSe
     return min(v for t, v in pts if t >= t1 - width) - min(v for t, v in pts if t <= t0 + width)
 
 
+def staircase(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
+    """The rise of a pool that grows in steps (XLA's BFC allocator doubles its region when it is full),
+    or None. Between steps the series is flat, so bucket floors do not rise steadily and `trend` sees
+    nothing. But just before each step the pool was full: those corners (the step's time, the level
+    before it) trace what the process uses. They must rise on a line, over half the shortest window;
+    and the pool must still have room for that line now, else the growth has stopped (a warm-up's
+    steps come fast, then none)."""
+    window = max(s.windows)
+    pts = points[bisect.bisect_left([t for t, _ in points], now - window):]
+    corners = []
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if v1 < v0 - s.step_epsilon:
+            return None  # memory was given back: not a leak
+        if v1 - v0 > s.step_epsilon:
+            corners.append((t1, v0))
+    # Steps, not a slope: most samples flat (a series rising at every sample is `trend`'s to judge).
+    if (len(corners) < s.min_steps or 4 * len(corners) > len(pts)
+            or corners[-1][0] - corners[0][0] < 0.5 * min(s.windows)):
+        return None
+    xs, ys = [t for t, _ in corners], [v for _, v in corners]
+    rate, growth, r2 = _theil_sen(xs, ys), ys[-1] - ys[0], _r2(xs, ys)
+    half = len(xs) // 2
+    early, late = _theil_sen(xs[:half + 1], ys[:half + 1]), _theil_sen(xs[half:], ys[half:])
+    if (rate < s.min_rate or growth < s.min_growth or r2 < s.min_r2 or early <= 0
+            or late < s.min_late_ratio * early):
+        return None
+    using = ys[-1] + rate * (now - xs[-1])  # what the process uses now, were it still growing so
+    latest = pts[-1][1]
+    if using > latest + s.step_epsilon:
+        return None  # the pool would have stepped again by now: the growth stopped
+    return Trend(rate=rate, growth=growth, window=xs[-1] - xs[0], r2=r2, rising=1.0, latest=latest,
+                 slack=latest - using)
+
+
 def best_trend(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
     """The longest window that shows a steady rise (longer windows estimate the rate better),
-    unless the series is a sawtooth."""
-    if not still_rising(points, s):
-        return None
-    times = [t for t, _ in points]
-    for w in sorted(s.windows, reverse=True):
-        tr = trend(points, w, now, s, times)
-        if tr is not None:
-            return None if sawtooth(points, now, tr.growth, s) else tr
-    return None
+    unless the series is a sawtooth; else a pool's steady rise in steps."""
+    if still_rising(points, s):
+        times = [t for t, _ in points]
+        for w in sorted(s.windows, reverse=True):
+            tr = trend(points, w, now, s, times)
+            if tr is not None:
+                return None if sawtooth(points, now, tr.growth, s) else tr
+    return staircase(points, now, s)
 
 
 @dataclass
@@ -378,7 +413,7 @@ class LeakDetector(Detector):
             free = frees.get(p.gpu)
             if free is None and limits.get(p.gpu) is not None and used.get(p.gpu) is not None:
                 free = max(0.0, limits[p.gpu] - used[p.gpu])
-            headroom = free
+            headroom = free if free is None else free + tr.slack  # a pool's unused step is room too
             if color == WHITE and free is not None and GREY in p.colors and p.colors[GREY]:
                 headroom = free + max(0.0, p.colors[GREY][-1][1] - tr.latest)  # the pool's unused part first
             tto = headroom / tr.rate if headroom is not None else None

@@ -100,6 +100,7 @@ kept = [alloc(MIB)]  # the framework's context and pool first: the leak starts f
 note(event="leak_start", step_bytes=a.step_mib * MIB)
 try:
     while True:
+        asked = time.time()  # XLA retries a failed allocation for ~10 s before it raises: memory ran out here
         kept.append(alloc(a.step_mib * MIB))
         white, grey = colors()
         note(event="step", white=white, grey=grey, arrays=len(kept))
@@ -108,5 +109,5 @@ except OOM as e:
     if a.framework == "jax" and "RESOURCE_EXHAUSTED" not in str(e)[:40]:
         raise
     note(event="oom", error=f"{type(e).__module__}.{type(e).__qualname__}", message=str(e)[:300],
-         requested_bytes=a.step_mib * MIB, arrays=len(kept))
+         requested_bytes=a.step_mib * MIB, arrays=len(kept), requested_at=asked)
     raise  # uncaught: the job dies of it

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 from agent_proc import start_agent  # tests/gpu/agent_proc.py
 from frameworks_leak_check import JAX_GROW, PROBES, free_bytes
@@ -117,6 +118,21 @@ def ballast(leave: int) -> subprocess.Popen | None:
     return p
 
 
+def memory_series(port: int, pid: int) -> dict[str, float]:
+    """The daemon's GPU-memory series of process `pid` on its /metrics (NVML's charge, eBPF's live and
+    pooled bytes): {'name{labels}': value}."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError as e:
+        return {"error": str(e)}
+    out = {}
+    for line in text.splitlines():
+        if f'pid="{pid}"' in line and "memory" in line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
 def run_case(case: str, sock: str, out: str, a) -> dict:
     log = os.path.join(out, f"{case}.jsonl")
     env = workload_env(**(JAX_GROW if case == "jax" else {}))
@@ -129,8 +145,10 @@ def run_case(case: str, sock: str, out: str, a) -> dict:
     t0 = time.time()
     p = subprocess.Popen(args, env=env, stdout=open(os.path.join(out, f"{case}.log"), "w"), stderr=subprocess.STDOUT)
     first, seen = None, []
+    series = open(os.path.join(out, f"{case}-series.jsonl"), "w")  # what the daemon saw: a miss explains itself
     try:
         while p.poll() is None and time.time() - t0 < a.timeout:
+            series.write(json.dumps({"t": time.time(), "series": memory_series(a.port, p.pid)}) + "\n")
             try:
                 f = {x["pid"]: x for x in control.call(sock, "findings", {"kind": "memory_leak"}, timeout=5)["open"]}
             except control.ControlError:
@@ -145,11 +163,14 @@ def run_case(case: str, sock: str, out: str, a) -> dict:
     except subprocess.TimeoutExpired:
         p.kill()
     finally:
+        series.close()
         if hold is not None:
             hold.stdin.close()
             hold.wait(30)
     ev = events(log, p.pid)
-    start, oom = ev.get("leak_start", {}).get("t", t0), ev.get("oom", {}).get("t")
+    # Out of memory when the allocation that failed was asked for (XLA raises ~10 s later, after retrying).
+    start = ev.get("leak_start", {}).get("t", t0)
+    oom = ev.get("oom", {}).get("requested_at", ev.get("oom", {}).get("t"))
     r = {"case": case, "pid": p.pid, "first": first, "found_after_s": first["ts"] - start if first else None,
          "oom_after_s": oom - start if oom else None, "looks": len(seen)}
     if first and oom and first.get("time_to_oom_seconds"):

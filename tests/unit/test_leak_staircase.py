@@ -1,0 +1,112 @@
+"""A pool that grows in steps (issue 33): XLA's BFC allocator, with preallocation off, doubles its
+region each time it is full, so a process that keeps arrays alive shows NVML (and eBPF) a staircase
+whose floor is flat most of the time. The daemon alone must still see the leak, grey with eBPF's
+allocator or black without it, and forecast the OOM; a warm-up's fast steps that stop are no leak.
+
+The recorded case: tests/fixtures/jax-bfc-h200-series.json, a JAX program's pool on the H200 as
+tests/gpu/pools_unwind_check.py ran it (the daemon missed it there before `staircase`)."""
+import bisect
+import json
+import os
+
+import pytest
+
+from gpuwatch.agent.api import Sample
+from gpuwatch.agent.history import History
+from gpuwatch.detectors.leak import BLACK, GREY, LeakDetector, LeakSettings, staircase
+
+GIB, MIB = 1 << 30, 1 << 20
+GPU = "GPU-9e0e504d-8ecf-de8d-4c95-f9b6e215a268"
+PROC = {"pid": "1143", "process": "python3"}
+T0 = 1_800_000_000.0
+CONTEXT = 512 * MIB  # what the driver charges the process beyond its pool
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "jax-bfc-h200-series.json")
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    with open(FIXTURE) as f:
+        return json.load(f)
+
+
+def judge(pool, seconds: int, free_at_start: float, ebpf: bool, before: int = 10):
+    """Each second what the daemon samples (NVML's charge and free memory; with `ebpf`, live driver
+    bytes, all of them XLA's pool), judged every 10 s as the daemon does: [(t since start, findings)]."""
+    h, detector, out = History(maxlen=720), LeakDetector(), []
+    for i in range(-before, seconds):
+        t = T0 + i
+        p = pool(max(i, 0))
+        samples = [Sample("gpuwatch.process.gpu.memory.usage", p + CONTEXT, GPU, PROC, t),
+                   Sample("hw.gpu.memory.limit", 143.8 * GIB, GPU, {}, t),
+                   Sample("gpuwatch.gpu.memory.free", max(0.0, free_at_start - (p - pool(0))), GPU, {}, t),
+                   Sample("gpuwatch.gpu.processes", 1.0, GPU, {}, t)]
+        if ebpf:
+            samples += [Sample("gpuwatch.process.cuda.memory.live", p, "", PROC, t),
+                        Sample("gpuwatch.process.cuda.memory.pooled", p, "", dict(PROC, allocator="xla"), t)]
+        h.append(samples)
+        if i >= 0 and i % 10 == 0:
+            out.append((i, list(detector.observe(h))))
+    return out
+
+
+def recorded_pool(rec):
+    times = [t for t, _ in rec["pool"]]
+    return lambda s: rec["pool"][max(0, bisect.bisect_right(times, s) - 1)][1]
+
+
+@pytest.mark.parametrize("ebpf, color, allocator", [(True, GREY, "xla"), (False, BLACK, None)])
+def test_the_recorded_jax_pool_is_a_leak_before_90_s_with_a_forecast_within_20_percent(recorded, ebpf, color,
+                                                                                      allocator):
+    oom = recorded["oom_after_s"]
+    seen = [(t, f) for t, fs in judge(recorded_pool(recorded), int(oom), recorded["free_at_start_bytes"], ebpf)
+            for f in fs]
+    assert seen, "the staircase was not seen"
+    t, f = seen[0]
+    assert t <= 90 and (f.attrs["color"], f.attrs["allocator"]) == (color, allocator), (t, f.summary)
+    assert f.attrs["time_to_oom_seconds"] == pytest.approx(oom - t, rel=0.2), (t, f.summary)
+    assert all(f.attrs["pid"] == "1143" for _, f in seen)
+
+
+def doubling(first: float, rate: float, stop: float = float("inf")):
+    """A pool that doubles whenever the bytes in use (`rate` a second, up to `stop` bytes) fill it."""
+    def pool(s: float) -> float:
+        used, size = first + rate * s, first
+        used = min(used, stop)
+        while size < used:
+            size *= 2
+        return size
+    return pool
+
+
+def test_a_warm_up_that_doubles_its_pool_fast_and_stops_is_not_a_leak():
+    # 256 MiB to 4 GiB in 16 s (four doublings), then the working set is reached.
+    fs = judge(doubling(256 * MIB, 240 * MIB, stop=3.9 * GIB), 700, 100 * GIB, ebpf=True)
+    assert [(t, f.summary) for t, found in fs for f in found] == []
+
+
+def test_a_slow_doubling_leak_is_seen_and_closes_once_the_growth_stops():
+    # 64 MiB a second from 128 MiB: doublings at 2, 6, 14, 30, 62 s; the leak stops at 100 s (6.4 GiB in use,
+    # 8 GiB pool): with 1.6 GiB of room at 64 MiB/s, it would have stepped by 126 s, so by 130 s it is over.
+    pool = doubling(128 * MIB, 64 * MIB, stop=128 * MIB + 64 * MIB * 100)
+    fs = dict(judge(pool, 200, 100 * GIB, ebpf=True))
+    assert [f.attrs["color"] for f in fs[70]] == [GREY]
+    assert fs[70][0].attrs["rate_bytes_per_second"] == pytest.approx(64 * MIB, rel=0.05)
+    assert all(fs[t] == [] for t in range(130, 200, 10)), {t: len(f) for t, f in fs.items()}
+
+
+def test_a_staircase_needs_four_steps_over_half_the_shortest_window_and_no_fall():
+    s = LeakSettings()
+
+    def steps_of(seconds: int) -> list:  # 1 to 5 GiB, a GiB every `seconds`, the last for 5 s
+        return [(T0 + t, float(v)) for t, v in enumerate([k * GIB for k in range(1, 5) for _ in range(seconds)]
+                                                         + [5 * GIB] * 5)]
+    stairs = steps_of(10)
+    now = stairs[-1][0]
+    tr = staircase(stairs, now, s)
+    assert tr is not None and tr.rate == pytest.approx(GIB / 10) and tr.growth == 3 * GIB
+    assert tr.slack == pytest.approx(5 * GIB - (4 * GIB + GIB / 10 * 4))  # now is 4 s past the last step
+    assert staircase(stairs[:-6], stairs[-7][0], s) is None  # three steps
+    assert staircase(steps_of(9), T0 + 40, s) is None  # four steps over 27 s: under half of 60 s
+    fell = stairs[:15] + [(T0 + 15, 1.5 * GIB)] + stairs[16:]
+    assert staircase(fell, now, s) is None
+    assert staircase([(T0 + t, GIB + t * 64 * MIB) for t in range(60)], T0 + 59, s) is None  # a slope, not steps
