@@ -56,7 +56,8 @@ def build(d: Path) -> dict:
     subprocess.run([cc, "-O1", "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", str(lib),
                     str(EBPF_TESTS / "fakecuda.c")], check=True)
     subprocess.run([cc, "-O1", "-fno-omit-frame-pointer", "-pthread", "-o", str(drv), str(EBPF_TESTS / "driver.c"),
-                    f"-L{d}", "-l:libcuda.so.1", f"-Wl,-rpath,{d}"], check=True)
+                    f"-L{d}", "-l:libcuda.so.1", f"-Wl,--disable-new-dtags,-rpath,{d}"], check=True)
+    # DT_RPATH, not RUNPATH: a GPU node's LD_LIBRARY_PATH names the real libcuda, and RUNPATH loses to it
     return {"lib": str(lib), "driver": str(drv)}
 
 

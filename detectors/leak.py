@@ -213,7 +213,7 @@ def staircase(points: Sequence[tuple[float, float]], now: float, s: LeakSettings
     """The rise of a pool that grows in steps (XLA's BFC allocator doubles its region when it is full),
     or None. Between steps the series is flat, so bucket floors do not rise steadily and `trend` sees
     nothing. But just before each step the pool was full: those corners (the step's time, the level
-    before it) trace what the process uses. They must rise on a line, over half the shortest window;
+    before it) trace what the process uses. They must rise on a line, over 0.4 of the shortest window;
     and the pool must still have room for that line now, else the growth has stopped (a warm-up's
     steps come fast, then none)."""
     window = max(s.windows)
@@ -226,7 +226,7 @@ def staircase(points: Sequence[tuple[float, float]], now: float, s: LeakSettings
             corners.append((t1, v0))
     # Steps, not a slope: most samples flat (a series rising at every sample is `trend`'s to judge).
     if (len(corners) < s.min_steps or 4 * len(corners) > len(pts)
-            or corners[-1][0] - corners[0][0] < 0.5 * min(s.windows)):
+            or corners[-1][0] - corners[0][0] < 0.4 * min(s.windows)):
         return None
     xs, ys = [t for t, _ in corners], [v for _, v in corners]
     rate, growth, r2 = _theil_sen(xs, ys), ys[-1] - ys[0], _r2(xs, ys)

@@ -94,7 +94,7 @@ def test_a_slow_doubling_leak_is_seen_and_closes_once_the_growth_stops():
     assert all(fs[t] == [] for t in range(130, 200, 10)), {t: len(f) for t, f in fs.items()}
 
 
-def test_a_staircase_needs_four_steps_over_half_the_shortest_window_and_no_fall():
+def test_a_staircase_needs_four_steps_over_0_4_of_the_shortest_window_and_no_fall():
     s = LeakSettings()
 
     def steps_of(seconds: int) -> list:  # 1 to 5 GiB, a GiB every `seconds`, the last for 5 s
@@ -106,7 +106,8 @@ def test_a_staircase_needs_four_steps_over_half_the_shortest_window_and_no_fall(
     assert tr is not None and tr.rate == pytest.approx(GIB / 10) and tr.growth == 3 * GIB
     assert tr.slack == pytest.approx(5 * GIB - (4 * GIB + GIB / 10 * 4))  # now is 4 s past the last step
     assert staircase(stairs[:-6], stairs[-7][0], s) is None  # three steps
-    assert staircase(steps_of(9), T0 + 40, s) is None  # four steps over 27 s: under half of 60 s
+    assert staircase(steps_of(7), T0 + 31, s) is None  # four steps over 21 s: under 24 s (0.4 of 60 s)
+    assert staircase(steps_of(8), T0 + 35, s) is not None  # over 24 s
     fell = stairs[:15] + [(T0 + 15, 1.5 * GIB)] + stairs[16:]
     assert staircase(fell, now, s) is None
     assert staircase([(T0 + t, GIB + t * 64 * MIB) for t in range(60)], T0 + 59, s) is None  # a slope, not steps
