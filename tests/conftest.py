@@ -67,6 +67,31 @@ def nvml_recording(tmp: Path, pids=()) -> Path:
     return path
 
 
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def spawn_at_pid(pid: int, argv: list[str], tries: int = 50, give_up=pytest.skip) -> subprocess.Popen:
+    """Start argv under exactly this (free) PID, as root: ns_last_pid = pid - 1, then fork. Another fork
+    on the machine may take it first: then that child is killed and we try again. `give_up` (skip,
+    or pytest.fail where the test cannot mean anything else) when the PID cannot be had."""
+    import fcntl
+
+    for _ in range(tries):
+        with open(NS_LAST_PID, "r+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # CRIU's convention: writers of ns_last_pid lock it
+            f.write(str(pid - 1))
+            f.flush()
+            p = subprocess.Popen(argv)
+            fcntl.flock(f, fcntl.LOCK_UN)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+        if os.path.exists(f"/proc/{pid}"):
+            give_up(f"PID {pid} was taken by another process")
+    give_up(f"could not get PID {pid} back in {tries} tries (a busy machine)")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 import subprocess
@@ -28,34 +27,14 @@ from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.cupti.arbitration import Arbiter
 from gpuwatch.probes.cupti.devicewide import CuptiSamplerProbe
 from gpuwatch.probes.process import identity
-from tests.conftest import wait_for
+from tests.conftest import NS_LAST_PID, spawn_at_pid, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_SAMPLER = ROOT / "tests" / "fixtures" / "fake_cupti_sampler.py"
-NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
 
 
 
 # ---- 7. PID reuse ----------------------------------------------------------------------------------
-def spawn_at_pid(pid: int, argv: list[str], tries: int = 50) -> subprocess.Popen:
-    """Start argv under exactly this (free) PID: ns_last_pid = pid - 1, then fork. Another fork on the
-    machine may take it first: then that child is killed and we try again."""
-    for _ in range(tries):
-        with open(NS_LAST_PID, "r+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # CRIU's convention: writers of ns_last_pid lock it
-            f.write(str(pid - 1))
-            f.flush()
-            p = subprocess.Popen(argv)
-            fcntl.flock(f, fcntl.LOCK_UN)
-        if p.pid == pid:
-            return p
-        p.kill()
-        p.wait()
-        if os.path.exists(f"/proc/{pid}"):
-            pytest.skip(f"PID {pid} was taken by another process")
-    pytest.skip(f"could not get PID {pid} back in {tries} tries (a busy machine)")
-
-
 @pytest.fixture
 def root_only():
     if os.geteuid() != 0 or not os.access(NS_LAST_PID, os.W_OK):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from gpuwatch.agent import control, wire
 from gpuwatch.agent.control import ControlError, ControlServer, call
+from tests.conftest import spawn_at_pid
 
 
 @dataclass(frozen=True)
@@ -372,16 +373,8 @@ def test_a_connection_whose_process_has_exited_is_refused(peer_server, sock_path
 def test_a_connection_whose_pid_another_process_has_taken_is_refused(peer_server, sock_path):
     s, child = _inherited(sock_path)
     time.sleep(0.05)  # start times count clock ticks (10 ms): the new process starts on a later one
-    for _ in range(50):
-        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-            f.write(str(child - 1))
-        other = subprocess.Popen(["sleep", "30"])
-        if other.pid == child:
-            break
-        other.kill()
-        other.wait()
+    other = spawn_at_pid(child, ["sleep", "30"], give_up=pytest.fail)
     try:
-        assert other.pid == child, "could not reuse the PID"
         (reply,) = _replies(s, b'{"method": "status"}\n')
         assert reply["ok"] is False and f"(pid {child}) has exited" in reply["error"]
     finally:
@@ -403,16 +396,9 @@ def test_a_connection_accepted_after_its_pid_went_to_another_users_process_is_re
     monkeypatch.setattr(control, "_peercred", held)
     s, child = _inherited(sock_path)
     time.sleep(0.05)  # start times count clock ticks (10 ms): the new process starts on a later one
-    for _ in range(50):
-        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
-            f.write(str(child - 1))
-        other = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "30"])
-        if other.pid == child:
-            break
-        other.kill()
-        other.wait()
+    other = spawn_at_pid(child, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "sleep", "30"],
+                         give_up=pytest.fail)
     try:
-        assert other.pid == child, "could not reuse the PID"
         assert wait_until(lambda: os.stat(f"/proc/{child}").st_uid == 65534)  # setpriv has dropped to nobody
         accept.set()
         (reply,) = _replies(s, b'{"method": "status"}\n')
