@@ -102,6 +102,12 @@ def _theil_sen(xs: Sequence[float], ys: Sequence[float]) -> float:
     return statistics.median(slopes) if slopes else 0.0
 
 
+def _halves(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """The slopes of the first and the second half (sharing the middle point): warm-up flattens."""
+    half = len(xs) // 2
+    return _theil_sen(xs[:half + 1], ys[:half + 1]), _theil_sen(xs[half:], ys[half:])
+
+
 def _r2(xs: Sequence[float], ys: Sequence[float]) -> float:
     if len(xs) < 3:
         return 0.0
@@ -159,8 +165,7 @@ def trend(points: Sequence[tuple[float, float]], window: float, now: float,
         return None  # memory was given back in the window: not a leak (empty_cache, a phase ending)
     rate = _theil_sen(xs, ys)
     growth = ys[-1] - ys[0]
-    half = len(xs) // 2
-    early, late = _theil_sen(xs[:half + 1], ys[:half + 1]), _theil_sen(xs[half:], ys[half:])
+    early, late = _halves(xs, ys)
     r2 = _r2(xs, ys)
     if (rate < s.min_rate or growth < s.min_growth or rising < s.min_rising or r2 < s.min_r2
             or early <= 0 or late < s.min_late_ratio * early or not still_rising(pts, s)):
@@ -209,15 +214,16 @@ def rise(points: Sequence[tuple[float, float]], tr: Trend, now: float, s: LeakSe
     return min(v for t, v in pts if t >= t1 - width) - min(v for t, v in pts if t <= t0 + width)
 
 
-def staircase(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
+def staircase(points: Sequence[tuple[float, float]], now: float, s: LeakSettings,
+              times: Sequence[float] | None = None) -> Trend | None:
     """The rise of a pool that grows in steps (XLA's BFC allocator doubles its region when it is full),
     or None. Between steps the series is flat, so bucket floors do not rise steadily and `trend` sees
     nothing. But just before each step the pool was full: those corners (the step's time, the level
     before it) trace what the process uses. They must rise on a line, over 0.4 of the shortest window;
     and the pool must still have room for that line now, else the growth has stopped (a warm-up's
     steps come fast, then none)."""
-    window = max(s.windows)
-    pts = points[bisect.bisect_left([t for t, _ in points], now - window):]
+    times = times if times is not None else [t for t, _ in points]
+    pts = points[bisect.bisect_left(times, now - max(s.windows)):]
     corners = []
     for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
         if v1 < v0 - s.step_epsilon:
@@ -230,10 +236,9 @@ def staircase(points: Sequence[tuple[float, float]], now: float, s: LeakSettings
         return None
     xs, ys = [t for t, _ in corners], [v for _, v in corners]
     rate, growth, r2 = _theil_sen(xs, ys), ys[-1] - ys[0], _r2(xs, ys)
-    half = len(xs) // 2
-    early, late = _theil_sen(xs[:half + 1], ys[:half + 1]), _theil_sen(xs[half:], ys[half:])
-    if (rate < s.min_rate or growth < s.min_growth or r2 < s.min_r2 or early <= 0
-            or late < s.min_late_ratio * early):
+    early, late = _halves(xs, ys)
+    # Corners rise by construction, so both halves' slopes are above 0.
+    if rate < s.min_rate or growth < s.min_growth or r2 < s.min_r2 or late < s.min_late_ratio * early:
         return None
     using = ys[-1] + rate * (now - xs[-1])  # what the process uses now, were it still growing so
     latest = pts[-1][1]
@@ -246,13 +251,13 @@ def staircase(points: Sequence[tuple[float, float]], now: float, s: LeakSettings
 def best_trend(points: Sequence[tuple[float, float]], now: float, s: LeakSettings) -> Trend | None:
     """The longest window that shows a steady rise (longer windows estimate the rate better),
     unless the series is a sawtooth; else a pool's steady rise in steps."""
+    times = [t for t, _ in points]
     if still_rising(points, s):
-        times = [t for t, _ in points]
         for w in sorted(s.windows, reverse=True):
             tr = trend(points, w, now, s, times)
             if tr is not None:
                 return None if sawtooth(points, now, tr.growth, s) else tr
-    return staircase(points, now, s)
+    return staircase(points, now, s, times)
 
 
 @dataclass

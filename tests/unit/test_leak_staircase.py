@@ -13,7 +13,7 @@ import pytest
 
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.history import History
-from gpuwatch.detectors.leak import BLACK, GREY, LeakDetector, LeakSettings, staircase
+from gpuwatch.detectors.leak import BLACK, GREY, LeakDetector, LeakSettings, Trend, _r2, staircase
 
 GIB, MIB = 1 << 30, 1 << 20
 GPU = "GPU-9e0e504d-8ecf-de8d-4c95-f9b6e215a268"
@@ -111,3 +111,49 @@ def test_a_staircase_needs_four_steps_over_0_4_of_the_shortest_window_and_no_fal
     fell = stairs[:15] + [(T0 + 15, 1.5 * GIB)] + stairs[16:]
     assert staircase(fell, now, s) is None
     assert staircase([(T0 + t, GIB + t * 64 * MIB) for t in range(60)], T0 + 59, s) is None  # a slope, not steps
+
+
+def flights(*flights: tuple[int, int], start: float = GIB, step: float = 4 * MIB) -> list:
+    """Points a second apart: (levels, seconds each) per flight, each level `step` above the one before."""
+    out, v, t = [], start, T0
+    for levels, seconds in flights:
+        for _ in range(levels):
+            out += [(t + i, v) for i in range(seconds)]
+            t, v = t + seconds, v + step
+    return out
+
+
+def test_a_staircase_trend_whole_at_each_limit():
+    # Eight levels of 4 s, 4 MiB apart, then the ninth for 6 s: corners at 4, 8 ... 32 s, 1 MiB/s.
+    pts = flights((8, 4), (1, 6))
+    s = LeakSettings(min_rate=MIB, min_growth=28 * MIB, min_steps=8)
+    now = pts[-1][0]  # 5 s past the last step: in use 1 GiB + 28 MiB + 5 MiB, the pool 1 GiB + 32 MiB
+    assert staircase(pts, now, s) == Trend(rate=MIB, growth=28 * MIB, window=28.0, r2=_r2(*zip(*CORNERS)),
+                                           rising=1.0, latest=GIB + 32 * MIB, slack=-MIB)
+    for tighter in (dict(min_rate=MIB + 1), dict(min_growth=28 * MIB + 1), dict(min_steps=9),
+                    dict(min_r2=_r2(*zip(*CORNERS)) + 1e-9)):
+        assert staircase(pts, now, LeakSettings(**{**s.__dict__, **tighter})) is None, tighter
+    assert staircase(pts, now, LeakSettings(**{**s.__dict__, "min_r2": _r2(*zip(*CORNERS))})) is not None
+    assert staircase(pts + [(now + 1, pts[-1][1])], now + 1, s) is None  # in use 1 MiB above the pool: stopped
+
+
+CORNERS = [(T0 + 4 * i, GIB + 4 * MIB * (i - 1)) for i in range(1, 9)]
+
+
+def test_a_staircase_needs_a_quarter_of_its_points_flat_and_steps_over_1_mib():
+    s = LeakSettings(min_rate=MIB, min_growth=28 * MIB, min_steps=8)
+    quarter = flights((1, 3), (7, 4), (1, 1))  # 32 points, 8 corners: a step every fourth point
+    assert staircase(quarter, quarter[-1][0], s).latest == quarter[-1][1]  # the level just stepped to
+    assert staircase(quarter[1:], quarter[-1][0], s) is None  # 31 points: more than a quarter are steps
+    pts = flights((8, 4), (1, 6))
+    nudged = [(t, v + (MIB if t >= T0 + 2 else 0.0)) for t, v in pts]  # a rise of 1 MiB exactly: no step
+    assert staircase(nudged, pts[-1][0], s) == staircase([(t, v + MIB) for t, v in pts], pts[-1][0], s)
+    dipped = [(t, v - (MIB if t == T0 + 10 else 0.0)) for t, v in pts]  # a fall of 1 MiB exactly: kept
+    assert staircase(dipped, pts[-1][0], s) is not None
+
+
+def test_a_staircase_whose_steps_come_slower_by_half_is_a_leak_and_slower_is_not():
+    pts = flights((5, 4), (4, 8), (1, 1))  # corners 4 s apart, then 8 s apart: the late slope is half
+    s = LeakSettings(min_rate=0.5 * MIB, min_growth=28 * MIB, min_steps=8)
+    assert staircase(pts, pts[-1][0], s) is not None
+    assert staircase(pts, pts[-1][0], LeakSettings(**{**s.__dict__, "min_late_ratio": 0.51})) is None
