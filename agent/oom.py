@@ -207,17 +207,19 @@ class OomRecorder:
         why = CAUSE_WORDS[cause].format(full=full, error=error) + detail
         score = "no leak was forecast for it"
         if fc is not None:
-            came = wall - fc.found_at
-            attrs.update(leak_found_at=fc.found_at, came_after_seconds=round(came, 1), color=fc.color)
-            if fc.seconds:
-                err = came / fc.seconds - 1
-                attrs.update(forecast_seconds=round(fc.seconds, 1), forecast_error_ratio=round(err, 4))
+            # scored from the rounded figures the finding carries, so its score reads back from them exactly
+            came = round(wall - fc.found_at, 1)
+            attrs.update(leak_found_at=fc.found_at, came_after_seconds=came, color=fc.color)
+            forecast = round(fc.seconds, 1) if fc.seconds else 0.0
+            if forecast:
+                err = came / forecast - 1
+                attrs.update(forecast_seconds=forecast, forecast_error_ratio=round(err, 4))
                 came_when = "early" if err < 0 else "late"
                 hist = self.errors.get((gpu, came_when))
                 if hist is None:
                     hist = self.errors[(gpu, came_when)] = Histogram(ERROR_HISTOGRAM, self.started)
                 hist.observe(abs(attrs["forecast_error_ratio"]))  # as the event says it: 5.0 % is in le 0.05
-                score = (f"forecast {fc.seconds / 60:.1f} min when the leak was found, came at {came / 60:.1f} min "
+                score = (f"forecast {forecast / 60:.1f} min when the leak was found, came at {came / 60:.1f} min "
                          f"({err:+.0%})")
             else:
                 score = f"the leak was found {came / 60:.1f} min before, with no time to OOM forecast"
