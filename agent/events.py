@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-from collections import deque
 
 from gpuwatch.agent.api import Event
 
@@ -14,24 +13,22 @@ class EventQueue:
 
     def __init__(self, bound: int | None, drop_oldest: bool = False) -> None:
         self.bound, self.drop_oldest, self.dropped = bound, drop_oldest, 0
-        self._lock = threading.Lock()  # held for a list operation only: a leaf under any probe's lock
-        self._events: deque[Event] = deque()
+        self._lock = threading.Lock()  # held for one list operation: a leaf under any probe's lock
+        self._events: list[Event] = []
 
     def put(self, event: Event) -> bool:
         """Keep `event`; False when one was dropped for the bound (this one, or the oldest)."""
         with self._lock:
-            room = self.bound is None or len(self._events) < self.bound
-            if not room:
+            if full := self.bound is not None and len(self._events) >= self.bound:
                 self.dropped += 1
                 if not self.drop_oldest:
                     return False
-                self._events.popleft()
+                del self._events[0]
             self._events.append(event)
-            return room
+            return not full
 
     def drain(self) -> list[Event]:
-        """The events kept since the last drain, oldest first, and an empty queue."""
+        """The events kept since the last drain, oldest first; the queue is left empty."""
         with self._lock:
-            out = list(self._events)
-            self._events.clear()
+            out, self._events = self._events, []
         return out
