@@ -7,10 +7,12 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from gpuwatch.probes.process import pagecache
+from gpuwatch.probes.process.identity import ProcStat
 from gpuwatch.probes.process.pagecache import (PAGE, CacheStat, NodeReaders, PageCacheProbe, cachestat, file_label,
                                                large_files, mincore_resident, open_file)
 
@@ -331,3 +333,126 @@ def test_mincore_windows_and_deadline(big, monkeypatch):
             mincore_resident(fd, SIZE, deadline=time.monotonic() - 1)
     finally:
         os.close(fd)
+
+
+# ---- the node's top readers, exactly: a fake /proc listing, stat and io, and a fake monotonic clock -----
+
+class Node:
+    """What NodeReaders reads of the node: /proc's entries, each pid's stat (start time, comm) and
+    /proc/PID/io read_bytes, and the clock (still unless a pid's read moves it: `slow`)."""
+
+    def __init__(self, monkeypatch):
+        self.procs: dict[int, list] = {}  # pid -> [start time, comm, read_bytes or None]
+        self.now, self.slow = 1000.0, {}  # pid -> seconds its read takes
+        monkeypatch.setattr(pagecache, "os", SimpleNamespace(scandir=self._scandir))
+        monkeypatch.setattr(pagecache, "read_stat", self._stat)
+        monkeypatch.setattr(pagecache, "_read_bytes", self._read_bytes)
+        monkeypatch.setattr(pagecache, "time", SimpleNamespace(monotonic=lambda: self.now, time=lambda: 1.7e9))
+
+    def _scandir(self, path):
+        assert path == "/proc"
+        return [SimpleNamespace(name=n) for n in ("self", *map(str, self.procs), "sys", "thread-self")]
+
+    def _stat(self, pid, proc="/proc"):
+        p = self.procs.get(pid)
+        return None if p is None or p[0] is None else ProcStat(p[1], "S", 0, p[0])
+
+    def _read_bytes(self, pid):
+        self.now += self.slow.get(pid, 0.0)
+        p = self.procs.get(pid)
+        return None if p is None else p[2]
+
+    def read(self, **by_pid):
+        for pid, n in by_pid.items():
+            self.procs[int(pid[1:])][2] += n
+
+
+def rates(readers):
+    return [(r.pid, r.comm, r.rate) for r in readers.sample()]
+
+
+def test_node_readers_sort_and_cut_with_more_readers_than_the_cut(monkeypatch):
+    node = Node(monkeypatch)
+    node.procs = {pid: [pid * 10, f"job {pid}", 1000] for pid in range(101, 109)}
+    node.procs[109] = [1090, "no io", None]  # /proc/PID/io unreadable: not a reader
+    node.procs[110] = [None, "no stat", 0]  # exited between the listing and its stat
+    readers = NodeReaders()
+    assert rates(readers) == []  # every pid is new: no rate yet
+    node.now += 2.0
+    node.read(p101=10, p102=70, p103=30, p104=0, p105=50, p106=90, p107=20, p108=60)
+    assert rates(readers) == [(106, "job_106", 45.0), (102, "job_102", 35.0), (108, "job_108", 30.0),
+                              (105, "job_105", 25.0), (103, "job_103", 15.0)]  # five of seven, busiest first
+    node.now += 4.0
+    node.read(p101=2, p103=1)
+    node.procs[102][2] -= 500  # read_bytes went down (another process's counter): no rate
+    readers.top = 10
+    assert rates(readers) == [(101, "job_101", 0.5), (103, "job_103", 0.25)]  # below one byte a second too
+    node.now += 1.0
+    node.read(p102=100)
+    assert rates(readers) == [(102, "job_102", 100.0)]  # from where it went down to
+
+
+def test_node_readers_no_rate_across_a_reused_pid(monkeypatch):
+    node = Node(monkeypatch)
+    node.procs = {201: [50, "old", 1 << 30], 202: [60, "other", 0]}
+    readers = NodeReaders()
+    rates(readers)
+    node.now += 1.0
+    node.procs[201] = [70, "new", 1 << 20]  # the pid names another process, which has read less so far
+    node.read(p202=8)
+    assert rates(readers) == [(202, "other", 8.0)]
+    node.procs[201] = [70, "new", 3 << 20]
+    node.now += 2.0
+    node.read(p202=8)
+    assert rates(readers) == [(201, "new", float(1 << 20)), (202, "other", 4.0)]  # from its own first read
+    node.procs[201] = [71, "newer", 1 << 40]  # reused again, and far ahead: still no rate
+    node.now += 1.0
+    assert rates(readers) == []
+
+
+def test_node_readers_pass_budget_and_bound_keep_what_was_not_reached(monkeypatch):
+    node = Node(monkeypatch)
+    node.procs = {pid: [pid, "r", 0] for pid in (301, 302, 303, 304)}
+    readers = NodeReaders(budget_s=0.5)
+    rates(readers)
+    assert sorted(readers._last) == [301, 302, 303, 304]
+    node.slow = {302: 0.5, 303: 0.25}  # the pass is at its budget after 302 (303 still read), past it after 303
+    node.now += 1.0
+    node.read(p301=100, p302=100, p303=100, p304=100)
+    assert rates(readers) == [(301, "r", 100.0), (302, "r", 100 / 1.5), (303, "r", 100 / 1.75)]
+    assert readers._last[304] == (304, 0, 1000.0)  # not reached: kept as it was
+    node.slow = {}
+    node.now += 1.0
+    assert rates(readers) == [(304, "r", 100 / 2.75)]
+    del node.procs[304]  # exited: a complete pass forgets it
+    rates(readers)
+    assert sorted(readers._last) == [301, 302, 303]
+    readers.max_procs = 3  # as many entries as the bound: complete
+    node.procs[305] = [305, "r", 0]
+    rates(readers)
+    assert sorted(readers._last) == [301, 302, 303]  # 305 not reached; nothing gone to keep
+    readers.max_procs = 1  # incomplete: what was not reached is kept, up to twice the bound in all
+    rates(readers)
+    assert sorted(readers._last) == [301, 302]
+
+
+def test_node_readers_as_samples(monkeypatch):
+    node = Node(monkeypatch)
+    node.procs = {401: [1, "loader", 0]}
+    probe = PageCacheProbe(lambda: {}, 64 * MiB)
+    assert probe.collect() == []
+    node.now += 2.0
+    node.read(p401=6)
+    assert probe.collect() == [pagecache.Sample("gpuwatch.node.process.disk.read.rate", 3.0, "",
+                                                {"pid": "401", "process": "loader"}, 1.7e9)]
+
+
+def test_read_bytes_of_a_real_process():
+    p = _child("print('ready',flush=True)\n__import__('time').sleep(600)\n")
+    try:
+        with open(f"/proc/{p.pid}/io") as f:
+            want = next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+        assert pagecache._read_bytes(p.pid) == want
+    finally:
+        _stop(p)
+    assert pagecache._read_bytes(p.pid) is None  # reaped: no such file
