@@ -2,11 +2,13 @@
 evicted mmapped file, one in a CPU-quota cgroup, one that exits mid-way, a reused pid."""
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from gpuwatch.probes.process import host
@@ -191,9 +193,11 @@ def test_a_cpu_quota_shows_as_throttled_time_and_periods():
     d, procs = made
     p = spawn(BURN_THREAD)
     try:
+        joined = time.monotonic()
         with open(procs, "w") as f:
             f.write(str(p.pid))
         out = two_reads(HostProcessProbe(lambda: {p.pid: "trainer"}), wait=1.5)
+        inside = time.monotonic() - joined
     finally:
         p.kill()
         p.wait()
@@ -202,6 +206,8 @@ def test_a_cpu_quota_shows_as_throttled_time_and_periods():
     (throttled,) = by(out, "gpuwatch.process.cgroup.cpu.throttled.time")
     (periods,) = by(out, "gpuwatch.process.cgroup.cpu.throttled.periods")
     assert throttled.value > 0.5 and periods.value >= 5  # 90 % of each 100 ms period throttled
+    # in seconds (the kernel's µs or ns converted): at most the time it spent in the cgroup, one period a 100 ms
+    assert throttled.value <= inside and periods.value <= inside / 0.1 + 1
     (cpu,) = by(out, "gpuwatch.process.cpu.utilization")
     assert cpu.value <= 0.3  # the quota held it to ~10 %
 
@@ -244,7 +250,8 @@ class Tree:
             d = self.dir / "task" / str(self.pid + i)
             d.mkdir(exist_ok=True)
             state = states[i] if i < len(states) else "S"
-            (d / "stat").write_text(self.stat_line(self.pid + i, f"worker {i}", state=state, utime=t))
+            (d / "stat").write_text(self.stat_line(self.pid + i, f"worker {i}", state=state, utime=t - t // 2,
+                                                   stime=t // 2))
 
     def cgroup(self, text):
         (self.dir / "cgroup").write_text(text)
@@ -386,12 +393,13 @@ def test_cgroup_v1_cpu_controller_on_a_hybrid_host(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("listed, mounted", [("cpu,cpuacct", "cpu"), ("cpuacct,cpu", "cpu"),
-                                             ("cpu", "cpu,cpuacct"), ("cpuacct,cpu", "cpu,cpuacct")])
+                                             ("cpu,cpuacct", "cpu,cpuacct"), ("cpu", "cpu")])
 def test_cgroup_v1_cpu_controller_wherever_it_is_mounted(tmp_path, listed, mounted):
     proc, root = tmp_path / "proc", tmp_path / "cg"
     (proc / "7").mkdir(parents=True)
-    (proc / "7" / "cgroup").write_text(f"3:cpuset:/a\n5:{listed}:/job\nbad line\n")
+    (proc / "7" / "cgroup").write_text(f"bad line\n3:cpuset:/a\n5:{listed}:/job\n")
     (root / mounted / "job").mkdir(parents=True)
+    (root / "cpu" / "job").mkdir(parents=True, exist_ok=True)  # "cpu" is often a link to "cpu,cpuacct"
     (root / "cpuset" / "a").mkdir(parents=True)
     assert cgroup_dirs(7, str(proc), str(root)) == ("", str(root / mounted / "job"))
 
@@ -407,3 +415,97 @@ def test_only_the_first_processes_given_are_read(tree, monkeypatch):
     monkeypatch.setattr(probe, "MAX_PROCESSES", 2)
     assert {s.labels["pid"] for s in probe.collect()} == {str(tree.pid), str(other)}
     assert set(probe._state) == {tree.pid, other}
+
+
+def test_every_series_with_its_labels_and_psutil_values(tree, monkeypatch, caplog):
+    me = psutil.Process(tree.pid)
+    cpu, ctx, io = me.cpu_times(), me.num_ctx_switches(), me.io_counters()
+    probe = HostProcessProbe(lambda: {tree.pid: ""}, proc=str(tree.proc), cgroup_root=str(tree.cg))
+    assert (probe.interval, HostProcessProbe(dict).proc, HostProcessProbe(dict).cgroup_root) == (
+        5.0, "/proc", "/sys/fs/cgroup")
+    out = probe.collect()
+    cpu2, ctx2, io2 = me.cpu_times(), me.num_ctx_switches(), me.io_counters()
+    assert {(s.metric, tuple(sorted(s.labels.items()))) for s in out} == {
+        (m, tuple(sorted({"pid": str(tree.pid), "process": "unknown", **extra}.items()))) for m, extra in (
+            ("gpuwatch.process.cpu.time", {"mode": "user"}), ("gpuwatch.process.cpu.time", {"mode": "system"}),
+            ("gpuwatch.process.memory.rss", {}), ("gpuwatch.process.memory.swap", {}),
+            ("gpuwatch.process.context_switches", {"type": "voluntary"}),
+            ("gpuwatch.process.context_switches", {"type": "involuntary"}),
+            ("gpuwatch.process.disk.io", {"direction": "read"}), ("gpuwatch.process.disk.io", {"direction": "write"}),
+            ("gpuwatch.process.paging.faults", {"type": "major"}), ("gpuwatch.process.paging.faults", {"type": "minor"}),
+            ("gpuwatch.process.threads.blocked", {}), ("gpuwatch.process.cgroup.cpu.throttled.time", {}),
+            ("gpuwatch.process.cgroup.cpu.throttled.periods", {}),
+            *(("gpuwatch.process.cgroup.pressure.stall.time", {"resource": r, "scope": sc})
+              for r in ("cpu", "io") for sc in ("some", "full")))}
+    assert len(out) == 17  # one sample each
+    assert cpu.user <= value(out, "gpuwatch.process.cpu.time", mode="user") <= cpu2.user
+    assert cpu.system <= value(out, "gpuwatch.process.cpu.time", mode="system") <= cpu2.system
+    assert ctx.voluntary <= value(out, "gpuwatch.process.context_switches", type="voluntary") <= ctx2.voluntary
+    assert ctx.involuntary <= value(out, "gpuwatch.process.context_switches", type="involuntary") <= ctx2.involuntary
+    assert io.read_bytes <= value(out, "gpuwatch.process.disk.io", direction="read") <= io2.read_bytes
+    assert io.write_bytes <= value(out, "gpuwatch.process.disk.io", direction="write") <= io2.write_bytes
+    assert value(out, "gpuwatch.process.memory.rss") > 1 << 20
+    # /proc/PID/io refused (another user's process without root): no I/O series, said once
+    monkeypatch.setattr(psutil.Process, "io_counters", lambda self: (_ for _ in ()).throw(psutil.AccessDenied()))
+    with caplog.at_level(logging.WARNING, logger=host.__name__):
+        for _ in range(2):
+            out = probe.collect()
+            assert not by(out, "gpuwatch.process.disk.io") and by(out, "gpuwatch.process.cpu.time")
+    assert [r.getMessage() for r in caplog.records] == [
+        "cannot read the I/O counters of GPU processes (/proc/PID/io needs root or the same user): "
+        "gpuwatch_process_disk_io_bytes_total is left out"]
+
+
+def test_idle_is_a_rate_of_zero_and_a_thread_gone_mid_read_is_skipped(tree, caplog):
+    probe = tree.probe()
+    probe.collect()
+    tree.now[0] += 1.0
+    for tid in (1, 2, 3):  # listed, but ended before their stat was read
+        (tree.dir / "task" / str(tree.pid + 100 + tid)).mkdir()
+    tree.threads([10, 10, 10, 10, 12], states="DSSSD")
+    out = probe.collect()
+    assert value(out, "gpuwatch.process.cpu.utilization") == 0.0  # no tick since: idle, not unknown
+    assert value(out, "gpuwatch.process.threads.blocked") == 2
+    assert [s.value for s in by(out, "gpuwatch.process.thread.cpu.utilization")] == [2 / host.TICK, 0.0, 0.0]
+    probe.MAX_THREADS = 7
+    with caplog.at_level(logging.WARNING, logger=host.__name__):
+        probe.collect()
+        probe.collect()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"process {tree.pid} has 8 threads: its threads are not read one by one (over 7)"]
+    assert probe._once.said == {f"threads:{tree.pid}"}
+
+
+def test_a_process_gone_mid_read_leaves_no_state(tree, monkeypatch):
+    probe = tree.probe()
+    probe.collect()
+    assert tree.pid in probe._state
+    monkeypatch.setattr(host.psutil, "Process", lambda pid: (_ for _ in ()).throw(psutil.NoSuchProcess(pid)))
+    assert probe.collect() == [] and probe._state == {}
+
+
+def test_files_are_read_bounded_and_undecodable_bytes_do_not_stop_a_read(tree):
+    tree.files("job.slice", cpu_stat="nr_periods 1\n" * 400 + V2_CPU_STAT)  # past MAX_LINE: not seen
+    (tree.dir / "status").write_bytes(b"Name:\t\xff\xfe\nVmSwap:\t 3 kB\n")
+    out = tree.probe().collect()
+    assert not by(out, "gpuwatch.process.cgroup.cpu.throttled.time")
+    assert value(out, "gpuwatch.process.memory.swap") == 3 * 1024
+    assert pressure_totals("some avg10=0.00 total=x5\nfull total=7\n") == {"full": 7e-6}
+
+
+@pytest.mark.parametrize("line, v2", [("0::/job:1", "job:1"), ("0::/a:b:c", "a:b:c")])
+def test_a_cgroup_path_may_hold_colons(tmp_path, line, v2):
+    proc, root = tmp_path / "proc", tmp_path / "cg"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text(line + "\n")
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpu\n")
+    assert cgroup_dirs(7, str(proc), str(root)) == (str(root / v2), "")
+
+
+def test_no_v2_on_a_host_with_cgroup_v1_only(tmp_path):
+    proc, root = tmp_path / "proc", tmp_path / "cg"
+    (proc / "7").mkdir(parents=True)
+    (proc / "7" / "cgroup").write_text("2:cpu,cpuacct:/job\n0::/\n")  # no unified hierarchy mounted
+    (root / "cpu,cpuacct" / "job").mkdir(parents=True)
+    assert cgroup_dirs(7, str(proc), str(root)) == ("", str(root / "cpu,cpuacct" / "job"))
