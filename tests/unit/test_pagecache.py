@@ -2,6 +2,7 @@
 files on a disk-backed file system, real child processes, the real kernel calls."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import subprocess
@@ -456,3 +457,198 @@ def test_read_bytes_of_a_real_process():
     finally:
         _stop(p)
     assert pagecache._read_bytes(p.pid) is None  # reaped: no such file
+
+
+# ---- PageCacheProbe's own logic, exactly: listing, relisting, the budget, its samples and what it says ------
+
+def _file(name, size):
+    return pagecache.OpenFile(f"/data/{name}", size, 1, hash(name) & 0xffff, f"/proc/0/fd/{name}")
+
+
+class Listing:
+    """Two real pids (the ledger reads their users) whose stat start times, large files and residency are fakes."""
+
+    def __init__(self, monkeypatch):
+        self.a, self.b = os.getpid(), os.getppid()
+        self.start = {self.a: 10, self.b: 20}
+        self.files = {self.a: [_file("a1", 100 * MiB), _file("a2", 80 * MiB)], self.b: [_file("b1", 90 * MiB)]}
+        self.listed: list[int] = []
+        self.deadlines: list[float] = []
+        self.now, self.tick = 50.0, {}  # file name -> seconds its residency takes
+        self.resident = {}  # file name -> (resident, evicted, size) or None
+        monkeypatch.setattr(pagecache, "read_stat", lambda pid, proc="/proc": ProcStat(
+            "x", "Z" if self.start.get(pid) is None else "S", 0, self.start.get(pid) or 0))
+        monkeypatch.setattr(pagecache, "large_files", self._large_files)
+        monkeypatch.setattr(pagecache, "time", SimpleNamespace(monotonic=lambda: self.now, time=lambda: 1.7e9))
+
+    def _large_files(self, pid, min_bytes, limit):
+        assert (min_bytes, limit) == (64 * MiB, PageCacheProbe.MAX_FILES)
+        self.listed.append(pid)
+        if isinstance(self.files[pid], Exception):
+            raise self.files[pid]
+        return list(self.files[pid])
+
+    def probe(self, procs=None):
+        probe = PageCacheProbe(lambda: dict(procs or {self.a: "trainer", self.b: "loader"}), 64 * MiB)
+        probe.readers.sample = lambda: []
+
+        def residency(f, deadline):
+            self.deadlines.append(deadline)
+            self.now += self.tick.get(f.path, 0.0)
+            return self.resident.get(f.path, (f.size // 2, None, f.size))
+        probe._residency = residency
+        return probe
+
+
+def test_probe_samples_exactly(monkeypatch):
+    ls = Listing(monkeypatch)
+    ls.resident = {"/data/a1": (60 * MiB, 5 * MiB, 100 * MiB), "/data/a2": None,  # gone since listed
+                   "/data/b1": (95 * MiB, None, 90 * MiB)}  # more than the file (it shrank): at most its size
+    out = ls.probe().collect()
+    a, b = {"pid": str(ls.a), "process": "trainer"}, {"pid": str(ls.b), "process": "loader"}
+    want = [("gpuwatch.process.file.size", 100 * MiB, dict(a, file="/data/a1")),
+            ("gpuwatch.process.file.cache.resident", 60 * MiB, dict(a, file="/data/a1")),
+            ("gpuwatch.process.file.cache.evicted", 5 * MiB, dict(a, file="/data/a1")),
+            ("gpuwatch.process.file.size", 90 * MiB, dict(b, file="/data/b1")),
+            ("gpuwatch.process.file.cache.resident", 90 * MiB, dict(b, file="/data/b1"))]
+    if ls.b < ls.a:  # pids in order
+        want = want[3:] + want[:3]
+    assert out == [pagecache.Sample(m, float(v), "", labels, 1.7e9) for m, v, labels in want]
+    assert ls.deadlines == [50.0 + PageCacheProbe.BUDGET_S] * 3  # the collection's start and its budget
+
+
+def test_probe_lists_a_process_once_a_minute_and_afresh_when_its_pid_is_reused(monkeypatch):
+    ls = Listing(monkeypatch)
+    probe = ls.probe({ls.a: "trainer"})
+    probe.collect()
+    ls.now += PageCacheProbe.RELIST_S - 1
+    probe.collect()
+    assert ls.listed == [ls.a] and probe._followed.held(ls.a) == 2
+    ls.now += 1  # a minute since it was listed
+    probe.collect()
+    assert ls.listed == [ls.a] * 2
+    ls.start[ls.a] = 11  # another process under the pid: listed again now
+    ls.files[ls.a] = [_file("new", 70 * MiB)]
+    out = probe.collect()
+    assert ls.listed == [ls.a] * 3 and probe._followed.held(ls.a) == 1
+    assert {s.labels["file"] for s in out} == {"/data/new"}
+    ls.start[ls.a] = None  # exited (a zombie): nothing, and nothing held
+    assert probe.collect() == [] and probe._followed.held(ls.a) == 0 and probe._files == {}
+
+
+def test_probe_forgets_processes_no_longer_given_and_charges_the_files_budget(monkeypatch):
+    ls = Listing(monkeypatch)
+    given = {ls.a: "trainer", ls.b: "loader"}
+    probe = ls.probe(given)
+    probe.collect()
+    assert (probe._followed.held(ls.a), probe._followed.held(ls.b)) == (2, 1)
+    del given[ls.b]
+    probe.collect()
+    assert set(probe._files) == {ls.a} and probe._followed.held(ls.b) == 0 and probe._followed.held(ls.a) == 2
+    probe.MAX_PROCESSES = 0
+    assert probe.collect() == [] and probe._files == {} and probe._followed.held(ls.a) == 0
+
+
+def test_probe_says_once_what_it_cannot_do(monkeypatch, caplog):
+    ls = Listing(monkeypatch)
+    ls.files[ls.a] = PermissionError(1, "Operation not permitted")
+    calls = [0]
+
+    def processes():
+        calls[0] += 1
+        if calls[0] > 1:
+            raise RuntimeError("no snapshot yet")
+        return {ls.a: "trainer", ls.b: "loader"}
+    probe = ls.probe()
+    probe.processes = processes
+    probe.readers.sample = lambda: [pagecache.Reader(7, "dd", 2.0)]
+    with caplog.at_level(logging.INFO, logger=pagecache.__name__):
+        out = probe.collect()
+        assert {s.labels["pid"] for s in out} == {str(ls.b), "7"}  # a's files cannot be checked: none shown
+        for _ in range(2):
+            assert [s.labels["pid"] for s in probe.collect()] == ["7"]  # no processes: the readers still
+    assert [r.getMessage() for r in caplog.records] == [
+        "page cache: no file is shown: cannot check what a process's user may read: [Errno 1] Operation not "
+        "permitted (said once)", "page cache: no list of GPU processes: no snapshot yet (said once)"]
+
+
+def test_probe_stops_at_its_budget_and_says_so_once(monkeypatch, caplog):
+    ls = Listing(monkeypatch)
+    probe = ls.probe({ls.a: "trainer"})
+    probe.readers.sample = lambda: [pagecache.Reader(7, "dd", 2.0)]
+    ls.tick = {"/data/a1": PageCacheProbe.BUDGET_S}  # exactly the budget: a2 is still measured
+    with caplog.at_level(logging.WARNING, logger=pagecache.__name__):
+        out = probe.collect()
+        assert [(s.metric, s.labels.get("file")) for s in out][-2:] == [
+            ("gpuwatch.process.file.cache.resident", "/data/a2"), ("gpuwatch.node.process.disk.read.rate", None)]
+        ls.tick = {"/data/a1": PageCacheProbe.BUDGET_S + 0.5}  # past it: a2 waits for the next collection
+        for _ in range(2):
+            out = probe.collect()
+            assert [s.labels.get("file") for s in out] == ["/data/a1", "/data/a1", None]
+            assert out[-1] == pagecache.Sample("gpuwatch.node.process.disk.read.rate", 2.0, "",
+                                               {"pid": "7", "process": "dd"}, 1.7e9)
+    assert [r.getMessage() for r in caplog.records] == [
+        "page cache: a collection ran past 2.0 s; the rest waits (said once)"]
+
+
+def test_residency_from_cachestat_then_mincore_and_its_failures(big, monkeypatch, caplog):
+    fd = os.open(big, os.O_RDONLY)
+    st = os.fstat(fd)
+    os.close(fd)
+    listed = pagecache.OpenFile(big, SIZE, st.st_dev, st.st_ino, big)
+    probe = PageCacheProbe(dict, 64 * MiB)
+    calls = []
+
+    def fake_cachestat(fd, offset=0, length=0):
+        calls.append(fd)
+        return CacheStat(3, 0, 0, 2, 1) if len(calls) == 1 else None
+    monkeypatch.setattr(pagecache, "cachestat", fake_cachestat)
+    assert probe._residency(listed, time.monotonic() + 60) == (3 * PAGE, 2 * PAGE, SIZE)  # pages to bytes
+    with caplog.at_level(logging.INFO, logger=pagecache.__name__):
+        resident, evicted, size = probe._residency(listed, time.monotonic() + 60)  # ENOSYS: mincore from now on
+        assert evicted is None and size == SIZE and 0 <= resident <= SIZE
+        probe._residency(listed, time.monotonic() + 60)
+        assert len(calls) == 2 and probe._cachestat is False
+        assert probe._residency(listed, time.monotonic() - 1) is None  # mincore past the deadline
+        assert probe._residency(listed, time.monotonic() - 1) is None
+        moved = pagecache.OpenFile(big, SIZE, st.st_dev, st.st_ino + 1, big)  # another file at the handle now
+        assert probe._residency(moved, time.monotonic() + 60) is None
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "cachestat(2) is not in this kernel (before Linux 6.5): page-cache residency from mincore(2)"),
+        ("WARNING", f"page-cache residency of {big}: [Errno {errno.ETIMEDOUT}] mincore(2) ran past the collection's "
+                    "budget (said once)")]
+
+
+def test_mapped_files_handles_and_fds_opened_for_reading(big, disk_dir, monkeypatch):
+    """/proc/PID/maps of a real process: one entry per mapped file (by inode), opened through map_files,
+    or through the process's root without map_files (no CAP_SYS_ADMIN), "(deleted)" dropped there."""
+    gone = _write(os.path.join(disk_dir, "gone.bin"), 4 * MiB)
+    twice = ("import mmap,sys\nms=[]\nfor p in sys.argv[1:]:\n f=open(p,'rb')\n"
+             " ms+=[mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ), mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ)]\n"
+             "w=open(sys.argv[1],'ab')\nq=__import__('os').open(sys.argv[1],__import__('os').O_PATH)\n"
+             "print('ready',flush=True)\n__import__('time').sleep(600)\n")
+    p = _child(twice, big, gone)
+    os.unlink(gone)
+    try:
+        with open(f"/proc/{p.pid}/maps") as f:
+            first = {}
+            for line in f:
+                if line.split()[5:] in ([big], [gone, "(deleted)"]):
+                    first.setdefault(line.split()[5], line.split()[0])  # the first of its two mappings
+        mine = sorted((path, h) for h, path in pagecache._mapped_files(p.pid) if path.startswith(disk_dir))
+        assert mine == [(big, f"/proc/{p.pid}/map_files/{first[big]}"),
+                        (gone + " (deleted)", f"/proc/{p.pid}/map_files/{first[gone]}")]
+        real_exists = os.path.exists
+        monkeypatch.setattr(pagecache.os.path, "exists", lambda x: "/map_files/" not in x and real_exists(x))
+        assert sorted(h for h, path in pagecache._mapped_files(p.pid) if path.startswith(disk_dir)) == [
+            f"/proc/{p.pid}/root{big}", f"/proc/{p.pid}/root{gone}"]
+        monkeypatch.undo()
+        # of its fds on big: mmap's two duplicates (read-only) are for reading; the write-only and O_PATH ones not
+        assert sorted(pagecache._opened_for_reading(h) for h, path in pagecache._fd_files(p.pid) if path == big) == [
+            False, False, True, True]
+        with open(big, "rb") as rd, open(big, "r+b") as rw:
+            assert pagecache._opened_for_reading(f"/proc/{os.getpid()}/fd/{rd.fileno()}")
+            assert pagecache._opened_for_reading(f"/proc/{os.getpid()}/fd/{rw.fileno()}")
+    finally:
+        _stop(p)
+    assert list(pagecache._mapped_files(p.pid)) == [] and list(pagecache._fd_files(p.pid)) == []
