@@ -392,14 +392,16 @@ def test_cgroup_v1_cpu_controller_on_a_hybrid_host(tmp_path, monkeypatch):
     assert cgroup_dirs(t.pid, str(t.proc), str(t.cg)) == (str(t.cg / "unified/job"), str(t.cg / "cpu,cpuacct/job"))
 
 
-@pytest.mark.parametrize("listed, mounted", [("cpu,cpuacct", "cpu"), ("cpuacct,cpu", "cpu"),
-                                             ("cpu,cpuacct", "cpu,cpuacct"), ("cpu", "cpu")])
-def test_cgroup_v1_cpu_controller_wherever_it_is_mounted(tmp_path, listed, mounted):
+@pytest.mark.parametrize("listed, mounted, also", [("cpu,cpuacct", "cpu", ""), ("cpuacct,cpu", "cpu", ""),
+                                                   ("cpu,cpuacct", "cpu,cpuacct", "cpu"), ("cpu", "cpu", ""),
+                                                   ("cpuacct,cpu", "cpu,cpuacct", "")])
+def test_cgroup_v1_cpu_controller_wherever_it_is_mounted(tmp_path, listed, mounted, also):
     proc, root = tmp_path / "proc", tmp_path / "cg"
     (proc / "7").mkdir(parents=True)
     (proc / "7" / "cgroup").write_text(f"bad line\n3:cpuset:/a\n5:{listed}:/job\n")
     (root / mounted / "job").mkdir(parents=True)
-    (root / "cpu" / "job").mkdir(parents=True, exist_ok=True)  # "cpu" is often a link to "cpu,cpuacct"
+    if also:  # "cpu" is often a link to "cpu,cpuacct": the name listed comes first
+        (root / also / "job").mkdir(parents=True)
     (root / "cpuset" / "a").mkdir(parents=True)
     assert cgroup_dirs(7, str(proc), str(root)) == ("", str(root / mounted / "job"))
 
@@ -482,6 +484,7 @@ def test_a_process_gone_mid_read_leaves_no_state(tree, monkeypatch):
     assert tree.pid in probe._state
     monkeypatch.setattr(host.psutil, "Process", lambda pid: (_ for _ in ()).throw(psutil.NoSuchProcess(pid)))
     assert probe.collect() == [] and probe._state == {}
+    assert tree.probe().collect() == []  # gone at its first read: nothing to forget either
 
 
 def test_files_are_read_bounded_and_undecodable_bytes_do_not_stop_a_read(tree):
