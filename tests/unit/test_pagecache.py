@@ -425,10 +425,10 @@ def test_node_readers_pass_budget_and_bound_keep_what_was_not_reached(monkeypatc
     node.slow = {}
     node.now += 1.0
     assert rates(readers) == [(304, "r", 100 / 2.75)]
-    del node.procs[304]  # exited: a complete pass forgets it
+    readers.max_procs = 3  # as many entries as the bound: a complete pass, which forgets what exited
+    del node.procs[304]
     rates(readers)
     assert sorted(readers._last) == [301, 302, 303]
-    readers.max_procs = 3  # as many entries as the bound: complete
     node.procs[305] = [305, "r", 0]
     rates(readers)
     assert sorted(readers._last) == [301, 302, 303]  # 305 not reached; nothing gone to keep
@@ -502,13 +502,14 @@ class Listing:
 
 def test_probe_samples_exactly(monkeypatch):
     ls = Listing(monkeypatch)
-    ls.resident = {"/data/a1": (60 * MiB, 5 * MiB, 100 * MiB), "/data/a2": None,  # gone since listed
+    ls.resident = {"/data/a1": None,  # gone since listed
+                   "/data/a2": (60 * MiB, 5 * MiB, 80 * MiB),
                    "/data/b1": (95 * MiB, None, 90 * MiB)}  # more than the file (it shrank): at most its size
     out = ls.probe().collect()
     a, b = {"pid": str(ls.a), "process": "trainer"}, {"pid": str(ls.b), "process": "loader"}
-    want = [("gpuwatch.process.file.size", 100 * MiB, dict(a, file="/data/a1")),
-            ("gpuwatch.process.file.cache.resident", 60 * MiB, dict(a, file="/data/a1")),
-            ("gpuwatch.process.file.cache.evicted", 5 * MiB, dict(a, file="/data/a1")),
+    want = [("gpuwatch.process.file.size", 80 * MiB, dict(a, file="/data/a2")),
+            ("gpuwatch.process.file.cache.resident", 60 * MiB, dict(a, file="/data/a2")),
+            ("gpuwatch.process.file.cache.evicted", 5 * MiB, dict(a, file="/data/a2")),
             ("gpuwatch.process.file.size", 90 * MiB, dict(b, file="/data/b1")),
             ("gpuwatch.process.file.cache.resident", 90 * MiB, dict(b, file="/data/b1"))]
     if ls.b < ls.a:  # pids in order
@@ -538,6 +539,9 @@ def test_probe_lists_a_process_once_a_minute_and_afresh_when_its_pid_is_reused(m
 
 def test_probe_forgets_processes_no_longer_given_and_charges_the_files_budget(monkeypatch):
     ls = Listing(monkeypatch)
+    ls.start[ls.b] = None  # a zombie when first seen: nothing listed, nothing to forget
+    assert {s.labels["pid"] for s in ls.probe().collect()} == {str(ls.a)} and ls.listed == [ls.a]
+    ls.start[ls.b] = 20
     given = {ls.a: "trainer", ls.b: "loader"}
     probe = ls.probe(given)
     probe.collect()
@@ -652,3 +656,80 @@ def test_mapped_files_handles_and_fds_opened_for_reading(big, disk_dir, monkeypa
     finally:
         _stop(p)
     assert list(pagecache._mapped_files(p.pid)) == [] and list(pagecache._fd_files(p.pid)) == []
+
+
+def test_cachestat_fields_and_errors(big):
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        cs = cachestat(fd)
+        if tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2]) >= (6, 5):
+            assert cs is not None  # the kernel has it: not the fallback
+        if cs is not None:
+            assert all(isinstance(getattr(cs, n), int) for n in ("cache", "dirty", "writeback", "evicted",
+                                                                  "recently_evicted"))
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as e:
+        cachestat(fd)  # closed
+    assert (e.value.errno, e.value.strerror) == (errno.EBADF, os.strerror(errno.EBADF)) or cs is None
+
+
+def test_mincore_exact_count_errors_and_an_empty_file(big, disk_dir, monkeypatch):
+    _read(big, SIZE)
+    fd = os.open(big, os.O_RDONLY)
+    try:
+        monkeypatch.setattr(pagecache, "_WINDOW", 64 * MiB)
+        # 96 MiB: a full window then a shorter one, whose vector still holds the first window's bytes
+        assert mincore_resident(fd, 96 * MiB) >= 96 * MiB // PAGE - 16
+        assert mincore_resident(fd, 96 * MiB) <= 96 * MiB // PAGE
+        assert mincore_resident(fd, 0) == 0
+    finally:
+        os.close(fd)
+    wfd = os.open(big, os.O_WRONLY)  # a shared read mapping of a write-only fd: EACCES
+    try:
+        with pytest.raises(OSError) as e:
+            mincore_resident(wfd, SIZE)
+        assert (e.value.errno, e.value.strerror) == (errno.EACCES, os.strerror(errno.EACCES))
+    finally:
+        os.close(wfd)
+
+
+def test_open_file_is_that_file_without_atime_or_says_not_the_file_listed(big):
+    st = os.stat(big)
+    fd = open_file(pagecache.OpenFile(big, SIZE, st.st_dev, st.st_ino, big))
+    try:
+        import fcntl
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_NOATIME  # root may: reading does not touch its atime
+    finally:
+        os.close(fd)
+    with pytest.raises(FileNotFoundError) as e:
+        open_file(pagecache.OpenFile(big, SIZE, st.st_dev, st.st_ino + 1, big))
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (errno.ENOENT, "not the file listed", big)
+
+
+def test_fds_bounded_links_once_write_only_fds_skipped_and_the_default_limit(big, disk_dir, monkeypatch):
+    small = [_write(os.path.join(disk_dir, f"s{i}.bin"), MiB) for i in range(9)]
+    link = os.path.join(disk_dir, "big-link.bin")
+    os.link(big, link)
+    code = ("import mmap,os,sys\nw=os.open(sys.argv[1],os.O_WRONLY)\nfs=[open(p,'rb') for p in sys.argv[2:]]\n"
+            "ms=[mmap.mmap(f.fileno(),0,prot=mmap.PROT_READ) for f in fs[:2]]\n"
+            "print('ready',flush=True)\n__import__('time').sleep(600)\n")
+    p = _child(code, small[0], big, link, *small[1:])  # w on s0 comes first: not for reading, the rest are
+    try:
+        files = [f.path for f in large_files(p.pid, MiB, limit=20) if f.path.startswith(disk_dir)]
+        assert sorted(files) == sorted([big] + small[1:]) or sorted(files) == sorted([link] + small[1:])
+        assert len([h for h, path in pagecache._mapped_files(p.pid) if path in (big, link)]) == 1  # one inode
+        assert len(large_files(p.pid, 0)) == 8  # the default limit (the interpreter maps more than that)
+        assert [f.path for f in large_files(p.pid, SIZE)] in ([big], [link])  # exactly min_bytes is large
+        assert pagecache._opened_for_reading(f"/proc/{p.pid}/fd/999999") is False  # no such fd
+        monkeypatch.setattr(pagecache, "_MAX_FDS", 2)
+        assert len(list(pagecache._fd_files(p.pid))) == 2
+    finally:
+        _stop(p)
+        for f in (*small, link):
+            os.unlink(f)
+
+
+def test_node_readers_defaults():
+    r = NodeReaders()
+    assert (r.top, r.max_procs, r.budget_s) == (5, pagecache._MAX_PROCS, 0.5)
