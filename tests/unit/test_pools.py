@@ -187,3 +187,12 @@ def test_mappings_that_are_not_code_or_not_files_and_a_bad_line(tmp_path):
     assert m.rows == [(0x73_0000_0000, 0x73_1000_0000, f"{SITE}/torch/lib/libc10_cuda.so")]  # what came before it
     assert m.paths == {f"{SITE}/torch/lib/libc10_cuda.so"} and m.read_at == 5.0
     assert m.path(0x73_0FFF_FFFF) == f"{SITE}/torch/lib/libc10_cuda.so" and m.path(0x72_FFFF_FFFF) is None
+
+
+def test_defaults_bare_names_and_names_of_several_globs():
+    assert pool_table() == POOLS and Classifier()._proc == "/proc" and Classifier().names == pools.names()
+    assert POOLS[0].matches("libc10_cuda.so.1") and not POOLS[1].matches("memory.so")  # a bare name, no folder
+    assert pools.names(pool_table("a.so=n,b*.so=n"))["n"] == "n (a.so, b*.so)"
+    with pytest.raises(ValueError):
+        parse_pool_libraries("libx.so=a=b")  # the name is all after the first "="
+    Classifier().forget([123])  # a process never seen: nothing to forget, no error
