@@ -8,6 +8,7 @@ import threading
 import time
 
 from gpuwatch.agent.api import Event, Probe, Sample
+from gpuwatch.agent.events import EventQueue
 
 
 class ReloadStatus(Probe):
@@ -21,7 +22,7 @@ class ReloadStatus(Probe):
         self.success_ts = time.time()
         self.error = ""
         self.error_ts = 0.0
-        self._events: list[Event] = []
+        self._events = EventQueue(16)
 
     def loaded(self) -> None:
         with self._lock:
@@ -31,10 +32,9 @@ class ReloadStatus(Probe):
         with self._lock:
             repeated = error == self.error  # the same rejection again is said once, as in the log
             self.success, self.error, self.error_ts = False, error, time.time()
-            if not repeated and len(self._events) < 16:
-                self._events.append(Event("config.reload_rejected", self.path,
-                                          {"error": error, "summary": "config reload rejected, keeping the "
-                                                                      "running config"}))
+            if not repeated:
+                self._events.put(Event("config.reload_rejected", self.path,
+                                       {"error": error, "summary": "config reload rejected, keeping the running config"}))
 
     def collect(self) -> list[Sample]:
         with self._lock:
@@ -42,9 +42,7 @@ class ReloadStatus(Probe):
                     Sample("gpuwatch.config.last_reload.success_timestamp", self.success_ts)]
 
     def events(self) -> list[Event]:
-        with self._lock:
-            out, self._events = self._events, []
-        return out
+        return self._events.drain()
 
     def as_dict(self) -> dict:
         with self._lock:

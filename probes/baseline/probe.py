@@ -28,6 +28,7 @@ import time
 from typing import Callable, Sequence
 
 from gpuwatch.agent import own
+from gpuwatch.agent.events import EventQueue
 from gpuwatch.agent.api import Event, Probe, ProbeDisabled, Sample
 from gpuwatch.detectors import health
 from gpuwatch.probes.baseline import missing
@@ -104,7 +105,7 @@ class BaselineProbe(Probe):
         self._lock = threading.Lock()
         self._latest: dict[str, dict] = {}  # GPU UUID -> its latest judged run
         self._counts: dict[tuple[str, str], int] = {}
-        self._events: list[Event] = []
+        self._events = EventQueue(None)  # one a run: no bound
         self._requests: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -158,9 +159,7 @@ class BaselineProbe(Probe):
                     for uuid, run in self._latest.items()}
 
     def events(self) -> list[Event]:
-        with self._lock:
-            ev, self._events = self._events, []
-        return ev
+        return self._events.drain()
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -434,7 +433,7 @@ class BaselineProbe(Probe):
             self.store.record_baseline(uuid, started, run)
         with self._lock:
             self._latest[uuid] = run
-            self._events.append(Event("baseline.run", uuid, {
+            self._events.put(Event("baseline.run", uuid, {
                 "result": result, "gpu_index": run.get("gpu"),
                 "fused_flops_per_second": run["gemm_flops_per_second"]["fused"],
                 "gemm_flop_per_cycle": run.get("gemm_flop_per_cycle"), "check_ok": run["check"]["ok"]}, started))

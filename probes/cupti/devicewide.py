@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
 from gpuwatch.agent import own
 from gpuwatch.agent.api import Event, Probe, ProbeDisabled, ProbeUnavailable, Sample
+from gpuwatch.agent.events import EventQueue
 from gpuwatch.probes.cupti.arbitration import DEFAULT_YIELD_TO, Arbiter, Holder
 from gpuwatch.probes.cupti.sampler import (
     ALL_GROUPS, BUSY_RE, CHECK_GROUPS, EXIT_BUSY, GROUPS, INSTALL_REMEDY, MIN_INTERVAL_MS, cupti_lib_dir,
@@ -209,7 +210,7 @@ class CuptiSamplerProbe(Probe):
         self._latest: dict[tuple[str, str], tuple[float, float, float]] = {}  # (uuid, group) -> value, ts, mono
         self._restarts = dict.fromkeys(RESTART_REASONS, 0)
         self.invalid_lines = 0
-        self._events: collections.deque[Event] = collections.deque(maxlen=256)
+        self._events = EventQueue(256, drop_oldest=True)
         self._hello: dict[str, Any] = {}
         self._unsupported: dict[tuple[int, str], str] = {}  # (device index, group) -> error
         self._supported: dict[tuple[int, str], dict] = {}  # (device index, group) -> last value line
@@ -329,10 +330,7 @@ class CuptiSamplerProbe(Probe):
         return out
 
     def events(self) -> list[Event]:
-        with self._lock:
-            evs = list(self._events)
-            self._events.clear()
-        return evs
+        return self._events.drain()
 
     def shutdown(self) -> None:
         """Stop the child and the supervisor; returns within about a second whatever the child does."""
@@ -377,8 +375,7 @@ class CuptiSamplerProbe(Probe):
             self._write_status()
 
     def _event(self, kind: str, resource: str = "", **attrs) -> None:
-        with self._lock:
-            self._events.append(Event(kind, resource=resource, attrs=attrs))
+        self._events.put(Event(kind, resource=resource, attrs=attrs))
 
     # -- the supervisor thread ------------------------------------------------------------------
     def _supervise(self, env: dict[str, str]) -> None:

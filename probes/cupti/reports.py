@@ -51,6 +51,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from gpuwatch.agent import wire
 from gpuwatch.agent.api import Event, Probe, Sample
+from gpuwatch.agent.events import EventQueue
 from gpuwatch.probes.process.identity import ProcessIdentity, identify
 
 log = logging.getLogger("gpuwatch.cupti")
@@ -218,8 +219,7 @@ class InProcessReports:
         self._logged: set[str] = set()
         # key -> (the highest OOM count seen, monotonic time of its last OOM event): pruned with the reports
         self._ooms: dict[tuple[int, int], tuple[int, float]] = {}
-        self._events: list[Event] = []  # "framework.oom", drained by events()
-        self.events_dropped = 0
+        self.oom_events = EventQueue(MAX_EVENTS)  # "framework.oom"
 
     def _count(self, counter: Counter, cause: str, n: int, what: str) -> None:
         counter[cause] += n
@@ -282,16 +282,13 @@ class InProcessReports:
             self._ooms[key] = (oom.count, last_event)  # the same OOM's retries, or a flood: no event
             return
         self._ooms[key] = (oom.count, now)
-        if len(self._events) >= MAX_EVENTS:
-            self.events_dropped += 1
-            return
         gpu = next((m.uuid for m in (report.memory if report else ()) if m.verified and m.device == oom.device), "")
         if not gpu and oom.device is not None:
             table = self._table(who)
             named = table[oom.device] if oom.device < len(table) else ""
             pids = view.get(named)
             gpu = named if pids is not None and who.pid in pids else ""
-        self._events.append(Event("framework.oom", gpu, {
+        self.oom_events.put(Event("framework.oom", gpu, {
             "pid": str(who.pid), "process": who.comm, "framework": oom.framework, "how": oom.how,
             "device": oom.device, "requested_bytes": oom.requested_bytes}, received))
 
@@ -304,9 +301,7 @@ class InProcessReports:
         return self._tables[key]
 
     def events(self) -> list[Event]:
-        with self._lock:
-            out, self._events = self._events, []
-        return out
+        return self.oom_events.drain()
 
     def watch(self, report: Report, seconds: float = WATCH_SECONDS) -> None:
         with self._lock:
@@ -417,7 +412,7 @@ class InProcessProbe(Probe):
                 for c in REFUSED]
         out += [Sample("gpuwatch.cupti.memory.refused", float(memory_refused.get(c, 0)), "", {"reason": c}, wall)
                 for c in MEMORY_REFUSED]
-        out.append(Sample("gpuwatch.probe.events.dropped", float(self.reports.events_dropped), "",
+        out.append(Sample("gpuwatch.probe.events.dropped", float(self.reports.oom_events.dropped), "",
                           {"probe": self.name}, wall))
         return out
 

@@ -104,6 +104,7 @@ from typing import BinaryIO, Callable, Iterable
 
 from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.api import Event, Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
+from gpuwatch.agent.events import EventQueue
 from gpuwatch.agent.wire import printable
 from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
@@ -261,7 +262,7 @@ class EbpfCudaProbe(Probe):
         self.exact_launch_rate = exact_launch_rate
         self.young_seconds = young_seconds
         self._sampling = _LaunchSampling()
-        self._events: list[Event] = []  # "cuda.oom", drained by events()
+        self._events = EventQueue(MAX_EVENTS)  # "cuda.oom"
         self._oom_seen: dict[tuple[int, str], int] = {}  # (pid, api) -> CUDA_ERROR_OUT_OF_MEMORY calls seen
         self.apis = None if apis is None else tuple(apis)
         self.events_path = events_path
@@ -555,9 +556,7 @@ class EbpfCudaProbe(Probe):
     def events(self) -> list[Event]:
         """"cuda.oom" events since the last call: a process got CUDA_ERROR_OUT_OF_MEMORY from the
         driver (attrs pid, process, api, errors: how many more calls than at the last collection)."""
-        with self._lock:
-            out, self._events = self._events, []
-            return out
+        return self._events.drain()
 
     def _out_of_memory(self, ld: _loader.Loader, wall: float) -> None:
         for (pid, api), by_code in ld.errors().items():
@@ -565,9 +564,8 @@ class EbpfCudaProbe(Probe):
             before = self._oom_seen.get((pid, api), 0)
             if n > before:
                 self._oom_seen[(pid, api)] = n
-                if len(self._events) < MAX_EVENTS:
-                    self._events.append(Event("cuda.oom", "", {"pid": str(pid), "process": self._name(pid), "api": api,
-                                                               "errors": n - before}, wall))
+                self._events.put(Event("cuda.oom", "", {"pid": str(pid), "process": self._name(pid), "api": api,
+                                                        "errors": n - before}, wall))
 
     def _exact_launches(self, ld: _loader.Loader, seconds: float) -> None:
         """Keep the launch probes on for the next `seconds`: a trace through the daemon counts

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from gpuwatch.agent.api import Event, Probe, ProbeUnavailable, Sample
+from gpuwatch.agent.events import EventQueue
 from gpuwatch.probes.nvml.backend import (
     CLOCK_DOMAINS, ECC_COUNTERS, ECC_TYPES, NVLINK_ACTIVE, NVLINK_ERRORS, NVLINK_LINK_ERRORS,
     TEMPERATURE_THRESHOLDS, VIOLATION_POLICIES,
@@ -112,8 +113,7 @@ class NvmlProbe(Probe):
         self._next_static = self._next_slow = 0.0
         # Shared with the XID thread; kept across restarts, like the counters they feed.
         self._lock = threading.Lock()
-        self._events: deque[Event] = deque()
-        self._events_dropped = 0
+        self._events = EventQueue(MAX_QUEUED_EVENTS, drop_oldest=True)
         self._xid_counts: Counter = Counter()
         self._errors: Counter = Counter()
 
@@ -172,10 +172,7 @@ class NvmlProbe(Probe):
         return samples
 
     def events(self) -> list[Event]:
-        with self._lock:
-            drained = list(self._events)
-            self._events.clear()
-        return drained
+        return self._events.drain()
 
     def shutdown(self) -> None:
         watcher, self._watcher = self._watcher, None
@@ -485,18 +482,15 @@ class NvmlProbe(Probe):
             self._errors[name] += 1
 
     def _on_event(self, event: Event) -> None:
-        with self._lock:
-            if len(self._events) >= MAX_QUEUED_EVENTS:
-                self._events.popleft()
-                self._events_dropped += 1
-                log.warning("NVML event queue full: dropped %d events so far", self._events_dropped)
-            self._events.append(event)
+        with self._lock:  # the event and its count together
+            if not self._events.put(event):
+                log.warning("NVML event queue full: dropped %d events so far", self._events.dropped)
             if event.kind == "gpu.xid" and event.resource:
                 self._xid_counts[(event.resource, event.attrs["xid"])] += 1
 
     def _own_counters(self, wall: float) -> list[Sample]:
         with self._lock:
-            errors, xids, dropped = dict(self._errors), dict(self._xid_counts), self._events_dropped
+            errors, xids, dropped = dict(self._errors), dict(self._xid_counts), self._events.dropped
         samples = [Sample("gpuwatch.nvml.call.errors", float(n), "", {"error": name}, wall)
                    for name, n in sorted(errors.items())]
         samples.append(Sample("gpuwatch.probe.events.dropped", float(dropped), "", {"probe": self.name}, wall))

@@ -171,14 +171,14 @@ class HostProcessProbe(Probe):
         state = _State(st.start_time, now, ticks, cgroups=before.cgroups if before else None)
         if before is not None and now > before.at and ticks >= before.ticks:
             add("gpuwatch.process.cpu.utilization", (ticks - before.ticks) / TICK / (now - before.at))
-        self._threads(pid, labels, before, state, add)
+        self._threads(pid, before, state, add)
         if state.cgroups is None:
             state.cgroups = cgroup_dirs(pid, self.proc, self.cgroup_root)
         self._cgroup(*state.cgroups, add)
         self._state[pid] = state
         return out
 
-    def _threads(self, pid: int, labels: dict, before: _State | None, state: _State, add) -> None:
+    def _threads(self, pid: int, before: _State | None, state: _State, add) -> None:
         task = f"{self.proc}/{pid}/task"
         try:
             tids = [int(t) for t in os.listdir(task) if t.isdigit()]

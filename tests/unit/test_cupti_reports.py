@@ -369,10 +369,10 @@ def test_oom_events_are_rate_limited_per_process_and_bounded(monkeypatch):
     now[0] += R.OOM_EVENT_INTERVAL
     s.accept(parsed(oom=dict(OOM, count=50)), pid=7, uid=0)
     assert len(s.events()) == 1
-    monkeypatch.setattr(R, "MAX_EVENTS", 2)
+    monkeypatch.setattr(s.oom_events, "bound", 2)
     for pid in (100, 101, 102):
         s.accept(parsed(oom=OOM), pid=pid, uid=0)
-    assert s.events_dropped == 1 and len(s.events()) == 2
+    assert s.oom_events.dropped == 1 and len(s.events()) == 2
     gauge = {x.labels["probe"]: x.value for x in probe_samples(s) if x.metric == "gpuwatch.probe.events.dropped"}
     assert gauge == {"cupti": 1.0}
 

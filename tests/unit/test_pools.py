@@ -139,3 +139,60 @@ def test_mapping_bounds_and_a_path_with_spaces(tmp_path):
     assert c.pool_of(7, 1, 0, lambda: [0x7000_0000, 0x7400_0010]).allocator == "pytorch"
     assert c.pool_of(7, 2, 0, lambda: [0x7000_0000, 0x1000]).allocator == "pytorch"
     assert c.pool_of(7, 3, 0, lambda: [0x7000_0000, 0x2000]) is None  # a mapping's end is outside it
+
+
+@pytest.mark.parametrize("text, error", [
+    ("libx.so", "'libx.so' has no allocator name: expected GLOB=NAME pairs separated by commas, "
+                "e.g. \"libmypool.so*=mypool\""),
+    (" =mine", "'=mine' has no library glob before \"=\""),
+    ("libx.so=my pool", "'libx.so=my pool': the allocator name 'my pool' may hold only letters, digits and . _ + - "
+                        "(1 to 64 of them)"),
+    ("libx.so=", "'libx.so=': the allocator name '' may hold only letters, digits and . _ + - (1 to 64 of them)"),
+    ("libx.so=" + "a" * 65, f"'libx.so={'a' * 65}': the allocator name '{'a' * 65}' may hold only letters, digits "
+                            "and . _ + - (1 to 64 of them)"),
+    ("libx.so=none", "'libx.so=none': 'none' means outside any allocator; choose another name"),
+    ("*=x", "'*=x': the glob '*' names no library (it would match every file)"),
+    ("*/?*=x", "'*/?*=x': the glob '*/?*' names no library (it would match every file)"),
+    ("libc.so*=x", "'libc.so*=x': the glob 'libc.so*' matches libc.so.6, which every allocation's call stack runs "
+                   "through; name the allocator's own library"),
+    ("lib/libpython3*=x", "'lib/libpython3*=x': the glob 'lib/libpython3*' matches libpython3.12.so.1.0, which every "
+                          "allocation's call stack runs through; name the allocator's own library"),
+    ("libfine.so=ok, libcudart.so.*=rt", "'libcudart.so.*=rt': the glob 'libcudart.so.*' matches libcudart.so.13, "
+                                         "which every allocation's call stack runs through; name the allocator's own "
+                                         "library"),
+])
+def test_a_bad_setting_says_what_is_wrong(text, error):
+    with pytest.raises(ValueError) as e:
+        parse_pool_libraries(text)
+    assert str(e.value) == error
+    with pytest.raises(ValueError):
+        pool_table(text)
+
+
+def test_allocator_names_and_globs_that_are_fine():
+    name = "A-z_0.9+" + "x" * 56  # 64 characters, every kind allowed
+    assert parse_pool_libraries(f",, lib/x.so = {name} ,libcuda_pool.so=p,python3-pool*.so=p") == {
+        name: ("lib/x.so",), "p": ("libcuda_pool.so", "python3-pool*.so")}
+
+
+def test_mappings_that_are_not_code_or_not_files_and_a_bad_line(tmp_path):
+    d = tmp_path / "7"
+    d.mkdir()
+    (d / "maps").write_text(f"7300000000-7310000000 r-xp 00000000 08:01 1234 {SITE}/torch/lib/libc10_cuda.so\n"
+                            "7400000000-7410000000 r-xp 00000000 00:00 0\n"  # anonymous code: no path
+                            f"7500000000-7510000000 r--p 00000000 08:01 1234 {SITE}/cupy/cuda/memory.so\n"
+                            "zz-7610000000 r-xp 00000000 08:01 1234 /lib/after_a_bad_line.so\n"
+                            f"7700000000-7710000000 r-xp 00000000 08:01 1234 {SITE}/librmm/lib64/librmm.so\n")
+    m = pools._Maps(7, str(tmp_path), 5.0)
+    assert m.rows == [(0x73_0000_0000, 0x73_1000_0000, f"{SITE}/torch/lib/libc10_cuda.so")]  # what came before it
+    assert m.paths == {f"{SITE}/torch/lib/libc10_cuda.so"} and m.read_at == 5.0
+    assert m.path(0x73_0FFF_FFFF) == f"{SITE}/torch/lib/libc10_cuda.so" and m.path(0x72_FFFF_FFFF) is None
+
+
+def test_defaults_bare_names_and_names_of_several_globs():
+    assert pool_table() == POOLS and Classifier()._proc == "/proc" and Classifier().names == pools.names()
+    assert POOLS[0].matches("libc10_cuda.so.1") and not POOLS[1].matches("memory.so")  # a bare name, no folder
+    assert pools.names(pool_table("a.so=n,b*.so=n"))["n"] == "n (a.so, b*.so)"
+    with pytest.raises(ValueError):
+        parse_pool_libraries("libx.so=a=b")  # the name is all after the first "="
+    Classifier().forget([123])  # a process never seen: nothing to forget, no error
