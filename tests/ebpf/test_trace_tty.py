@@ -82,16 +82,16 @@ def _start(fake_cuda, drivers, pane, interval: float = 0.2):
 def _screen_fits(p: Pane, pid: int) -> None:
     deadline = time.monotonic() + 10
     while True:  # a refresh with the workload's calls and the kernel named
-        screen = p.lines()
-        if any(line.startswith("add_kernel(float*, int)") for line in screen):
-            break
+        screen, joined = p.lines(), p.lines(joined=True)
+        if p.lines() == screen and any(line.startswith("add_kernel(float*, int)") for line in screen):
+            break  # (the same screen before and after: no refresh came between the two captures)
         assert time.monotonic() < deadline, "\n".join(screen)
         time.sleep(0.1)
     text = "\n".join(screen)
     head = [line for line in screen if line.startswith(f"trace PID {pid} (driver) · ")]
     assert len(head) == 1 and head[0].endswith(" uprobes"), text  # the header, whole, on one line
     # the live view, from its header down (above it: what was printed before, the startup line)
-    view, joined = screen[screen.index(head[0]):], p.lines(joined=True)
+    view = screen[screen.index(head[0]):]
     assert joined[len(joined) - len(view):] == view, text  # no line of it wrapped by the terminal
     assert all(len(line) <= WIDTH for line in view), text
     rows = [line for line in view if line.strip()]
