@@ -254,6 +254,15 @@ def _memory_text(mem: dict, dropped: int) -> str:
             f"{mem.get('frees', 0)} frees · dropped events: {d}")
 
 
+def _live_memory_text(mem: dict, dropped: int) -> str:
+    """The live view's memory line, short enough for 80 columns with seven-digit counts; dropped
+    events only when there are some, and first (the summary at the end always says them)."""
+    d = f"[red]{dropped} events dropped[/red] · " if dropped else ""
+    return (f"device memory: {d}[bold]{fmt_bytes(mem.get('live_bytes', 0))}[/bold] in "
+            f"{mem.get('live_allocations', 0)} live · {mem.get('allocations', 0)} allocations, "
+            f"{mem.get('frees', 0)} frees")
+
+
 def _fit(markup: str, **style) -> Any:
     """One line that never wraps: cut with "…" at the terminal's edge."""
     from rich.text import Text
@@ -324,7 +333,7 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     ks = _kernels(snapshot)
     apis = snapshot.get("apis", {})
     gpu = snapshot.get("gpu")
-    mem_line = _memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0))
+    mem_line = _live_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0))
     # Optional lines, most useful first, each taken only while it fits.
     extra: list[str] = []
     if graphs_text(snapshot.get("graphs")):
@@ -433,3 +442,59 @@ def render_summary(summary: dict):
     if any(a["p50_latency_s"] is not None for a in summary["apis"].values()):
         parts.append(Text(LATENCY_NOTE, style="dim"))
     return Group(*parts)
+
+
+class LiveScreen:
+    """The live view on a terminal, drawn in place: on the alternate screen (what was on the
+    terminal is back when it stops), autowrap and the cursor off, and every frame drawn whole from
+    the top-left corner, each line at its own row (cleared first, cut to the width) and what is
+    below the last line cleared, in one write(). So a frame never scrolls, wraps or lands below
+    the last one, and a terminal slow to read under load gets whole frames, never two mixed.
+    The size is asked again every frame (a resized terminal gets the next frame its size)."""
+
+    START, STOP = "\x1b[?1049h\x1b[?25l\x1b[?7l", "\x1b[?7h\x1b[?25h\x1b[?1049l"
+
+    def __init__(self, console, fd: int) -> None:
+        self.console = console  # its colours and terminal features
+        self.fd = fd
+
+    def size(self) -> tuple[int, int]:
+        """(width, height) of the terminal now."""
+        import os
+        try:
+            size = os.get_terminal_size(self.fd)
+            return size.columns, size.lines
+        except OSError:
+            return self.console.size.width, self.console.size.height
+
+    def _write(self, text: str) -> None:
+        import os
+        data = text.encode("utf-8", "replace")
+        while data:  # one write() for a terminal; the loop only for a short one
+            data = data[os.write(self.fd, data):]
+
+    def start(self) -> None:
+        self._write(self.START)
+
+    def stop(self) -> None:
+        self._write(self.STOP)
+
+    def frame(self, renderable, width: int, height: int) -> str:
+        """The escape sequences that draw `renderable` as a whole frame of width x height."""
+        import io
+
+        from rich.console import Console
+        c = self.console
+        buf = io.StringIO()
+        Console(file=buf, width=width, height=height, color_system=c.color_system, force_terminal=True,
+                no_color=c.no_color, legacy_windows=False, highlight=False, emoji=False).print(renderable, crop=True)
+        lines = buf.getvalue().split("\n")
+        lines = lines[:-1] if lines and lines[-1] == "" else lines
+        lines = lines[:height]
+        out = [f"\x1b[{row};1H\x1b[2K{line}" for row, line in enumerate(lines, 1)]
+        if len(lines) < height:
+            out.append(f"\x1b[{len(lines) + 1};1H\x1b[J")
+        return "".join(out)
+
+    def show(self, renderable, width: int, height: int) -> None:
+        self._write(self.frame(renderable, width, height))

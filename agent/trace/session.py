@@ -16,8 +16,8 @@ from gpuwatch.agent.wire import TraceGraphsResult, TraceSnapshotResult, TraceSum
 from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path, write_summary
 from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
-from gpuwatch.agent.trace.render import render_line, render_live, render_summary
-from gpuwatch.agent.trace.summary import since, summarize
+from gpuwatch.agent.trace.render import LiveScreen, render_line, render_live, render_summary
+from gpuwatch.agent.trace.summary import LiveAllocations, since, summarize
 
 NOT_ROOT = "run as root, or start the gpuwatch daemon (systemctl start gpuwatch) to trace your own processes"
 
@@ -92,6 +92,12 @@ class AgentTrace:
 
     def attached(self) -> list[dict]:
         return self._start["libraries"]
+
+    @property
+    def live_at_start(self) -> int:
+        """The process's live allocations when the trace started (the agent's table: what is live
+        now, where its allocations and frees are counted from the start)."""
+        return self._start.get("memory", {}).get("live_allocations", 0)
 
     def snapshot(self, pid: int, wait_symbols: bool = True) -> dict:
         """Counts since start(). Once the process is gone the agent no longer answers for it: then
@@ -293,7 +299,11 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
                   f"{', '.join(lib['path'] for lib in libs)} (ready in {time.monotonic() - t_compile:.1f} s)"
                   + (f" for {duration:g} s" if duration else "") + ("; q or Ctrl-C to stop" if live_tty else "; Ctrl-C to stop"), highlight=False)
 
-        ended, t0, verified = _loop(probe, target, duration, interval, out, live_tty, uprobes)
+        # live allocations when the trace started: none for a probe of its own, the process's then
+        # for the agent's (its allocations and frees are counted from the start, its table is now)
+        live_at_start = 0 if agent is None else probe.live_at_start
+        ended, t0, verified = _loop(probe, target, duration, interval, out, live_tty, uprobes,
+                                    LiveAllocations(live_at_start))
         elapsed = time.monotonic() - t0
         # From here on a second Ctrl-C or SIGTERM neither costs the summary nor leaves the probes
         # half detached: the summary and the detach take milliseconds (perf-event uprobes: seconds).
@@ -379,8 +389,10 @@ def _main_thread() -> bool:
 
 
 def _loop(probe, target: Target, duration: float | None, interval: float, out, live_tty: bool,
-          uprobes: int) -> tuple[str, float, dict | None]:
-    """Refresh until the duration is up, Ctrl-C/SIGTERM, or the process is gone.
+          uprobes: int, live_allocations: LiveAllocations | None = None) -> tuple[str, float, dict | None]:
+    """Refresh until the duration is up, Ctrl-C/SIGTERM, or the process is gone. Every refresh
+    shows one snapshot (one read of the probe), its live allocations from the same call counts as
+    its allocations and frees (LiveAllocations).
 
     Returns (why it ended, when it started, the last snapshot known to hold only the traced
     process's calls: taken while it was alive, as checked after taking it)."""
@@ -394,9 +406,10 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
     live = None
     keys = _Keys() if live_tty else None
     exited = _pidfd(pid)  # readable once the process exits: the loop wakes then, not at its next step
+    live_allocations = live_allocations or LiveAllocations(None)
     if live_tty:
-        from rich.live import Live
-        live = Live(console=out, auto_refresh=False, transient=True, vertical_overflow="crop")
+        live = LiveScreen(out, sys.stdout.fileno())
+        out.file.flush()
         live.start()
     try:
         next_tick = t0 + interval
@@ -412,13 +425,14 @@ def _loop(probe, target: Target, duration: float | None, interval: float, out, l
                     return "process exited", t0, snap
                 snap = taken
                 dt, elapsed = now - last_t, now - t0
+                shown = live_allocations.frame(snap)
                 if live is not None:
-                    live.update(render_live(snap, previous, dt, elapsed, pid=pid, process=target.process,
-                                            uprobes=uprobes, duration=duration, height=out.size.height,
-                                            width=out.size.width),
-                                refresh=True)
+                    width, height = live.size()
+                    live.show(render_live(shown, previous, dt, elapsed, pid=pid, process=target.process,
+                                          uprobes=uprobes, duration=duration, height=height, width=width),
+                              width, height)
                 else:
-                    print(render_line(snap, previous, dt, elapsed), flush=True)
+                    print(render_line(shown, previous, dt, elapsed), flush=True)
                 previous, last_t = snap, now
                 next_tick += interval
                 if next_tick <= now:

@@ -168,3 +168,35 @@ def since(now: dict, start: dict) -> dict:
         before = start.get("dropped_by_kind") or {}
         out["dropped_by_kind"] = {k: c - before.get(k, 0) for k, c in now["dropped_by_kind"].items()}
     return out
+
+
+class LiveAllocations:
+    """The live view's count of live allocations, from the same read of the call counts as its
+    allocations and frees, so that a frame never contradicts itself.
+
+    The probe reads its table of live allocations after the call counts, and a busy process
+    allocates and frees in between: shown as read, live ≠ allocations − frees, by thousands a frame.
+    Between the two is an offset that holds still while every free is of an allocation the probe
+    saw: the allocations live when the trace started (none for a new probe), plus frees of older
+    ones and allocations it could not record since. So each frame shows
+        live allocations = allocations − frees + offset       (the invariant, exact in every frame)
+    The offset is taken again from the table whenever a frame's read of it is known to be of one
+    instant (the next frame counts the same allocations and frees: none happened meanwhile), and
+    when the count would be negative. The summary at the end reads a frozen probe: its table is exact."""
+
+    def __init__(self, offset: int | None) -> None:
+        self.offset = offset  # None: taken from the first frame
+        self._previous: dict | None = None
+
+    def frame(self, snapshot: dict) -> dict:
+        """The snapshot with memory.live_allocations = allocations − frees + offset."""
+        mem = snapshot.get("memory")
+        if not isinstance(mem, dict):
+            return snapshot
+        counts = (mem.get("allocations", 0), mem.get("frees", 0))
+        prev, self._previous = self._previous, mem
+        if prev is not None and (prev.get("allocations", 0), prev.get("frees", 0)) == counts:
+            self.offset = prev.get("live_allocations", 0) - (counts[0] - counts[1])  # read at one instant
+        if self.offset is None or counts[0] - counts[1] + self.offset < 0:
+            self.offset = mem.get("live_allocations", 0) - (counts[0] - counts[1])
+        return dict(snapshot, memory=dict(mem, live_allocations=counts[0] - counts[1] + self.offset))

@@ -791,6 +791,17 @@ class EbpfCudaProbe(Probe):
             return self._read(ld, pid, wait_symbols)
 
     def _read(self, ld: _loader.Loader, pid: int | None, wait_symbols: bool) -> dict:
+        # The maps are read one after another while the process goes on calling (only a frozen
+        # probe holds still), so the order is what keeps a snapshot from contradicting itself:
+        # kernel launches and graph replays first, the calls after. A launch is counted in
+        # `kernels` (and a replay in `execs`) by the entry program before `stats` counts its call,
+        # so the launches read first never exceed the launch calls read after (a timed launch
+        # between its entry and its return during both reads aside: one a thread at most).
+        direct = ld.kernels(pid)
+        graph_kernels, graph_summary = {}, graphs_.GraphBook().summary()
+        if self._graphs is not None:
+            self._graphs.account(ld.execs)
+            graph_kernels, graph_summary = self._graphs.read(lambda b: (b.kernels(pid), b.summary(pid)))
         apis: dict[str, dict] = {}
         for (p, api), (calls, errors, ns, nbytes) in ld.stats().items():
             if pid is not None and p != pid:
@@ -818,10 +829,6 @@ class EbpfCudaProbe(Probe):
             live_allocations = sum(n for _b, n in by_stack.values())
         else:
             live_bytes, live_allocations = sum(ld.live_bytes().values()), ld.live_allocations()
-        graph_kernels, graph_summary = {}, graphs_.GraphBook().summary()
-        if self._graphs is not None:
-            self._graphs.account(ld.execs)
-            graph_kernels, graph_summary = self._graphs.read(lambda b: (b.kernels(pid), b.summary(pid)))
         ok = lambda api: apis[api]["calls"] - apis[api]["errors"]  # noqa: E731
         return {
             "pid": pid,
@@ -829,7 +836,7 @@ class EbpfCudaProbe(Probe):
             "memory": {"live_bytes": live_bytes, "live_allocations": live_allocations,
                        "allocations": sum(ok(a) for a in apis if a in ALLOC_APIS),
                        "frees": sum(ok(a) for a in apis if a in FREE_APIS)},
-            "kernels": self._kernels(ld, pid, graph_kernels, wait_symbols),
+            "kernels": self._kernels(ld, pid, graph_kernels, wait_symbols, direct),
             **({"python_frames": self._python.get(pid) or "read"} if pid is not None else {}),
             "graphs": graph_summary,
             "communicators": self._communicators(ld, pid),
@@ -860,10 +867,11 @@ class EbpfCudaProbe(Probe):
         return out
 
     def _kernels(self, ld: _loader.Loader, pid: int | None, through_graphs: dict | None = None,
-                 wait_symbols: bool = True) -> list[dict]:
+                 wait_symbols: bool = True, direct: dict | None = None) -> list[dict]:
+        """direct: ld.kernels(pid), read already (before the calls: _read)."""
         out = []
         names = ld.names(pid)
-        direct = ld.kernels(pid)
+        direct = ld.kernels(pid) if direct is None else direct
         through_graphs = through_graphs or {}
         for key, g in through_graphs.items():
             if key not in direct:  # launched only through graphs: its configuration is a node's
