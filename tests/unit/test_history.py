@@ -1,6 +1,15 @@
 """History: bounded series, and reading only a window of them."""
 from gpuwatch.agent.api import Sample
-from gpuwatch.agent.history import History
+from gpuwatch.agent.history import History, Series
+
+
+# The counter arithmetic on bare points (moved here from the thermal detector's tests with the code).
+def increase(points, since):
+    return Series("m", "", {}, list(points)).increase(since)
+
+
+def first_rise(points, since):
+    return Series("m", "", {}, list(points)).first_rise(since)
 
 
 def test_series_since_gives_the_window_and_the_point_before_it():
@@ -32,3 +41,29 @@ def test_a_process_series_expires_after_ten_minutes_other_series_after_an_hour()
     assert h.expire(599.0) == 0 and len(h) == 2
     assert h.expire(601.0) == 1 and [k[0] for k, _ in h.series("hw.power")] == ["hw.power"]
     assert h.expire(3601.0) == 1 and len(h) == 0 and h.evicted["expired"] == 2
+
+
+def test_counter_increase_ignores_resets():
+    pts = [(0, 5.0), (1, 7.0), (2, 1.0), (3, 4.0)]  # a restart between 1 and 2
+    assert increase(pts, 0) == 2 + 3
+    assert increase(pts, 2.5) == 3
+
+
+def test_increase_starts_from_the_last_value_before_the_window():
+    # before since=100: 0 then 20 (the last one counts); inside: 40, 120, 170 -> 20 + 80 + 50
+    pts = [(0, 0.0), (50, 20.0), (150, 40.0), (250, 120.0), (400, 170.0)]
+    assert increase(pts, 100) == 150
+    assert increase(pts, 150) == 150  # a point at `since` is in the window: 20 (before) -> 40 -> 120 -> 170
+    assert increase(pts, 0) == 170  # nothing before: from the first point
+    assert increase(pts, 401) == 0  # nothing inside: no rise
+    assert increase([(0, 3.0), (1, 3.0), (2, 3.0)], 0) == 0  # flat is no rise
+
+
+def test_first_rise_is_the_first_increase_at_or_after_since():
+    pts = [(0, 1.0), (5, 1.0), (10, 2.0), (15, 3.0)]
+    assert first_rise(pts, 0) == 10  # 1 -> 1 is no rise
+    assert first_rise(pts, 10) == 10  # at since counts
+    assert first_rise(pts, 11) == 15
+    assert first_rise(pts, 16) is None
+    assert first_rise([(0, 5.0), (1, 2.0), (2, 3.0)], 0) == 2  # after a reset, the rise from the lower value
+    assert first_rise([(3, 7.0)], 0) is None  # a first point is no rise
