@@ -24,20 +24,18 @@ log = logging.getLogger("gpuwatch.history")
 
 MAX_SERIES = 16384
 PROCESS_EXPIRE = 600.0  # the leak detector's longest window
-Points = list[tuple[float, float]]
 
 
 @dataclass(frozen=True, slots=True)
 class Series:
     """One series as select() hands it over: its GPU (the resource; "" for a node's or a process's
-    host series), its labels and a copy of its points, oldest first.
-
-    Counters: a drop is a reset (a driver, agent or job restart), never a negative increase."""
+    host series), its labels and a copy of its points, oldest first. Of a counter, a drop is a reset
+    (a driver, agent or job restart), never a negative increase."""
 
     metric: str
     gpu: str
     labels: Mapping[str, str]
-    points: Points
+    points: list[tuple[float, float]]
 
     def __len__(self) -> int:
         return len(self.points)

@@ -1,7 +1,5 @@
 """The runner's leak and OOM bookkeeping: which findings are leak forecasts and which probe events
-are evidence of an out-of-memory, so that the runner only hands over what it sees (agent/oom.py
-scores the one against the other). The runner calls it from its own thread only.
-"""
+are evidence of an out-of-memory (agent/oom.py scores the one against the other)."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -20,8 +18,7 @@ class LeakTracker(OomRecorder):
     """An OomRecorder fed every probe event and every finding that opens, stays open or closes."""
 
     def event(self, ev: Event, wall: float) -> Event | None:
-        """What becomes of a probe's event: OOM evidence is scored (None: the same OOM again), any
-        other event stays as it is."""
+        """A probe's event as kept: OOM evidence scored (None: the same OOM again), any other as it is."""
         score = OOM_EVIDENCE.get(ev.kind)
         return ev if score is None else score(self, ev, wall)
 
