@@ -15,7 +15,7 @@ import logging
 import threading
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Mapping
 
 from gpuwatch.agent.api import Sample
@@ -28,14 +28,14 @@ PROCESS_EXPIRE = 600.0  # the leak detector's longest window
 
 @dataclass(frozen=True, slots=True)
 class Series:
-    """One series as select() hands it over: its GPU (the resource; "" for a node's or a process's
-    host series), its labels and a copy of its points, oldest first. Of a counter, a drop is a reset
-    (a driver, agent or job restart), never a negative increase."""
+    """One series as select() hands it over: a copy of its points, oldest first, its metric, its GPU
+    (the resource; "" for a node's or a process's host series) and its labels. Of a counter, a drop
+    is a reset (a driver, agent or job restart), never a negative increase."""
 
-    metric: str
-    gpu: str
-    labels: Mapping[str, str]
     points: list[tuple[float, float]]
+    metric: str = ""
+    gpu: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.points)
@@ -55,7 +55,7 @@ class Series:
 
     def window(self, since: float) -> Series:
         """Its points at or after `since`."""
-        return Series(self.metric, self.gpu, self.labels, [pt for pt in self.points if pt[0] >= since])
+        return Series([pt for pt in self.points if pt[0] >= since], self.metric, self.gpu, self.labels)
 
     def values(self, t0: float, t1: float) -> list[float]:
         """Its values in (t0, t1]."""
@@ -189,7 +189,7 @@ class History:
         for (_, resource, key), pts in self.series(metric, gpu, since):
             lab = dict(key)
             if all(lab.get(k) == v for k, v in labels.items()):
-                out.append(Series(metric, resource, lab, pts))
+                out.append(Series(pts, metric, resource, lab))
         return out
 
     def newest(self, *metrics: str) -> float | None:

@@ -116,9 +116,9 @@ class HostBoundDetector(Detector):
 
     @staticmethod
     def _by_pid(history: History, metric: str, since: float) -> dict[str, list[Series]]:
-        """pid -> its series of a per-process host metric (resource "")."""
+        """pid -> its series of a per-process host metric."""
         out: dict[str, list[Series]] = {}
-        for ser in history.select(metric, gpu="", since=since):
+        for ser in history.select(metric, since=since):
             if ser.labels.get("pid"):  # History's series always hold a point
                 out.setdefault(ser.labels["pid"], []).append(ser)
         return out
@@ -140,7 +140,7 @@ class HostBoundDetector(Detector):
             for ser in calls:
                 for t, v in ser.points:
                     summed[t] += v
-            total = Series(CUDA_CALLS, "", {}, sorted(summed.items()))
+            total = Series(sorted(summed.items()))
             if len(total.values(r0, now)) < s.min_recent_points or len(total.values(b0, r0)) < s.min_baseline_points:
                 return None
             before, cur = total.rate(b0, r0), total.rate(r0, now)

@@ -68,8 +68,8 @@ class NvlinkDetector(Detector):
         since = now - self.window
         rose: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
         for s in errors:
-            kind, link = s.labels.get("type", ""), s.labels.get("link", "")
-            if kind not in ERROR_WORDS or not s:
+            kind, link = s.labels.get("type"), s.labels.get("link", "")
+            if kind not in ERROR_WORDS:
                 continue
             n = s.increase(since)
             if n > 0:

@@ -63,10 +63,10 @@ class ThermalDetector(Detector):
     def _throttling(self, history: History, now: float) -> list[Finding]:
         out = []
         for s in history.select(GPU_CLOCK_EVENT_DURATION):
-            gpu, reason = s.gpu, s.labels.get("reason", "")
+            gpu, reason = s.gpu, s.labels.get("reason")
             if reason not in THROTTLE_REASONS:
                 continue
-            span = min(self.window, now - s.points[0][0]) if s.points else 0.0
+            span = min(self.window, now - s.points[0][0])  # (History's series always hold a point)
             throttled = s.increase(now - self.window)
             if span <= 0 or throttled < self.min_throttle_seconds:
                 continue
@@ -80,12 +80,11 @@ class ThermalDetector(Detector):
         return out
 
     def _temperature(self, history: History) -> list[Finding]:
-        limits = {s.gpu: s.latest for s in history.select(HW_TEMPERATURE_LIMIT, threshold="slowdown")
-                  if s.points}
+        limits = {s.gpu: s.latest for s in history.select(HW_TEMPERATURE_LIMIT, threshold="slowdown")}
         out = []
         for s in history.select(HW_TEMPERATURE, sensor="gpu"):
             gpu = s.gpu
-            if not s.points or gpu not in limits:
+            if gpu not in limits:
                 continue
             temp, limit = s.latest, limits[gpu]
             if limit - temp < self.margin_celsius:

@@ -5,11 +5,11 @@ from gpuwatch.agent.history import History, Series
 
 # The counter arithmetic on bare points (moved here from the thermal detector's tests with the code).
 def increase(points, since):
-    return Series("m", "", {}, list(points)).increase(since)
+    return Series(list(points)).increase(since)
 
 
 def first_rise(points, since):
-    return Series("m", "", {}, list(points)).first_rise(since)
+    return Series(list(points)).first_rise(since)
 
 
 def test_series_since_gives_the_window_and_the_point_before_it():

@@ -238,11 +238,11 @@ def test_a_process_that_stopped_reporting_has_no_finding():
 # --- counters -------------------------------------------------------------------------------------
 
 def counter_rate(points, t0, t1):  # the rates live on History's series (agent/history.py)
-    return Series("m", "", {}, list(points)).rate(t0, t1)
+    return Series(list(points)).rate(t0, t1)
 
 
 def typical_rate(points, t0, t1):
-    return Series("m", "", {}, list(points)).typical_rate(t0, t1)
+    return Series(list(points)).typical_rate(t0, t1)
 
 
 def test_counter_rate_skips_a_reset_and_its_interval():

@@ -224,6 +224,9 @@ def test_temperature_without_a_slowdown_limit_is_not_judged():
                ("hw.temperature.limit", {"threshold": "shutdown"}, [(10, 95)]),
                ("hw.temperature.limit", {"threshold": "slowdown"}, [(10, 89)], OTHER))
     assert list(ThermalDetector().observe(h)) == []
+    # ...while the next GPU's, which has one, still is
+    h.append([Sample("hw.temperature", 88.0, OTHER, {"sensor": "gpu"}, T0 + 50)])
+    assert [(f.kind, f.resource) for f in ThermalDetector().observe(h)] == [("thermal_margin", OTHER)]
 
 
 def xids(xid_pts, *more, up=(0, 1000), **kw):
