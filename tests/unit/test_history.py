@@ -131,3 +131,12 @@ def test_select_newest_and_windows_keep_what_the_series_is():
     w = s.window(10.0)
     assert (w.metric, w.gpu, w.labels, w.points) == ("hw.power", "GPU-a", {"sensor": "x"}, [(10.0, 1.0)])
     assert s.window(10.5).points == [] and s.window(10.5).latest is None and s.window(10.5).span == 0.0
+
+
+def test_select_of_one_gpu_with_a_window():
+    h = History()
+    h.append([power(10.0, gpu="GPU-a"), power(10.0, gpu="GPU-b"), power(10.0, gpu="")])
+    h.append([power(20.0, 2.0, gpu="GPU-a"), power(20.0, 2.0, gpu="GPU-b"), power(20.0, 2.0, gpu="")])
+    assert [(s.gpu, s.points) for s in h.select("hw.power", gpu="GPU-b", since=20.0)] == [
+        ("GPU-b", [(10.0, 1.0), (20.0, 2.0)])]
+    assert [s.gpu for s in h.select("hw.power", gpu="", since=15.0)] == [""]
