@@ -5,13 +5,18 @@ fixed length, series that stop reporting are dropped after `expire_after` second
 series, those with a `pid` label, after `process_expire_after`: processes come and go, and no
 detector looks back further than 10 minutes at one), and at most `max_series` are held (the
 oldest are forgotten first: processes an ordinary user can start make series).
+
+Detectors read it through select(), which hands over Series: a counter's increase and rate, with
+its resets handled here once, its newest value, and windows of it.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import statistics
 from collections import Counter, deque
-from typing import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Mapping
 
 from gpuwatch.agent.api import Sample
 
@@ -19,6 +24,78 @@ log = logging.getLogger("gpuwatch.history")
 
 MAX_SERIES = 16384
 PROCESS_EXPIRE = 600.0  # the leak detector's longest window
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One series as select() hands it over: a copy of its points, oldest first, its metric, its GPU
+    (the resource; "" for a node's or a process's host series) and its labels. Of a counter, a drop
+    is a reset (a driver, agent or job restart), never a negative increase."""
+
+    points: list[tuple[float, float]]
+    metric: str = ""
+    gpu: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.points)
+
+    @property
+    def latest(self) -> float | None:
+        return self.points[-1][1] if self.points else None
+
+    @property
+    def latest_ts(self) -> float | None:
+        return self.points[-1][0] if self.points else None
+
+    @property
+    def span(self) -> float:
+        """Seconds from its first point to its last."""
+        return self.points[-1][0] - self.points[0][0] if self.points else 0.0
+
+    def window(self, since: float) -> Series:
+        """Its points at or after `since`."""
+        return Series([pt for pt in self.points if pt[0] >= since], self.metric, self.gpu, self.labels)
+
+    def values(self, t0: float, t1: float) -> list[float]:
+        """Its values in (t0, t1]."""
+        return [v for t, v in self.points if t0 < t <= t1]
+
+    def increase(self, since: float = float("-inf")) -> float:
+        """A counter's increase since `since`, from its value before then when it has one: the sum of
+        its rises (a reset to a lower value is not one)."""
+        pts = [(t, v) for t, v in self.points if t >= since]
+        before = [v for t, v in self.points if t < since]
+        if before:
+            pts.insert(0, (since, before[-1]))
+        return sum(max(0.0, b - a) for (_, a), (_, b) in zip(pts, pts[1:]))
+
+    def first_rise(self, since: float) -> float | None:
+        """When the counter first rose at or after `since`."""
+        prev = None
+        for t, v in self.points:
+            if prev is not None and v > prev and t >= since:
+                return t
+            prev = v
+        return None
+
+    def rate(self, t0: float, t1: float) -> float | None:
+        """A counter's rate over (t0, t1] from consecutive points, a drop (a reset) skipped with its
+        interval; None with no interval to judge."""
+        total = span = 0.0
+        for (ta, a), (tb, b) in zip(self.points, self.points[1:]):
+            if tb <= t0 or tb > t1 or tb <= ta or b < a:
+                continue
+            total += b - a
+            span += tb - ta
+        return total / span if span > 0 else None
+
+    def typical_rate(self, t0: float, t1: float) -> float | None:
+        """A counter's usual rate over (t0, t1]: the median of its rates between consecutive points, so
+        that one burst (a server reading its weights in at start) does not pass for its usual rate."""
+        rates = [(b - a) / (tb - ta) for (ta, a), (tb, b) in zip(self.points, self.points[1:])
+                 if t0 < tb <= t1 and tb > ta and b >= a]
+        return statistics.median(rates) if rates else None
 
 
 class History:
@@ -103,6 +180,22 @@ class History:
                     recent.reverse()
                     items.append((k, recent))
         yield from items
+
+    def select(self, metric: str, /, gpu: str | None = None, since: float | None = None,
+               **labels: str) -> list[Series]:
+        """The series of `metric` (of one GPU; gpu="" for host series) whose labels have these values;
+        `since` as in series()."""
+        out = []
+        for (_, resource, key), pts in self.series(metric, gpu, since):
+            lab = dict(key)
+            if all(lab.get(k) == v for k, v in labels.items()):
+                out.append(Series(pts, metric, resource, lab))
+        return out
+
+    def newest(self, *metrics: str) -> float | None:
+        """The time of the newest point of any series of these metrics: a detector's "now"."""
+        with self._lock:
+            return max((buf[-1][0] for k, buf in self._series.items() if k[0] in metrics and buf), default=None)
 
     def __len__(self) -> int:
         return len(self._series)

@@ -110,6 +110,8 @@ class Histogram:
 
 _G = ("gpu",)
 
+# `NAME := "..."` in a definition below makes a constant for code that names the metric (detectors):
+# the name is written once, here, and a misspelt one is an ImportError, not a series never found.
 METRICS: tuple[Metric, ...] = (
     # --- agent itself -------------------------------------------------------------------
     Metric("gpuwatch.build", "", Kind.INFO, "gpuwatch build: version and Python.", ("version", "python")),
@@ -143,12 +145,12 @@ METRICS: tuple[Metric, ...] = (
            "GPU identity: one series per GPU, value 1.",
            ("gpu", "gpu_index", "name", "pci_bus_id", "driver_version", "cuda_driver_version",
             "vbios_version", "serial")),
-    Metric("gpuwatch.gpu.up", "", Kind.GAUGE,
+    Metric(GPU_UP := "gpuwatch.gpu.up", "", Kind.GAUGE,
            "1 when the GPU answers NVML, 0 when it is lost or fell off the bus.", _G),
     # --- temperature ------------------------------------------------------------------------
-    Metric("hw.temperature", "Cel", Kind.GAUGE, "Temperature by sensor (gpu core or memory).",
+    Metric(HW_TEMPERATURE := "hw.temperature", "Cel", Kind.GAUGE, "Temperature by sensor (gpu core or memory).",
            ("gpu", "sensor")),
-    Metric("hw.temperature.limit", "Cel", Kind.GAUGE,
+    Metric(HW_TEMPERATURE_LIMIT := "hw.temperature.limit", "Cel", Kind.GAUGE,
            "Temperature thresholds: slowdown, shutdown, max_operating (GPU), max_memory.",
            ("gpu", "threshold")),
     # --- clocks -------------------------------------------------------------------------------
@@ -156,7 +158,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.gpu.clock.max_frequency", "Hz", Kind.GAUGE, "Maximum clock by domain.", ("gpu", "clock")),
     Metric("gpuwatch.gpu.clock_event.active", "", Kind.GAUGE,
            "1 while the clock-event (throttle) reason is active.", ("gpu", "reason")),
-    Metric("gpuwatch.gpu.clock_event.duration", "s", Kind.COUNTER,
+    Metric(GPU_CLOCK_EVENT_DURATION := "gpuwatch.gpu.clock_event.duration", "s", Kind.COUNTER,
            "Cumulative time the driver held clocks below target for this reason (NVML violation counters).",
            ("gpu", "reason")),
     # --- power and energy ---------------------------------------------------------------------
@@ -172,20 +174,20 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.gpu.memory_controller.utilization", "1", Kind.GAUGE,
            "Fraction of the sample period device memory was being read or written.", _G),
     # --- memory ---------------------------------------------------------------------------------
-    Metric("hw.gpu.memory.usage", "By", Kind.GAUGE, "Device memory used.", _G),
-    Metric("hw.gpu.memory.limit", "By", Kind.GAUGE, "Device memory total.", _G),
+    Metric(HW_GPU_MEMORY_USAGE := "hw.gpu.memory.usage", "By", Kind.GAUGE, "Device memory used.", _G),
+    Metric(HW_GPU_MEMORY_LIMIT := "hw.gpu.memory.limit", "By", Kind.GAUGE, "Device memory total.", _G),
     Metric("hw.gpu.memory.utilization", "1", Kind.GAUGE, "Device memory used / total.", _G),
-    Metric("gpuwatch.gpu.memory.free", "By", Kind.GAUGE, "Device memory free.", _G),
+    Metric(GPU_MEMORY_FREE := "gpuwatch.gpu.memory.free", "By", Kind.GAUGE, "Device memory free.", _G),
     Metric("gpuwatch.gpu.memory.reserved", "By", Kind.GAUGE,
            "Device memory reserved by the driver and firmware.", _G),
     Metric("gpuwatch.gpu.bar1_memory.usage", "By", Kind.GAUGE, "BAR1 memory used.", _G),
-    Metric("gpuwatch.gpu.processes", "", Kind.GAUGE, "Processes with a context on the GPU, by type.",
+    Metric(GPU_PROCESSES := "gpuwatch.gpu.processes", "", Kind.GAUGE, "Processes with a context on the GPU, by type.",
            ("gpu", "type")),
-    Metric("gpuwatch.process.gpu.memory.usage", "By", Kind.GAUGE,
+    Metric(PROCESS_GPU_MEMORY_USAGE := "gpuwatch.process.gpu.memory.usage", "By", Kind.GAUGE,
            "Device memory the driver charges to the process (the 'black' color of the leak detector). "
            "The top processes by memory are kept; the rest are folded into pid=\"other\".",
            ("gpu", "pid", "process")),
-    Metric("gpuwatch.process.gpu.utilization", "1", Kind.GAUGE,
+    Metric(PROCESS_GPU_UTILIZATION := "gpuwatch.process.gpu.utilization", "1", Kind.GAUGE,
            "Fraction of the last sample period the process had a kernel running (NVML process utilisation).",
            ("gpu", "pid", "process")),
     Metric("gpuwatch.process.kubernetes", "", Kind.INFO,
@@ -196,23 +198,23 @@ METRICS: tuple[Metric, ...] = (
     # --- the host side of GPU processes (probes/process/host.py) -------------------------------
     # For each process with series of its own on a GPU (NVML's kept processes, eBPF's); the same
     # pid/process labels as the GPU series, so one row of a dashboard joins them.
-    Metric("gpuwatch.process.cpu.time", "s", Kind.COUNTER,
+    Metric(PROCESS_CPU_TIME := "gpuwatch.process.cpu.time", "s", Kind.COUNTER,
            "CPU time of a GPU process (all its threads), by mode (user, system).", ("pid", "process", "mode")),
     Metric("gpuwatch.process.cpu.utilization", "1", Kind.GAUGE,
            "CPU time of a GPU process over the last interval, per second of wall time: 1 is one core busy, "
            "so a process may read above 1.", ("pid", "process")),
-    Metric("gpuwatch.process.thread.cpu.utilization", "1", Kind.GAUGE,
+    Metric(PROCESS_THREAD_CPU_UTILIZATION := "gpuwatch.process.thread.cpu.utilization", "1", Kind.GAUGE,
            "The busiest threads of a GPU process (at most 3): CPU time over the last interval per second "
            "(1: the thread kept one core busy, as a saturated data-loading thread does).",
            ("pid", "process", "tid", "thread")),
     Metric("gpuwatch.process.memory.rss", "By", Kind.GAUGE, "Resident host memory of a GPU process.",
            ("pid", "process")),
-    Metric("gpuwatch.process.memory.swap", "By", Kind.GAUGE,
+    Metric(PROCESS_MEMORY_SWAP := "gpuwatch.process.memory.swap", "By", Kind.GAUGE,
            "Host memory of a GPU process swapped out (VmSwap).", ("pid", "process")),
-    Metric("gpuwatch.process.paging.faults", "", Kind.COUNTER,
+    Metric(PROCESS_PAGING_FAULTS := "gpuwatch.process.paging.faults", "", Kind.COUNTER,
            "Page faults of a GPU process by type: major (the page was read from disk: a file evicted from "
            "the page cache, or swap) or minor.", ("pid", "process", "type")),
-    Metric("gpuwatch.process.disk.io", "By", Kind.COUNTER,
+    Metric(PROCESS_DISK_IO := "gpuwatch.process.disk.io", "By", Kind.COUNTER,
            "Bytes a GPU process read from or wrote to storage (direction: read, write; page-cache hits "
            "are not counted).", ("pid", "process", "direction")),
     Metric("gpuwatch.process.context_switches", "", Kind.COUNTER,
@@ -220,25 +222,25 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.process.threads.blocked", "", Kind.GAUGE,
            "Threads of a GPU process in uninterruptible sleep (D state: waiting on disk I/O) when read.",
            ("pid", "process")),
-    Metric("gpuwatch.process.cgroup.cpu.throttled.time", "s", Kind.COUNTER,
+    Metric(PROCESS_CGROUP_CPU_THROTTLED_TIME := "gpuwatch.process.cgroup.cpu.throttled.time", "s", Kind.COUNTER,
            "Time the cgroup of a GPU process was throttled by its CPU quota (cpu.stat throttled_usec).",
            ("pid", "process")),
-    Metric("gpuwatch.process.cgroup.cpu.throttled.periods", "", Kind.COUNTER,
+    Metric(PROCESS_CGROUP_CPU_THROTTLED_PERIODS := "gpuwatch.process.cgroup.cpu.throttled.periods", "", Kind.COUNTER,
            "Enforcement periods in which the cgroup of a GPU process was throttled (cpu.stat nr_throttled).",
            ("pid", "process")),
-    Metric("gpuwatch.process.cgroup.pressure.stall.time", "s", Kind.COUNTER,
+    Metric(PROCESS_CGROUP_PRESSURE_STALL_TIME := "gpuwatch.process.cgroup.pressure.stall.time", "s", Kind.COUNTER,
            "Time tasks of the cgroup of a GPU process stalled on a resource (PSI: resource cpu, io, memory; "
            "scope some: at least one task, full: all of them).", ("pid", "process", "resource", "scope")),
-    Metric("gpuwatch.process.file.size", "By", Kind.GAUGE,
+    Metric(PROCESS_FILE_SIZE := "gpuwatch.process.file.size", "By", Kind.GAUGE,
            "Size of a large file a GPU process maps or holds open (model weights, datasets, shards; the "
            "largest few per process).", ("pid", "process", "file")),
-    Metric("gpuwatch.process.file.cache.resident", "By", Kind.GAUGE,
+    Metric(PROCESS_FILE_CACHE_RESIDENT := "gpuwatch.process.file.cache.resident", "By", Kind.GAUGE,
            "Bytes of that file in the page cache (cachestat(2) on Linux 6.5+, else mincore(2)).",
            ("pid", "process", "file")),
     Metric("gpuwatch.process.file.cache.evicted", "By", Kind.GAUGE,
            "Bytes of that file evicted from the page cache whose eviction the kernel still remembers "
            "(cachestat(2) nr_evicted; absent with mincore(2)).", ("pid", "process", "file")),
-    Metric("gpuwatch.node.process.disk.read.rate", "By/s", Kind.GAUGE,
+    Metric(NODE_PROCESS_DISK_READ_RATE := "gpuwatch.node.process.disk.read.rate", "By/s", Kind.GAUGE,
            "The processes of the node reading most from storage over the last interval (at most 5, any "
            "process, GPU or not): who may be evicting a GPU process's files from the page cache.",
            ("pid", "process")),
@@ -248,25 +250,29 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.gpu.pcie.replays", "", Kind.COUNTER, "PCIe replay counter.", _G),
     Metric("gpuwatch.gpu.pcie.link.generation", "", Kind.GAUGE, "PCIe link generation.", ("gpu", "state")),
     Metric("gpuwatch.gpu.pcie.link.width", "", Kind.GAUGE, "PCIe link width (lanes).", ("gpu", "state")),
-    Metric("gpuwatch.gpu.nvlink.up", "", Kind.GAUGE, "1 when the NVLink link is active, 0 when it is not.",
+    Metric(GPU_NVLINK_UP := "gpuwatch.gpu.nvlink.up", "", Kind.GAUGE,
+           "1 when the NVLink link is active, 0 when it is not.",
            ("gpu", "link")),
     Metric("gpuwatch.gpu.nvlink.io", "By", Kind.COUNTER, "NVLink data bytes by direction, all links.",
            ("gpu", "direction")),
     # Its own metric, not a `link` label on the one above: sum() over either stays right.
     Metric("gpuwatch.gpu.nvlink.link.io", "By", Kind.COUNTER, "NVLink data bytes by link and direction.",
            ("gpu", "link", "direction")),
-    Metric("gpuwatch.gpu.nvlink.errors", "", Kind.COUNTER,
+    Metric(GPU_NVLINK_ERRORS := "gpuwatch.gpu.nvlink.errors", "", Kind.COUNTER,
            "NVLink error counters by link and type: dl_replay, dl_recovery, dl_crc (what `nvidia-smi nvlink "
            "-e` shows; since the driver loaded); drivers without per-link field values give dl_crc_flit, "
            "dl_crc_data and dl_ecc_data instead of dl_crc.", ("gpu", "link", "type")),
     # --- errors -------------------------------------------------------------------------------
-    Metric("hw.errors", "", Kind.COUNTER,
+    Metric(HW_ERRORS := "hw.errors", "", Kind.COUNTER,
            "ECC errors: type corrected|uncorrected, counter volatile (since driver load) or aggregate (lifetime).",
            ("gpu", "type", "counter")),
-    Metric("gpuwatch.gpu.remapped_rows", "", Kind.GAUGE, "Rows remapped by cause.", ("gpu", "cause")),
-    Metric("gpuwatch.gpu.remapped_rows.pending", "", Kind.GAUGE, "1 when a row remap waits for a GPU reset.", _G),
-    Metric("gpuwatch.gpu.remapped_rows.failure", "", Kind.GAUGE, "1 when a row remap failed.", _G),
-    Metric("gpuwatch.gpu.xid", "", Kind.COUNTER,
+    Metric(GPU_REMAPPED_ROWS := "gpuwatch.gpu.remapped_rows", "", Kind.GAUGE,
+           "Rows remapped by cause.", ("gpu", "cause")),
+    Metric(GPU_REMAPPED_ROWS_PENDING := "gpuwatch.gpu.remapped_rows.pending", "", Kind.GAUGE,
+           "1 when a row remap waits for a GPU reset.", _G),
+    Metric(GPU_REMAPPED_ROWS_FAILURE := "gpuwatch.gpu.remapped_rows.failure", "", Kind.GAUGE,
+           "1 when a row remap failed.", _G),
+    Metric(GPU_XID := "gpuwatch.gpu.xid", "", Kind.COUNTER,
            "Critical XID events seen by the agent since it started, by XID code.", ("gpu", "xid")),
     # --- state --------------------------------------------------------------------------------
     Metric("gpuwatch.gpu.performance_state", "", Kind.GAUGE, "Performance state P0 (fastest) .. P15.", _G),
@@ -275,7 +281,7 @@ METRICS: tuple[Metric, ...] = (
     # --- CUDA API, from eBPF uprobes on libcuda ---------------------------------------------
     # Per process and driver API function; the busiest processes are kept, the rest folded
     # into pid="other" (see probes/ebpf).
-    Metric("gpuwatch.cuda.calls", "", Kind.COUNTER,
+    Metric(CUDA_CALLS := "gpuwatch.cuda.calls", "", Kind.COUNTER,
            "CUDA driver API calls seen by the eBPF probe on libcuda (runtime, cuBLAS and Triton work "
            "all arrive here). Kernel launch APIs (cuLaunch*) are ESTIMATED from a duty cycle "
            "when gpuwatch_ebpf_launch_sampled_ratio < 1 (ebpf.launch_sampling); every other API "
@@ -323,21 +329,21 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.nccl.communicator.collectives", "", Kind.COUNTER,
            "Collectives on one communicator of the process: its sequence number, by which the ranks "
            "of a node are lined up.", ("pid", "process", "comm", "rank", "size")),
-    Metric("gpuwatch.nccl.collectives.compared", "", Kind.COUNTER,
+    Metric(NCCL_COLLECTIVES_COMPARED := "gpuwatch.nccl.collectives.compared", "", Kind.COUNTER,
            "Collectives of a communicator whose entry times were compared across all its ranks on this "
            "node (two or more processes).", ("comm",)),
-    Metric("gpuwatch.nccl.rank.last", "", Kind.COUNTER,
+    Metric(NCCL_RANK_LAST := "gpuwatch.nccl.rank.last", "", Kind.COUNTER,
            "Compared collectives this rank entered last of the node's ranks.", ("comm", "rank", "pid", "process")),
-    Metric("gpuwatch.nccl.rank.lateness", "s", Kind.COUNTER,
+    Metric(NCCL_RANK_LATENESS := "gpuwatch.nccl.rank.lateness", "s", Kind.COUNTER,
            "Sum, over the compared collectives this rank entered last, of how long after the rank "
            "before it: divided by gpuwatch_nccl_rank_last_total, the mean wait it caused.",
            ("comm", "rank", "pid", "process")),
-    Metric("gpuwatch.process.cuda.memory.live", "By", Kind.GAUGE,
+    Metric(PROCESS_CUDA_MEMORY_LIVE := "gpuwatch.process.cuda.memory.live", "By", Kind.GAUGE,
            "Device memory the process holds through driver allocations seen since the probe attached "
            "(cuMemAlloc*, cuMemCreate; minus frees), pooled or not: gpuwatch_process_cuda_memory_pooled_bytes "
            "says how much of it a pool allocator holds.",
            ("pid", "process")),
-    Metric("gpuwatch.process.cuda.memory.pooled", "By", Kind.GAUGE,
+    Metric(PROCESS_CUDA_MEMORY_POOLED := "gpuwatch.process.cuda.memory.pooled", "By", Kind.GAUGE,
            "Of the process's live driver allocations, the bytes a pool allocator made, told by the libraries "
            "on each allocating call stack (allocator: pytorch, cupy, xla, rmm, tensorflow, or a name from "
            "ebpf.pool_libraries): the grey color when no in-process agent reports. Live minus pooled is "
@@ -359,21 +365,23 @@ METRICS: tuple[Metric, ...] = (
     # Kernel series count only while activity was on in that process (a duty cycle by default):
     # divide by gpuwatch.cupti.observed for the fraction of time. The busiest kernels
     # of the busiest processes are kept, the rest folded into kernel="other" / pid="other".
-    Metric("gpuwatch.process.gpu.memory.allocated", "By", Kind.GAUGE,
+    Metric(PROCESS_GPU_MEMORY_ALLOCATED := "gpuwatch.process.gpu.memory.allocated", "By", Kind.GAUGE,
            "Bytes in live tensors or arrays (torch.cuda.memory_allocated, CuPy's pool used_bytes, JAX's "
            "bytes_in_use; summed when a program uses several), from the in-process agent, for a GPU NVML "
            "lists the process on: the 'white' color of the leak detector.", ("gpu", "pid", "process")),
-    Metric("gpuwatch.process.gpu.memory.reserved", "By", Kind.GAUGE,
+    Metric(PROCESS_GPU_MEMORY_RESERVED := "gpuwatch.process.gpu.memory.reserved", "By", Kind.GAUGE,
            "Bytes the framework's caching allocator holds from the driver (torch.cuda.memory_reserved, "
            "CuPy's pool total_bytes, JAX's pool_bytes), from the in-process agent, for a GPU NVML lists the "
            "process on: the 'grey' color.",
            ("gpu", "pid", "process")),
     # Bytes an in-process agent reports for a GPU whose processes NVML cannot list (not supported,
     # folded beyond its cap, another PID namespace): shown, never judged.
-    Metric("gpuwatch.process.gpu.memory.allocated.self_reported", "By", Kind.GAUGE,
+    Metric(PROCESS_GPU_MEMORY_ALLOCATED_SELF_REPORTED := "gpuwatch.process.gpu.memory.allocated.self_reported",
+           "By", Kind.GAUGE,
            "Bytes in live tensors as the in-process agent reports them for a GPU NVML cannot confirm the "
            "process on: not read by the leak detector or alert rules.", ("gpu", "pid", "process")),
-    Metric("gpuwatch.process.gpu.memory.reserved.self_reported", "By", Kind.GAUGE,
+    Metric(PROCESS_GPU_MEMORY_RESERVED_SELF_REPORTED := "gpuwatch.process.gpu.memory.reserved.self_reported",
+           "By", Kind.GAUGE,
            "Bytes the allocator holds as the in-process agent reports them for a GPU NVML cannot confirm the "
            "process on: not read by the leak detector or alert rules.", ("gpu", "pid", "process")),
     Metric("gpuwatch.cupti.reports.refused", "", Kind.COUNTER,
@@ -383,17 +391,17 @@ METRICS: tuple[Metric, ...] = (
     Metric("gpuwatch.cupti.memory.refused", "", Kind.COUNTER,
            "Memory entries of in-process reports dropped: unknown_gpu (a GPU NVML does not know), "
            "not_on_gpu (NVML lists that GPU's processes and the reporter is not among them).", ("reason",)),
-    Metric("gpuwatch.process.kernel.duration", "s", Kind.COUNTER,
+    Metric(PROCESS_KERNEL_DURATION := "gpuwatch.process.kernel.duration", "s", Kind.COUNTER,
            "GPU time of the kernel (CUPTI kernel activity, start to end on the GPU) while kernel "
            "activity was on.", ("pid", "process", "kernel")),
-    Metric("gpuwatch.process.kernel.launches", "", Kind.COUNTER,
+    Metric(PROCESS_KERNEL_LAUNCHES := "gpuwatch.process.kernel.launches", "", Kind.COUNTER,
            "Kernel executions seen by CUPTI while kernel activity was on.", ("pid", "process", "kernel")),
     Metric("gpuwatch.process.kernel.mean_duration", "s", Kind.GAUGE,
            "Mean GPU time per execution of the kernel.", ("pid", "process", "kernel")),
-    Metric("gpuwatch.process.kernel.theoretical_occupancy", "1", Kind.GAUGE,
+    Metric(PROCESS_KERNEL_THEORETICAL_OCCUPANCY := "gpuwatch.process.kernel.theoretical_occupancy", "1", Kind.GAUGE,
            "Theoretical occupancy of the kernel's launch configuration (warps that fit on an SM as a "
            "fraction of the maximum; the lowest of its configurations).", ("pid", "process", "kernel")),
-    Metric("gpuwatch.process.kernel.grid_blocks", "", Kind.GAUGE,
+    Metric(PROCESS_KERNEL_GRID_BLOCKS := "gpuwatch.process.kernel.grid_blocks", "", Kind.GAUGE,
            "Blocks in the kernel's last grid (the smallest over its configurations): 1 is a degenerate "
            "launch that uses one SM.", ("pid", "process", "kernel")),
     Metric("gpuwatch.cupti.state", "", Kind.GAUGE,
@@ -410,21 +418,21 @@ METRICS: tuple[Metric, ...] = (
            "CPU time the in-process agent spent decoding records (its main cost to the program).",
            ("pid", "process")),
     # --- detectors ---------------------------------------------------------------------------
-    Metric("gpuwatch.leak.suspected", "", Kind.GAUGE,
+    Metric(LEAK_SUSPECTED := "gpuwatch.leak.suspected", "", Kind.GAUGE,
            "1 while the leak detector sees the process's memory of this color grow steadily: white "
            "(tensors), grey (the allocator's pool), black (outside the allocator).",
            ("gpu", "pid", "process", "color")),
-    Metric("gpuwatch.leak.growth.rate", "By/s", Kind.GAUGE,
+    Metric(LEAK_GROWTH_RATE := "gpuwatch.leak.growth.rate", "By/s", Kind.GAUGE,
            "How fast the leaking color grows (slope of its floor over the detector's window).",
            ("gpu", "pid", "process", "color")),
-    Metric("gpuwatch.leak.time_to_oom", "s", Kind.GAUGE,
+    Metric(LEAK_TIME_TO_OOM := "gpuwatch.leak.time_to_oom", "s", Kind.GAUGE,
            "Seconds until the GPU runs out of memory at the leak's rate (free memory, other processes "
            "included, over the growth rate).", ("gpu", "pid", "process", "color")),
-    Metric("gpuwatch.host_bound.suspected", "", Kind.GAUGE,
+    Metric(HOST_BOUND_SUSPECTED := "gpuwatch.host_bound.suspected", "", Kind.GAUGE,
            "1 while the host_bound detector sees a GPU process's GPU work fall while a host-side cause "
            "holds (cause: page_cache_eviction, input_thread, cpu_throttled, swapping, memory_pressure, "
            "io_pressure).", ("gpu", "pid", "process", "cause")),
-    Metric("gpuwatch.nccl.straggler.lateness", "s", Kind.GAUGE,
+    Metric(NCCL_STRAGGLER_LATENESS := "gpuwatch.nccl.straggler.lateness", "s", Kind.GAUGE,
            "While the straggler detector names a rank (it entered most collectives of its communicator "
            "last on this node): how long after the rank before it, on average.",
            ("gpu", "comm", "rank", "pid", "process")),
@@ -507,16 +515,16 @@ METRICS: tuple[Metric, ...] = (
            "NVML read during it; median of blocks). What the health judgement compares.", _G),
     Metric("gpuwatch.baseline.memory.throughput", "By/s", Kind.GAUGE,
            "Reference workload: a 1 GiB device-to-device copy kernel, bytes read + written per second.", _G),
-    Metric("gpuwatch.baseline.relative_throughput", "1", Kind.GAUGE,
+    Metric(BASELINE_RELATIVE_THROUGHPUT := "gpuwatch.baseline.relative_throughput", "1", Kind.GAUGE,
            "Latest run against a reference: reference=own (median of this GPU's recent normal runs of the "
            "same shape, kernel and software) or sku (what a healthy GPU of the model reaches); "
            "workload=gemm (per SM cycle) or memory.", ("gpu", "workload", "reference")),
-    Metric("gpuwatch.baseline.threshold", "1", Kind.GAUGE,
+    Metric(BASELINE_THRESHOLD := "gpuwatch.baseline.threshold", "1", Kind.GAUGE,
            "relative_throughput{reference=\"own\"} below this is a slower GPU: 1 - max(baseline.k_spread (2.5) x "
            "the baseline's measured spread, baseline.min_drop (1.5 %; memory: min_drop_memory, 1 %)); a run "
            "judged slower is taken twice more and the median decides (baseline.retakes).",
            ("gpu", "workload", "reference")),
-    Metric("gpuwatch.baseline.wrong_answers", "", Kind.GAUGE,
+    Metric(BASELINE_WRONG_ANSWERS := "gpuwatch.baseline.wrong_answers", "", Kind.GAUGE,
            "Latest run: output elements beyond tolerance of the float64 reference, plus 1 when the output's "
            "digest changed on unchanged inputs and software. Above 0 is silent data corruption.", _G),
     Metric("gpuwatch.baseline.last_run.timestamp", "s", Kind.GAUGE,

@@ -22,15 +22,9 @@ from gpuwatch.agent.api import (
     Detector, Event, Exporter, Finding, Probe, ProbeDisabled, ProbeUnavailable, Sample,
 )
 from gpuwatch.agent.history import History
-from gpuwatch.agent.oom import OomRecorder
+from gpuwatch.agent.leaktrack import LeakTracker
 from gpuwatch.agent.snapshot import EMPTY, ProbeStatus, Snapshot
 from gpuwatch.probes.process import identity
-
-LEAK_KIND = "memory_leak"  # detectors/leak.py KIND: the findings whose forecasts OOM events score
-# Probes' evidence of an out-of-memory: turned into "finding.oom" events (or dropped as the same
-# OOM) by the OomRecorder, never passed on as they are.
-OOM_EVIDENCE = {"cuda.oom": OomRecorder.driver_oom,  # eBPF: CUDA_ERROR_OUT_OF_MEMORY
-                "framework.oom": OomRecorder.framework_oom}  # in-process agents' reports (probes/cupti)
 
 log = logging.getLogger("gpuwatch.runner")
 
@@ -156,7 +150,7 @@ class Runner:
         self.findings_dropped = 0
         self.exporters = list(exporters)
         self.history = history or History()
-        self.oom = OomRecorder(self.history, wallclock())  # OOM events, scored against the leak forecasts
+        self.leaks = LeakTracker(self.history, wallclock())  # OOM events, scored against the leak forecasts
         self.events: deque[Event] = deque(maxlen=max_events)
         self.on_event = on_event
         self.snapshot: Snapshot = EMPTY
@@ -316,11 +310,9 @@ class Runner:
                 if points:
                     slot.appended_until = max(slot.appended_until, max(s.ts for s in points))
             for ev in events:
-                if ev.kind in OOM_EVIDENCE:  # evidence, scored against the leak forecast
-                    ev = OOM_EVIDENCE[ev.kind](self.oom, ev, wall)
-                    if ev is None:
-                        continue
-                self._add_event(ev)
+                ev = self.leaks.event(ev, wall)
+                if ev is not None:
+                    self._add_event(ev)
         else:
             # Start afresh next time: a failed source (driver reloaded, library gone) needs a new init.
             if slot.started:
@@ -396,9 +388,9 @@ class Runner:
                     log.exception("detector %s failed", det.name)
             findings.extend(self._detector_out[i][0])
         findings = self._track_findings(findings, wall)
-        for ev in self.oom.due(wall):  # exits with the GPU full that no better evidence followed
+        for ev in self.leaks.due(wall):  # exits with the GPU full that no better evidence followed
             self._add_event(ev)
-        samples.extend(self.oom.samples(wall))  # after tracking: an OOM of this pass is counted in it
+        samples.extend(self.leaks.samples(wall))  # after tracking: an OOM of this pass is counted in it
         kept = {id(f) for f in findings}
         for i, det in enumerate(self.detectors):
             found, det_samples = self._detector_out[i]
@@ -447,11 +439,8 @@ class Runner:
                     attrs["closed_because"] = "process exited"
                 self._add_event(Event("finding.closed", f.resource, attrs, wall))
                 self._finding_starts.pop(key, None)
-                if f.kind == LEAK_KIND:
-                    self.oom.leak_closed(f, key in exited, wall)
-        for f in current.values():
-            if f.kind == LEAK_KIND:
-                self.oom.leak_seen(f, wall)
+                self.leaks.closed(f, key in exited, wall)
+        self.leaks.open(current.values(), wall)
         self._open_findings = current
         return list(current.values())
 

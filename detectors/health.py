@@ -28,6 +28,7 @@ from typing import Iterable, Sequence
 
 from gpuwatch.agent.api import Detector, Finding
 from gpuwatch.agent.history import History
+from gpuwatch.agent.metrics import BASELINE_RELATIVE_THROUGHPUT, BASELINE_THRESHOLD, BASELINE_WRONG_ANSWERS
 
 KIND_SLOWER = "gpu_slower_than_baseline"
 KIND_BELOW_SKU = "gpu_below_sku"
@@ -165,24 +166,23 @@ class HealthDetector(Detector):
 
     def observe(self, history: History) -> Iterable[Finding]:
         latest = {}
-        for metric in ("gpuwatch.baseline.relative_throughput", "gpuwatch.baseline.wrong_answers",
-                       "gpuwatch.baseline.threshold"):
-            for (_, gpu, labels), pts in history.series(metric, since=float("inf")):
-                if pts:
-                    latest[(metric, gpu, tuple(sorted(labels)))] = (pts[-1][1], pts[-1][0], dict(labels))
+        for metric in (BASELINE_RELATIVE_THROUGHPUT, BASELINE_WRONG_ANSWERS, BASELINE_THRESHOLD):
+            for s in history.select(metric, since=float("inf")):
+                if s:
+                    latest[(metric, s.gpu, tuple(sorted(s.labels.items())))] = (s.latest, s.latest_ts, s.labels)
         findings = []
         for (metric, gpu, _), (value, ts, labels) in latest.items():
-            if metric == "gpuwatch.baseline.wrong_answers" and value > 0:
+            if metric == BASELINE_WRONG_ANSWERS and value > 0:
                 findings.append(Finding(KIND_WRONG, gpu, "critical",
                                         f"GPU {gpu} computed wrong answers in the reference workload "
                                         f"({value:.0f} wrong elements or a changed output on unchanged software): "
                                         "silent data corruption; drain it and run the vendor's diagnostics",
                                         {"wrong_elements": value}, ts))
-            if metric != "gpuwatch.baseline.relative_throughput":
+            if metric != BASELINE_RELATIVE_THROUGHPUT:
                 continue
             what, ref = labels.get("workload", ""), labels.get("reference", "")
             if ref == "own":
-                thr = latest.get(("gpuwatch.baseline.threshold", gpu, tuple(sorted(labels.items()))))
+                thr = latest.get((BASELINE_THRESHOLD, gpu, tuple(sorted(labels.items()))))
                 if thr is not None and value < thr[0]:
                     findings.append(Finding(KIND_SLOWER, gpu, "warning",
                                             f"GPU {gpu} is {1 - value:.1%} slower than its own baseline in the "

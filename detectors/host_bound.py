@@ -30,14 +30,17 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from gpuwatch.agent.api import Detector, Finding, Sample
-from gpuwatch.agent.history import History
+from gpuwatch.agent.history import History, Series
+from gpuwatch.agent.metrics import (
+    CUDA_CALLS, HOST_BOUND_SUSPECTED, NODE_PROCESS_DISK_READ_RATE, PROCESS_CGROUP_CPU_THROTTLED_PERIODS,
+    PROCESS_CGROUP_CPU_THROTTLED_TIME, PROCESS_CGROUP_PRESSURE_STALL_TIME, PROCESS_DISK_IO,
+    PROCESS_FILE_CACHE_RESIDENT, PROCESS_FILE_SIZE, PROCESS_GPU_MEMORY_USAGE, PROCESS_GPU_UTILIZATION,
+    PROCESS_MEMORY_SWAP, PROCESS_PAGING_FAULTS, PROCESS_THREAD_CPU_UTILIZATION,
+)
 from gpuwatch.agent.trace.render import fmt_bytes
 
 KIND = "host_bound"
 MIB = 1 << 20
-UTIL = "gpuwatch.process.gpu.utilization"
-CALLS = "gpuwatch.cuda.calls"
-GPU_MEMORY = "gpuwatch.process.gpu.memory.usage"  # which GPU a process is on, when only eBPF saw its calls
 
 # The order a finding names its causes in: the most specific first (an eviction also shows as
 # I/O pressure, a throttled process as a busy thread).
@@ -83,30 +86,6 @@ class HostBoundSettings:
     probe_interval: float = 10.0      # seconds a node reader's rate stands for when it has no point before
 
 
-def counter_rate(points: Sequence[tuple[float, float]], t0: float, t1: float) -> float | None:
-    """A counter's rate over (t0, t1] from consecutive points, a drop (a reset) skipped with its
-    interval; None with no interval to judge."""
-    total = span = 0.0
-    for (ta, a), (tb, b) in zip(points, points[1:]):
-        if tb <= t0 or tb > t1 or tb <= ta or b < a:
-            continue
-        total += b - a
-        span += tb - ta
-    return total / span if span > 0 else None
-
-
-def typical_rate(points: Sequence[tuple[float, float]], t0: float, t1: float) -> float | None:
-    """A counter's usual rate over (t0, t1]: the median of its rates between consecutive points, so
-    that one burst (a server reading its weights in at start) does not pass for its usual reading."""
-    rates = [(b - a) / (tb - ta) for (ta, a), (tb, b) in zip(points, points[1:])
-             if t0 < tb <= t1 and tb > ta and b >= a]
-    return statistics.median(rates) if rates else None
-
-
-def _values(points: Sequence[tuple[float, float]], t0: float, t1: float) -> list[float]:
-    return [v for t, v in points if t0 < t <= t1]
-
-
 def _pct(x: float) -> str:
     return f"{x * 100:.0f} %"
 
@@ -136,20 +115,19 @@ class HostBoundDetector(Detector):
     # --- reading the history ----------------------------------------------------------------
 
     @staticmethod
-    def _by_pid(history: History, metric: str, since: float) -> dict[str, list[tuple[Mapping[str, str], list]]]:
-        """pid -> [(labels, points)] of a per-process host series (resource "")."""
-        out: dict[str, list] = {}
-        for (_, _, labels), pts in history.series(metric, "", since=since):
-            lab = dict(labels)
-            if lab.get("pid"):  # History's series always hold a point
-                out.setdefault(lab["pid"], []).append((lab, pts))
+    def _by_pid(history: History, metric: str, since: float) -> dict[str, list[Series]]:
+        """pid -> its series of a per-process host metric."""
+        out: dict[str, list[Series]] = {}
+        for ser in history.select(metric, since=since):
+            if ser.labels.get("pid"):  # History's series always hold a point
+                out.setdefault(ser.labels["pid"], []).append(ser)
         return out
 
-    def _gpu_work(self, util: list | None, calls: list | None, now: float) -> GpuWork | None:
+    def _gpu_work(self, util: Series | None, calls: list[Series] | None, now: float) -> GpuWork | None:
         s = self.s
         r0, b0 = now - s.recent, now - s.recent - s.baseline
         if util:
-            recent, base = _values(util, r0, now), _values(util, b0, r0)
+            recent, base = util.values(r0, now), util.values(b0, r0)
             if len(recent) < s.min_recent_points or len(base) < s.min_baseline_points:
                 return None
             before, cur = statistics.median(base), statistics.median(recent)
@@ -159,13 +137,13 @@ class HostBoundDetector(Detector):
         if calls:
             # the calls of every api, summed per point time (one eBPF collection writes them all)
             summed: defaultdict[float, float] = defaultdict(float)
-            for pts in calls:
-                for t, v in pts:
+            for ser in calls:
+                for t, v in ser.points:
                     summed[t] += v
-            pts = sorted(summed.items())
-            if len(_values(pts, r0, now)) < s.min_recent_points or len(_values(pts, b0, r0)) < s.min_baseline_points:
+            total = Series(sorted(summed.items()))
+            if len(total.values(r0, now)) < s.min_recent_points or len(total.values(b0, r0)) < s.min_baseline_points:
                 return None
-            before, cur = counter_rate(pts, b0, r0), counter_rate(pts, r0, now)
+            before, cur = total.rate(b0, r0), total.rate(r0, now)
             if before is None or cur is None:
                 return None
             fell = before >= s.min_call_rate and cur < s.fall_ratio * before
@@ -186,11 +164,12 @@ class HostBoundDetector(Detector):
                      and recent_reads >= s.reread_rise * base_reads)
         if not (faulting or rereading):
             return None
-        sizes = {lab["file"]: pts[-1][1] for lab, pts in host["size"].get(pid, [])}
+        sizes = {ser.labels["file"]: ser.latest for ser in host["size"].get(pid, [])}
         worst = None
-        for lab, pts in host["resident"].get(pid, []):
+        for ser in host["resident"].get(pid, []):
+            lab = ser.labels
             size = sizes.get(lab["file"])
-            base, recent = _values(pts, b0, r0), _values(pts, r0, now)
+            base, recent = ser.values(b0, r0), ser.values(r0, now)
             if not size or not base or not recent:
                 continue
             # the least resident it was in the window: the process refills what it reads, the evictor
@@ -205,11 +184,12 @@ class HostBoundDetector(Detector):
             return None
         # The likely evictor: the node's top reader over the same window, not the process itself.
         readers = []
-        for lab, pts in (item for items in host["readers"].values() for item in items):
+        for ser in (item for items in host["readers"].values() for item in items):
+            lab = ser.labels
             if lab["pid"] == pid:
                 continue
             read, prev = 0.0, None
-            for t, v in pts:
+            for t, v in ser.points:
                 if r0 < t <= now:
                     read += v * (t - prev if prev is not None else s.probe_interval)  # (a series' times rise)
                 prev = t
@@ -226,15 +206,15 @@ class HostBoundDetector(Detector):
         found: dict[str, dict] = {}
 
         def rate(metric: str, want: Mapping[str, str] | None = None, t0: float = r0, t1: float = now) -> float | None:
-            rates = [counter_rate(pts, t0, t1) for lab, pts in host[metric].get(pid, [])
-                     if all(lab.get(k) == v for k, v in (want or {}).items())]
+            rates = [ser.rate(t0, t1) for ser in host[metric].get(pid, [])
+                     if all(ser.labels.get(k) == v for k, v in (want or {}).items())]
             rates = [r for r in rates if r is not None]
             return sum(rates) if rates else None
 
         def usual(metric: str, want: Mapping[str, str]) -> float:
             """0 with no baseline: then any recent rate is a rise."""
-            rates = [typical_rate(pts, b0, r0) for lab, pts in host[metric].get(pid, [])
-                     if all(lab.get(k) == v for k, v in want.items())]
+            rates = [ser.typical_rate(b0, r0) for ser in host[metric].get(pid, [])
+                     if all(ser.labels.get(k) == v for k, v in want.items())]
             return sum(r for r in rates if r is not None)
 
         # Recent: the mean rate (a rise shows as soon as it starts); before: the usual rate. On the
@@ -248,7 +228,7 @@ class HostBoundDetector(Detector):
                 found["page_cache_eviction"] = ev
             swaps = host["swap"].get(pid)
             if swaps and major[0] is not None and major[0] >= s.min_major_faults:
-                pts = swaps[0][1]
+                pts = swaps[0].points
                 start = [v for t, v in pts if t <= r0] or [pts[0][1]]
                 growth = pts[-1][1] - start[-1]
                 if growth >= s.min_swap_growth:
@@ -263,8 +243,8 @@ class HostBoundDetector(Detector):
                     found[f"{res}_pressure"] = {"stall_seconds_per_second": stall}
         if work.fell or work.steady_low:  # the GPU waits: is a thread of the process saturated meanwhile?
             busiest = None
-            for lab, pts in host["threads"].get(pid, []):
-                vals = _values(pts, r0, now)
+            for ser in host["threads"].get(pid, []):
+                lab, vals = ser.labels, ser.values(r0, now)
                 if len(vals) >= s.min_recent_points:  # (a thread that has ended has no recent points)
                     m = statistics.median(vals)
                     if m >= s.thread_busy and (busiest is None or m > busiest["thread_cpu"]):
@@ -278,30 +258,28 @@ class HostBoundDetector(Detector):
     def observe(self, history: History) -> Iterable[Finding]:
         s = self.s
         # since=inf: each series' newest point only, not a copy of it all (as the leak detector reads "now")
-        now = max((pts[-1][0] for m in (UTIL, CALLS) for _, pts in history.series(m, since=float("inf")) if pts),
-                  default=None)
+        now = history.newest(PROCESS_GPU_UTILIZATION, CUDA_CALLS)
         if now is None:
             return []
         since = now - s.recent - s.baseline
         # per (gpu, pid): NVML's utilisation; per pid: eBPF's call counters (their GPU from NVML's memory)
-        util: dict[tuple[str, str], tuple[str, list]] = {}
-        for (_, gpu, labels), pts in history.series(UTIL, since=since):
-            lab = dict(labels)
-            if gpu and lab.get("pid") not in (None, "", "other"):
-                util[(gpu, lab["pid"])] = (lab.get("process", ""), pts)
-        calls: dict[str, tuple[str, list]] = {}
-        for (_, _, labels), pts in history.series(CALLS, since=since):
-            lab = dict(labels)
+        util: dict[tuple[str, str], tuple[str, Series]] = {}
+        for ser in history.select(PROCESS_GPU_UTILIZATION, since=since):
+            lab = ser.labels
+            if ser.gpu and lab.get("pid") not in (None, "", "other"):
+                util[(ser.gpu, lab["pid"])] = (lab.get("process", ""), ser)
+        calls: dict[str, tuple[str, list[Series]]] = {}
+        for ser in history.select(CUDA_CALLS, since=since):
+            lab = ser.labels
             if lab.get("pid") not in (None, "", "other"):
-                calls.setdefault(lab["pid"], (lab.get("process", ""), []))[1].append(pts)
+                calls.setdefault(lab["pid"], (lab.get("process", ""), []))[1].append(ser)
         gpus_of: dict[str | None, set[str]] = {}
-        for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=now - s.stale):
-            pid = dict(labels).get("pid")
+        for ser in history.select(PROCESS_GPU_MEMORY_USAGE, since=now - s.stale):
             # since= still hands over a series' newest point when it is older: a GPU it has left is not its GPU
-            if gpu and pts[-1][0] > now - s.stale:
-                gpus_of.setdefault(pid, set()).add(gpu)
-        targets: dict[tuple[str, str], tuple[str, list | None, list | None]] = {
-            key: (name, pts, None) for key, (name, pts) in util.items()}
+            if ser.gpu and ser.latest_ts > now - s.stale:
+                gpus_of.setdefault(ser.labels.get("pid"), set()).add(ser.gpu)
+        targets: dict[tuple[str, str], tuple[str, Series | None, list[Series] | None]] = {
+            key: (name, ser, None) for key, (name, ser) in util.items()}
         for pid, (name, series) in calls.items():
             for gpu in sorted(gpus_of.get(pid, ())):
                 if (gpu, pid) not in targets:
@@ -309,14 +287,11 @@ class HostBoundDetector(Detector):
         if not targets:
             return []
         host = {key: self._by_pid(history, metric, since) for key, metric in (
-            ("faults", "gpuwatch.process.paging.faults"), ("io", "gpuwatch.process.disk.io"),
-            ("size", "gpuwatch.process.file.size"),
-            ("resident", "gpuwatch.process.file.cache.resident"), ("swap", "gpuwatch.process.memory.swap"),
-            ("throttled", "gpuwatch.process.cgroup.cpu.throttled.time"),
-            ("periods", "gpuwatch.process.cgroup.cpu.throttled.periods"),
-            ("pressure", "gpuwatch.process.cgroup.pressure.stall.time"),
-            ("threads", "gpuwatch.process.thread.cpu.utilization"))}
-        host["readers"] = self._by_pid(history, "gpuwatch.node.process.disk.read.rate", since)
+            ("faults", PROCESS_PAGING_FAULTS), ("io", PROCESS_DISK_IO), ("size", PROCESS_FILE_SIZE),
+            ("resident", PROCESS_FILE_CACHE_RESIDENT), ("swap", PROCESS_MEMORY_SWAP),
+            ("throttled", PROCESS_CGROUP_CPU_THROTTLED_TIME), ("periods", PROCESS_CGROUP_CPU_THROTTLED_PERIODS),
+            ("pressure", PROCESS_CGROUP_PRESSURE_STALL_TIME), ("threads", PROCESS_THREAD_CPU_UTILIZATION),
+            ("readers", NODE_PROCESS_DISK_READ_RATE))}
         out = []
         for (gpu, pid), (name, upts, cpts) in sorted(targets.items()):
             work = self._gpu_work(upts, cpts, now)
@@ -373,7 +348,7 @@ class HostBoundDetector(Detector):
     @staticmethod
     def samples(findings: Sequence[Finding]) -> list[Sample]:
         """The findings as metrics, for alert rules."""
-        return [Sample("gpuwatch.host_bound.suspected", 1.0, f.resource,
+        return [Sample(HOST_BOUND_SUSPECTED, 1.0, f.resource,
                        {"pid": str(f.attrs["pid"]), "process": f.attrs["process"], "cause": f.attrs["cause"]}, f.ts)
                 for f in findings if f.kind == KIND]
 

@@ -16,7 +16,10 @@ from typing import Iterable
 
 from gpuwatch.agent.api import Detector, Finding
 from gpuwatch.agent.history import History
-from gpuwatch.detectors.thermal import increase
+from gpuwatch.agent.metrics import (
+    CUDA_CALLS, PROCESS_GPU_UTILIZATION, PROCESS_KERNEL_DURATION, PROCESS_KERNEL_GRID_BLOCKS, PROCESS_KERNEL_LAUNCHES,
+    PROCESS_KERNEL_THEORETICAL_OCCUPANCY,
+)
 
 # Launch calls that start one kernel each (a graph launch starts many: it is the cure, not the disease).
 KERNEL_LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
@@ -45,38 +48,34 @@ class LaunchDetector(Detector):
 
     def observe(self, history: History) -> Iterable[Finding]:
         # The newest point of any input says what "now" is (history holds the probes' timestamps).
-        ends = [pts[-1][0] for metric in ("gpuwatch.cuda.calls", "gpuwatch.process.kernel.duration")
-                for _, pts in history.series(metric, since=float("inf")) if pts]
-        if not ends:
+        now = history.newest(CUDA_CALLS, PROCESS_KERNEL_DURATION)
+        if now is None:
             return []
-        now = max(ends)
         since = now - self.window
         procs: dict[tuple[str, str], dict] = defaultdict(lambda: {"launches": 0.0, "span": 0.0, "kernels": {}})
-        for (_, _, labels), pts in history.series("gpuwatch.cuda.calls", since=since):
-            lab = dict(labels)
-            if lab.get("pid") in (None, "other") or not _launch_api(lab.get("api", "")) or now - pts[-1][0] > 15:
+        for s in history.select(CUDA_CALLS, since=since):
+            lab = s.labels
+            if lab.get("pid") in (None, "other") or not _launch_api(lab.get("api", "")) or now - s.latest_ts > 15:
                 continue
-            recent = [pt for pt in pts if pt[0] >= since]
+            recent = s.window(since)
             if len(recent) < 2:
                 continue
             p = procs[(lab["pid"], lab.get("process", ""))]
-            p["launches"] += increase(recent, since)
-            p["span"] = max(p["span"], recent[-1][0] - recent[0][0])
+            p["launches"] += recent.increase(since)
+            p["span"] = max(p["span"], recent.span)
         busy: dict[tuple[str, str], list[float]] = defaultdict(list)
-        for (_, _, labels), pts in history.series("gpuwatch.process.gpu.utilization", since=since):
-            lab = dict(labels)
-            busy[(lab.get("pid", ""), lab.get("process", ""))] += [v for t, v in pts if t >= since]
-        for metric, field in (("gpuwatch.process.kernel.duration", "seconds"),
-                              ("gpuwatch.process.kernel.launches", "launches"),
-                              ("gpuwatch.process.kernel.theoretical_occupancy", "occupancy"),
-                              ("gpuwatch.process.kernel.grid_blocks", "blocks")):
+        for s in history.select(PROCESS_GPU_UTILIZATION, since=since):
+            busy[(s.labels.get("pid", ""), s.labels.get("process", ""))] += [v for _, v in s.window(since).points]
+        for metric, field in ((PROCESS_KERNEL_DURATION, "seconds"), (PROCESS_KERNEL_LAUNCHES, "launches"),
+                              (PROCESS_KERNEL_THEORETICAL_OCCUPANCY, "occupancy"),
+                              (PROCESS_KERNEL_GRID_BLOCKS, "blocks")):
             counter = field in ("seconds", "launches")  # else a gauge: its newest value is enough
-            for (_, _, labels), pts in history.series(metric, since=since if counter else float("inf")):
-                lab = dict(labels)
-                if lab.get("pid") in (None, "other") or lab.get("kernel") == "other" or now - pts[-1][0] > 15:
+            for s in history.select(metric, since=since if counter else float("inf")):
+                lab = s.labels
+                if lab.get("pid") in (None, "other") or lab.get("kernel") == "other" or now - s.latest_ts > 15:
                     continue
                 k = procs[(lab["pid"], lab.get("process", ""))]["kernels"].setdefault(lab["kernel"], {})
-                k[field] = increase(pts, since) if counter else pts[-1][1]
+                k[field] = s.increase(since) if counter else s.latest
         out: list[Finding] = []
         for (pid, process), p in procs.items():
             out += self._launch_bound(pid, process, p, busy.get((pid, process)), now)

@@ -36,24 +36,25 @@ from typing import Iterable, Mapping, Sequence
 
 from gpuwatch.agent import own
 from gpuwatch.agent.api import Detector, Finding, Sample
+from gpuwatch.agent.config import OUTSIDE, names
 from gpuwatch.agent.history import History
+from gpuwatch.agent.metrics import (
+    GPU_MEMORY_FREE, GPU_PROCESSES, GPU_UP, HW_GPU_MEMORY_LIMIT, HW_GPU_MEMORY_USAGE, LEAK_GROWTH_RATE, LEAK_SUSPECTED,
+    LEAK_TIME_TO_OOM, PROCESS_CUDA_MEMORY_LIVE as LIVE, PROCESS_CUDA_MEMORY_POOLED as POOLED,
+    PROCESS_GPU_MEMORY_ALLOCATED, PROCESS_GPU_MEMORY_ALLOCATED_SELF_REPORTED, PROCESS_GPU_MEMORY_RESERVED,
+    PROCESS_GPU_MEMORY_RESERVED_SELF_REPORTED, PROCESS_GPU_MEMORY_USAGE,
+)
 from gpuwatch.agent.trace.render import fmt_bytes
 
 WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"
 MIB = 1 << 20
-LIVE = "gpuwatch.process.cuda.memory.live"  # eBPF, pooled or not
-POOLED = "gpuwatch.process.cuda.memory.pooled"  # eBPF, by allocator
-OUTSIDE = "none"  # probes/ebpf/pools.py's allocator for bytes outside any allocator
 
 # Per-GPU, per-process series of each color (grey's eBPF fallback is handled on its own). White and
 # grey only as verified (NVML lists the process on that GPU): what an in-process agent reports for a
 # GPU NVML cannot confirm goes to *.self_reported metrics, which nothing here reads.
-COLOR_METRICS = {
-    "gpuwatch.process.gpu.memory.usage": BLACK,
-    "gpuwatch.process.gpu.memory.allocated": WHITE,
-    "gpuwatch.process.gpu.memory.reserved": GREY,
-}
+COLOR_METRICS = {PROCESS_GPU_MEMORY_USAGE: BLACK, PROCESS_GPU_MEMORY_ALLOCATED: WHITE,
+                 PROCESS_GPU_MEMORY_RESERVED: GREY}
 
 WHAT_LEAKS = {
     WHITE: "tensors kept alive (white: allocated bytes grow)",
@@ -271,10 +272,6 @@ class _Process:
     outside: list[tuple[float, float]] = field(default_factory=list)  # eBPF: live minus pooled
 
 
-def _latest(points: list[tuple[float, float]]) -> float | None:
-    return points[-1][1] if points else None
-
-
 def fmt_duration(seconds: float) -> str:
     if seconds >= 5400:
         return f"{seconds / 3600:.1f} h"
@@ -292,46 +289,41 @@ class LeakDetector(Detector):
     interval = 10.0  # seconds between judgements: trends over minutes need no faster look
 
     def __init__(self, settings: LeakSettings | None = None, allocators: Mapping[str, str] | None = None) -> None:
-        """allocators: the pool allocators' names for people by label (probes/ebpf/pools.py, with
+        """allocators: the pool allocators' names for people by label (config.pool_table, with
         ebpf.pool_libraries); by default the known ones."""
         self.settings = settings or LeakSettings()
-        if allocators is None:
-            from gpuwatch.probes.ebpf.pools import names
-
-            allocators = names()
-        self.allocators = dict(allocators)
+        self.allocators = dict(names() if allocators is None else allocators)
 
     def _unsure_gpus(self, history: History, now: float) -> set[str]:
         """GPUs where NVML may not list every process (as reports.nvml_view judges it): it gives no
         process count, folds some into "other", or counts more than it charges (a process listed
         with no memory figure). A process seen on one GPU may be on one of these too."""
         s = self.settings
-        gpus = {gpu for metric in ("hw.gpu.memory.limit", "gpuwatch.gpu.up")
-                for (_, gpu, _), _ in history.series(metric, since=now - s.stale) if gpu}
+        gpus = {ser.gpu for metric in (HW_GPU_MEMORY_LIMIT, GPU_UP)
+                for ser in history.select(metric, since=now - s.stale) if ser.gpu}
         counted: dict[str, float] = {}
-        for (_, gpu, _), pts in history.series("gpuwatch.gpu.processes", since=now - s.stale):
-            if pts and now - pts[-1][0] <= s.stale:
-                counted[gpu] = counted.get(gpu, 0.0) + pts[-1][1]
+        for ser in history.select(GPU_PROCESSES, since=now - s.stale):
+            if ser and now - ser.latest_ts <= s.stale:
+                counted[ser.gpu] = counted.get(ser.gpu, 0.0) + ser.latest
         listed: dict[str, int] = {}
         folded: set[str] = set()
-        for (_, gpu, labels), pts in history.series("gpuwatch.process.gpu.memory.usage", since=now - s.stale):
-            if pts and now - pts[-1][0] <= s.stale:
-                if dict(labels).get("pid", "").isdigit():
-                    listed[gpu] = listed.get(gpu, 0) + 1
+        for ser in history.select(PROCESS_GPU_MEMORY_USAGE, since=now - s.stale):
+            if ser and now - ser.latest_ts <= s.stale:
+                if ser.labels.get("pid", "").isdigit():
+                    listed[ser.gpu] = listed.get(ser.gpu, 0) + 1
                 else:
-                    folded.add(gpu)
+                    folded.add(ser.gpu)
         return {g for g in gpus if g not in counted or g in folded or listed.get(g, 0) < counted[g]}
 
     def _processes(self, history: History, now: float) -> list[_Process]:
         procs: dict[tuple[str, str], _Process] = {}
         for metric, color in COLOR_METRICS.items():
-            for (_, gpu, labels), points in history.series(metric):
-                lab = dict(labels)
-                pid = lab.get("pid", "")
+            for ser in history.select(metric):
+                gpu, pid = ser.gpu, ser.labels.get("pid", "")
                 if not gpu or not pid or pid == "other":
                     continue
-                p = procs.setdefault((gpu, pid), _Process(gpu, pid, lab.get("process", "")))
-                p.colors[color] = points
+                p = procs.setdefault((gpu, pid), _Process(gpu, pid, ser.labels.get("process", "")))
+                p.colors[color] = ser.points
         # eBPF: grey from its pooled driver allocations when no in-process agent reports it, and what
         # lies outside any allocator. eBPF counts a process on all its GPUs together, so only for a
         # process known to be on one GPU: none of its bytes may be another GPU's. Pooled points come
@@ -342,17 +334,15 @@ class LeakDetector(Detector):
         unsure = self._unsure_gpus(history, now)
         # An in-process agent's word NVML cannot vouch for still says the process is on that GPU.
         claimed: dict[str, set[str]] = {}
-        for metric in ("gpuwatch.process.gpu.memory.allocated.self_reported",
-                       "gpuwatch.process.gpu.memory.reserved.self_reported"):
-            for (_, gpu, labels), pts in history.series(metric, since=now - self.settings.stale):
-                if pts and now - pts[-1][0] <= self.settings.stale:
-                    claimed.setdefault(dict(labels).get("pid", ""), set()).add(gpu)
+        for metric in (PROCESS_GPU_MEMORY_ALLOCATED_SELF_REPORTED, PROCESS_GPU_MEMORY_RESERVED_SELF_REPORTED):
+            for ser in history.select(metric, since=now - self.settings.stale):
+                if ser and now - ser.latest_ts <= self.settings.stale:
+                    claimed.setdefault(ser.labels.get("pid", ""), set()).add(ser.gpu)
         pooled_of: dict[str, dict[str, list[tuple[float, float]]]] = {}
-        for (_, _, labels), points in history.series(POOLED):
-            lab = dict(labels)
-            pooled_of.setdefault(lab.get("pid", ""), {})[lab.get("allocator", "")] = points
-        for (_, _, labels), points in history.series(LIVE):
-            pid = dict(labels).get("pid", "")
+        for ser in history.select(POOLED):
+            pooled_of.setdefault(ser.labels.get("pid", ""), {})[ser.labels.get("allocator", "")] = ser.points
+        for ser in history.select(LIVE):
+            pid, points = ser.labels.get("pid", ""), ser.points
             on = gpus_of.get(pid, [])
             if len(on) != 1 or (unsure - {on[0].gpu}) or (claimed.get(pid, set()) - {on[0].gpu}):
                 continue
@@ -383,15 +373,14 @@ class LeakDetector(Detector):
 
     def observe(self, history: History) -> Iterable[Finding]:
         s = self.settings
-        now = max((pts[-1][0] for metric in COLOR_METRICS for _, pts in history.series(metric, since=float("inf"))
-                   if pts), default=None)
+        now = history.newest(*COLOR_METRICS)
         if now is None:
             return []
-        limits = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("hw.gpu.memory.limit")}
-        used = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("hw.gpu.memory.usage")}
+        limits = {ser.gpu: ser.latest for ser in history.select(HW_GPU_MEMORY_LIMIT)}
+        used = {ser.gpu: ser.latest for ser in history.select(HW_GPU_MEMORY_USAGE)}
         # NVML's free memory when reported: limit - used overstates it by what the driver reserves
         # for itself (645 MB on the H200), an error that grows as the OOM comes closer.
-        frees = {gpu: _latest(pts) for (_, gpu, _), pts in history.series("gpuwatch.gpu.memory.free")}
+        frees = {ser.gpu: ser.latest for ser in history.select(GPU_MEMORY_FREE)}
         findings = []
         # The agent's own processes (its CUPTI sampler: a context and nothing else) are nobody's leak.
         ours = own.pids_in(history, now, s.stale)
@@ -454,10 +443,8 @@ class LeakDetector(Detector):
             if f.kind != KIND:
                 continue
             labels = {"pid": f.attrs["pid"], "process": f.attrs["process"], "color": f.attrs["color"]}
-            out.append(Sample("gpuwatch.leak.suspected", 1.0, f.resource, labels, f.ts))
-            out.append(Sample("gpuwatch.leak.growth.rate", f.attrs["rate_bytes_per_second"], f.resource, labels,
-                              f.ts))
+            out.append(Sample(LEAK_SUSPECTED, 1.0, f.resource, labels, f.ts))
+            out.append(Sample(LEAK_GROWTH_RATE, f.attrs["rate_bytes_per_second"], f.resource, labels, f.ts))
             if f.attrs["time_to_oom_seconds"] is not None:
-                out.append(Sample("gpuwatch.leak.time_to_oom", f.attrs["time_to_oom_seconds"], f.resource, labels,
-                                  f.ts))
+                out.append(Sample(LEAK_TIME_TO_OOM, f.attrs["time_to_oom_seconds"], f.resource, labels, f.ts))
         return out

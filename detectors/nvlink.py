@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Iterable
 
 from gpuwatch.agent.api import Detector, Finding
-from gpuwatch.agent.history import History
-from gpuwatch.detectors.thermal import increase
+from gpuwatch.agent.history import History, Series
+from gpuwatch.agent.metrics import GPU_NVLINK_ERRORS, GPU_NVLINK_UP
 
 KIND_ERRORS = "nvlink_errors"
 KIND_DOWN = "nvlink_down"
@@ -41,18 +41,16 @@ class NvlinkDetector(Detector):
         self.window = window  # a rise stays a finding this long
 
     def observe(self, history: History) -> Iterable[Finding]:
-        up = list(history.series("gpuwatch.gpu.nvlink.up"))
-        errors = list(history.series("gpuwatch.gpu.nvlink.errors"))
-        now = max((pts[-1][0] for _, pts in up + errors if pts), default=None)
+        now = history.newest(GPU_NVLINK_UP, GPU_NVLINK_ERRORS)
         if now is None:
             return []
-        return self._down(up) + self._errors(errors, now)
+        return self._down(history.select(GPU_NVLINK_UP)) + self._errors(history.select(GPU_NVLINK_ERRORS), now)
 
-    def _down(self, up: list) -> list[Finding]:
+    def _down(self, up: list[Series]) -> list[Finding]:
         out = []
-        for (_, gpu, labels), pts in up:
-            link = dict(labels).get("link", "")
-            if not pts or pts[-1][1] != 0:
+        for s in up:
+            gpu, link, pts = s.gpu, s.labels.get("link", ""), s.points
+            if s.latest != 0:
                 continue
             was_up = [t for t, v in pts if v == 1]
             if not was_up:
@@ -66,18 +64,17 @@ class NvlinkDetector(Detector):
                                ts=pts[-1][0]))
         return out
 
-    def _errors(self, errors: list, now: float) -> list[Finding]:
+    def _errors(self, errors: list[Series], now: float) -> list[Finding]:
         since = now - self.window
         rose: dict[tuple[str, str], dict[str, tuple[float, float]]] = {}
-        for (_, gpu, labels), pts in errors:
-            lab = dict(labels)
-            kind, link = lab.get("type", ""), lab.get("link", "")
-            if kind not in ERROR_WORDS or not pts:
+        for s in errors:
+            kind, link = s.labels.get("type"), s.labels.get("link", "")
+            if kind not in ERROR_WORDS:
                 continue
-            n = increase(pts, since)
+            n = s.increase(since)
             if n > 0:
-                span = min(self.window, now - pts[0][0]) or self.window
-                rose.setdefault((gpu, link), {})[kind] = (n, n / span)
+                span = min(self.window, now - s.points[0][0]) or self.window
+                rose.setdefault((s.gpu, link), {})[kind] = (n, n / span)
         out = []
         for (gpu, link), by_kind in sorted(rose.items()):
             kinds = sorted(by_kind, key=list(ERROR_WORDS).index)

@@ -20,24 +20,19 @@ from typing import Iterable, Sequence
 
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
-from gpuwatch.detectors.thermal import increase
+from gpuwatch.agent.metrics import (
+    NCCL_COLLECTIVES_COMPARED, NCCL_RANK_LAST, NCCL_RANK_LATENESS, NCCL_STRAGGLER_LATENESS,
+    PROCESS_CGROUP_CPU_THROTTLED_TIME, PROCESS_CPU_TIME, PROCESS_GPU_MEMORY_USAGE, PROCESS_PAGING_FAULTS,
+)
 
 KIND = "straggler_rank"
-COMPARED = "gpuwatch.nccl.collectives.compared"
-LAST = "gpuwatch.nccl.rank.last"
-LATENESS = "gpuwatch.nccl.rank.lateness"
-GPU_MEMORY = "gpuwatch.process.gpu.memory.usage"  # NVML: which GPUs the process is on
 
 
 def _rate(history: History, metric: str, pid: str, since: float, **labels: str) -> float | None:
     """The summed rate since `since` of a process's counter series with these labels; None when none
     has two points in the window. (since= hands over the point before the window too: each series'
     rate is over all the points it gives.)"""
-    rates = []
-    for (_, _, lab), pts in history.series(metric, since=since):
-        lab = dict(lab)
-        if lab.get("pid") == pid and all(lab.get(k) == v for k, v in labels.items()) and len(pts) >= 2:
-            rates.append(increase(pts, pts[0][0]) / (pts[-1][0] - pts[0][0]))
+    rates = [s.increase() / s.span for s in history.select(metric, since=since, pid=pid, **labels) if len(s) >= 2]
     return sum(rates) if rates else None
 
 
@@ -55,25 +50,25 @@ class StragglerDetector(Detector):
         self.min_lateness = min_lateness  # s after the rank before it, on average
 
     def observe(self, history: History) -> Iterable[Finding]:
-        now = max((pts[-1][0] for _, pts in history.series(COMPARED) if pts), default=None)
+        now = history.newest(NCCL_COLLECTIVES_COMPARED)
         if now is None:
             return []
         since = now - self.window
         compared = {}
-        for (_, _, labels), pts in history.series(COMPARED, since=since):
-            if pts and pts[-1][0] > since:
-                compared[dict(labels)["comm"]] = increase(pts, since)
+        for s in history.select(NCCL_COLLECTIVES_COMPARED, since=since):
+            if s and s.latest_ts > since:
+                compared[s.labels["comm"]] = s.increase(since)
         lateness = {}
-        for (_, _, labels), pts in history.series(LATENESS, since=since):
-            lab = dict(labels)
-            lateness[(lab["comm"], lab["rank"], lab["pid"])] = increase(pts, since)
+        for s in history.select(NCCL_RANK_LATENESS, since=since):
+            lab = s.labels
+            lateness[(lab["comm"], lab["rank"], lab["pid"])] = s.increase(since)
         out = []
-        for (_, _, labels), pts in history.series(LAST, since=since):
-            lab = dict(labels)
+        for s in history.select(NCCL_RANK_LAST, since=since):
+            lab = s.labels
             comm, n = lab["comm"], compared.get(lab["comm"], 0.0)
-            if n < self.min_compared or not pts or pts[-1][0] <= since:
+            if n < self.min_compared or not s or s.latest_ts <= since:
                 continue
-            last = increase(pts, since)
+            last = s.increase(since)
             if last <= 0 or last / n < self.share:
                 continue
             mean = lateness.get((comm, lab["rank"], lab["pid"]), 0.0) / last
@@ -87,14 +82,12 @@ class StragglerDetector(Detector):
         pid, rank = lab["pid"], lab["rank"]
         # its GPUs, the one it holds the most memory on first (NCCL's peer access puts a rank on its
         # peers' process lists too, with little memory)
-        held = {gpu: pts[-1][1] for (_, gpu, labels), pts in history.series(GPU_MEMORY, since=since)
-                if gpu and dict(labels).get("pid") == pid and pts and pts[-1][0] > since}
+        held = {s.gpu: s.latest for s in history.select(PROCESS_GPU_MEMORY_USAGE, since=since, pid=pid)
+                if s.gpu and s and s.latest_ts > since}
         gpus = sorted(held, key=lambda g: (-held[g], g))
-        host = {"cpu_seconds_per_second": _rate(history, "gpuwatch.process.cpu.time", pid, since),
-                "throttled_seconds_per_second": _rate(history, "gpuwatch.process.cgroup.cpu.throttled.time", pid,
-                                                      since),
-                "major_faults_per_second": _rate(history, "gpuwatch.process.paging.faults", pid, since,
-                                                 type="major")}
+        host = {"cpu_seconds_per_second": _rate(history, PROCESS_CPU_TIME, pid, since),
+                "throttled_seconds_per_second": _rate(history, PROCESS_CGROUP_CPU_THROTTLED_TIME, pid, since),
+                "major_faults_per_second": _rate(history, PROCESS_PAGING_FAULTS, pid, since, type="major")}
         who = f"rank {rank}" if rank else "a rank"
         on = f" on GPU {', '.join(gpus)}" if gpus else ""
         process = lab.get("process", "")
@@ -113,7 +106,7 @@ class StragglerDetector(Detector):
     @staticmethod
     def samples(findings: Sequence[Finding]) -> list[Sample]:
         """The findings as metrics, for alert rules."""
-        return [Sample("gpuwatch.nccl.straggler.lateness", f.attrs["lateness_seconds"], f.resource,
+        return [Sample(NCCL_STRAGGLER_LATENESS, f.attrs["lateness_seconds"], f.resource,
                        {"comm": f.attrs["comm"], "rank": f.attrs["rank"], "pid": f.attrs["pid"],
                         "process": f.attrs["process"]}, f.ts)
                 for f in findings if f.kind == KIND]

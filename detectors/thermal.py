@@ -10,10 +10,14 @@ Pure: observe(history) reads series and returns findings.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from gpuwatch.agent.api import Detector, Finding
 from gpuwatch.agent.history import History
+from gpuwatch.agent.metrics import (
+    GPU_CLOCK_EVENT_DURATION, GPU_REMAPPED_ROWS, GPU_REMAPPED_ROWS_FAILURE, GPU_REMAPPED_ROWS_PENDING, GPU_UP, GPU_XID,
+    HW_ERRORS, HW_TEMPERATURE, HW_TEMPERATURE_LIMIT, PROCESS_GPU_MEMORY_USAGE,
+)
 
 # Clock-event reasons that cost performance (idle, application clocks, sync boost do not).
 THROTTLE_REASONS = {
@@ -23,24 +27,6 @@ THROTTLE_REASONS = {
     "hw_slowdown": "hardware slowdown (thermal or power brake asserted by the board)",
 }
 HW_REASONS = {"hw_thermal_slowdown", "hw_power_brake_slowdown", "hw_slowdown"}
-
-
-def increase(points: Sequence[tuple[float, float]], since: float) -> float:
-    """A counter's increase since `since`: the sum of its rises (a reset to a lower value is not one)."""
-    pts = [(t, v) for t, v in points if t >= since]
-    before = [v for t, v in points if t < since]
-    if before:
-        pts.insert(0, (since, before[-1]))
-    return sum(max(0.0, b - a) for (_, a), (_, b) in zip(pts, pts[1:]))
-
-
-def first_rise(points: Sequence[tuple[float, float]], since: float) -> float | None:
-    prev = None
-    for t, v in points:
-        if prev is not None and v > prev and t >= since:
-            return t
-        prev = v
-    return None
 
 
 class ThermalDetector(Detector):
@@ -58,16 +44,16 @@ class ThermalDetector(Detector):
         self.min_throttle_seconds = min_throttle_seconds
 
     def observe(self, history: History) -> Iterable[Finding]:
-        now = max((pts[-1][0] for _, pts in history.series("gpuwatch.gpu.up") if pts), default=None)
+        now = history.newest(GPU_UP)
         if now is None:
             return []
         out: list[Finding] = []
-        for (_, gpu, _), pts in history.series("gpuwatch.gpu.up"):
-            if pts and pts[-1][1] == 0:
-                out.append(Finding("gpu_lost", gpu, "critical",
-                                   f"GPU {gpu} does not answer (fell off the bus, or the driver lost it); its "
+        for s in history.select(GPU_UP):
+            if s.latest == 0:
+                out.append(Finding("gpu_lost", s.gpu, "critical",
+                                   f"GPU {s.gpu} does not answer (fell off the bus, or the driver lost it); its "
                                    f"work is gone: drain the node and check the kernel log for XID 79",
-                                   {"id": "lost"}, ts=pts[-1][0]))
+                                   {"id": "lost"}, ts=s.latest_ts))
         out += self._throttling(history, now)
         out += self._temperature(history)
         out += self._xids(history, now)
@@ -76,12 +62,12 @@ class ThermalDetector(Detector):
 
     def _throttling(self, history: History, now: float) -> list[Finding]:
         out = []
-        for (_, gpu, labels), pts in history.series("gpuwatch.gpu.clock_event.duration"):
-            reason = dict(labels).get("reason", "")
+        for s in history.select(GPU_CLOCK_EVENT_DURATION):
+            gpu, reason = s.gpu, s.labels.get("reason")
             if reason not in THROTTLE_REASONS:
                 continue
-            span = min(self.window, now - pts[0][0]) if pts else 0.0
-            throttled = increase(pts, now - self.window)
+            span = min(self.window, now - s.points[0][0])  # (History's series always hold a point)
+            throttled = s.increase(now - self.window)
             if span <= 0 or throttled < self.min_throttle_seconds:
                 continue
             share = min(1.0, throttled / span)
@@ -94,38 +80,38 @@ class ThermalDetector(Detector):
         return out
 
     def _temperature(self, history: History) -> list[Finding]:
-        limits = {gpu: pts[-1][1] for (_, gpu, labels), pts in history.series("hw.temperature.limit")
-                  if pts and dict(labels).get("threshold") == "slowdown"}
+        limits = {s.gpu: s.latest for s in history.select(HW_TEMPERATURE_LIMIT, threshold="slowdown")}
         out = []
-        for (_, gpu, labels), pts in history.series("hw.temperature"):
-            if not pts or dict(labels).get("sensor") != "gpu" or gpu not in limits:
+        for s in history.select(HW_TEMPERATURE, sensor="gpu"):
+            gpu = s.gpu
+            if gpu not in limits:
                 continue
-            temp, limit = pts[-1][1], limits[gpu]
+            temp, limit = s.latest, limits[gpu]
             if limit - temp < self.margin_celsius:
                 out.append(Finding("thermal_margin", gpu, "critical" if temp >= limit else "warning",
                                    f"GPU {gpu} is at {temp:.0f} °C, {limit - temp:.0f} °C from its slowdown "
                                    f"threshold ({limit:.0f} °C): check its cooling and airflow",
                                    {"id": "slowdown", "celsius": temp, "slowdown_celsius": limit,
-                                    "margin_celsius": limit - temp}, ts=pts[-1][0]))
+                                    "margin_celsius": limit - temp}, ts=s.latest_ts))
         return out
 
     def _processes_at(self, history: History, gpu: str, t: float) -> list[dict]:
         """The processes that had memory on `gpu` around time t (the XID's likely victims)."""
         out = []
-        for (_, g, labels), pts in history.series("gpuwatch.process.gpu.memory.usage", gpu):
-            lab = dict(labels)
-            if lab.get("pid") not in (None, "other") and any(abs(pt - t) <= 10 for pt, _ in pts):
+        for s in history.select(PROCESS_GPU_MEMORY_USAGE, gpu=gpu):
+            lab = s.labels
+            if lab.get("pid") not in (None, "other") and any(abs(pt - t) <= 10 for pt, _ in s.points):
                 out.append({"pid": lab["pid"], "process": lab.get("process", "")})
         return sorted(out, key=lambda p: p["pid"])
 
     def _xids(self, history: History, now: float) -> list[Finding]:
         out = []
-        for (_, gpu, labels), pts in history.series("gpuwatch.gpu.xid"):
-            xid = dict(labels).get("xid", "")
-            n = increase(pts, now - self.event_window)
+        for s in history.select(GPU_XID):
+            gpu, xid = s.gpu, s.labels.get("xid", "")
+            n = s.increase(now - self.event_window)
             if n <= 0:
                 continue
-            t = first_rise(pts, now - self.event_window) or now
+            t = s.first_rise(now - self.event_window) or now
             procs = self._processes_at(history, gpu, t)
             who = ", ".join(f"{p['pid']} ({p['process']})" for p in procs) or "no process seen"
             out.append(Finding("xid", gpu, "critical",
@@ -136,30 +122,27 @@ class ThermalDetector(Detector):
 
     def _ecc_and_rows(self, history: History, now: float) -> list[Finding]:
         out = []
-        for (_, gpu, labels), pts in history.series("hw.errors"):
-            lab = dict(labels)
-            if lab.get("type") != "uncorrected" or lab.get("counter") != "volatile":
-                continue
-            n = increase(pts, now - self.event_window)
+        for s in history.select(HW_ERRORS, type="uncorrected", counter="volatile"):
+            n = s.increase(now - self.event_window)
             if n > 0:
-                out.append(Finding("ecc_uncorrected", gpu, "critical",
-                                   f"GPU {gpu} had {n:.0f} uncorrectable ECC errors in the last "
+                out.append(Finding("ecc_uncorrected", s.gpu, "critical",
+                                   f"GPU {s.gpu} had {n:.0f} uncorrectable ECC errors in the last "
                                    f"{self.event_window / 60:.0f} min: the work on it may have read corrupt "
                                    f"memory; drain it", {"id": "uncorrected", "count": n}, ts=now))
-        for (_, gpu, labels), pts in history.series("gpuwatch.gpu.remapped_rows"):
-            cause = dict(labels).get("cause", "")
-            n = increase(pts, now - self.event_window)
+        for s in history.select(GPU_REMAPPED_ROWS):
+            cause = s.labels.get("cause", "")
+            n = s.increase(now - self.event_window)
             if n > 0:
-                out.append(Finding("rows_remapped", gpu, "warning",
-                                   f"GPU {gpu} remapped {n:.0f} memory row(s) ({cause} errors) in the last "
+                out.append(Finding("rows_remapped", s.gpu, "warning",
+                                   f"GPU {s.gpu} remapped {n:.0f} memory row(s) ({cause} errors) in the last "
                                    f"{self.event_window / 60:.0f} min: the new mapping takes effect after a reset",
                                    {"id": cause, "cause": cause, "count": n}, ts=now))
         for metric, kind, severity, text in (
-                ("gpuwatch.gpu.remapped_rows.failure", "row_remap_failure", "critical",
+                (GPU_REMAPPED_ROWS_FAILURE, "row_remap_failure", "critical",
                  "could not remap a faulty memory row: drain it and RMA"),
-                ("gpuwatch.gpu.remapped_rows.pending", "row_remap_pending", "warning",
+                (GPU_REMAPPED_ROWS_PENDING, "row_remap_pending", "warning",
                  "has a memory row remap waiting for a GPU reset: drain and reset it")):
-            for (_, gpu, _), pts in history.series(metric):
-                if pts and pts[-1][1] == 1:
-                    out.append(Finding(kind, gpu, severity, f"GPU {gpu} {text}", {"id": kind}, ts=pts[-1][0]))
+            for s in history.select(metric):
+                if s.latest == 1:
+                    out.append(Finding(kind, s.gpu, severity, f"GPU {s.gpu} {text}", {"id": kind}, ts=s.latest_ts))
         return out

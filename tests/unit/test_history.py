@@ -1,6 +1,15 @@
 """History: bounded series, and reading only a window of them."""
 from gpuwatch.agent.api import Sample
-from gpuwatch.agent.history import History
+from gpuwatch.agent.history import History, Series
+
+
+# The counter arithmetic on bare points (moved here from the thermal detector's tests with the code).
+def increase(points, since):
+    return Series(list(points)).increase(since)
+
+
+def first_rise(points, since):
+    return Series(list(points)).first_rise(since)
 
 
 def test_series_since_gives_the_window_and_the_point_before_it():
@@ -32,3 +41,102 @@ def test_a_process_series_expires_after_ten_minutes_other_series_after_an_hour()
     assert h.expire(599.0) == 0 and len(h) == 2
     assert h.expire(601.0) == 1 and [k[0] for k, _ in h.series("hw.power")] == ["hw.power"]
     assert h.expire(3601.0) == 1 and len(h) == 0 and h.evicted["expired"] == 2
+
+
+def test_counter_increase_ignores_resets():
+    pts = [(0, 5.0), (1, 7.0), (2, 1.0), (3, 4.0)]  # a restart between 1 and 2
+    assert increase(pts, 0) == 2 + 3
+    assert increase(pts, 2.5) == 3
+
+
+def test_increase_starts_from_the_last_value_before_the_window():
+    # before since=100: 0 then 20 (the last one counts); inside: 40, 120, 170 -> 20 + 80 + 50
+    pts = [(0, 0.0), (50, 20.0), (150, 40.0), (250, 120.0), (400, 170.0)]
+    assert increase(pts, 100) == 150
+    assert increase(pts, 150) == 150  # a point at `since` is in the window: 20 (before) -> 40 -> 120 -> 170
+    assert increase(pts, 0) == 170  # nothing before: from the first point
+    assert increase(pts, 401) == 0  # nothing inside: no rise
+    assert increase([(0, 3.0), (1, 3.0), (2, 3.0)], 0) == 0  # flat is no rise
+
+
+def test_first_rise_is_the_first_increase_at_or_after_since():
+    pts = [(0, 1.0), (5, 1.0), (10, 2.0), (15, 3.0)]
+    assert first_rise(pts, 0) == 10  # 1 -> 1 is no rise
+    assert first_rise(pts, 10) == 10  # at since counts
+    assert first_rise(pts, 11) == 15
+    assert first_rise(pts, 16) is None
+    assert first_rise([(0, 5.0), (1, 2.0), (2, 3.0)], 0) == 2  # after a reset, the rise from the lower value
+    assert first_rise([(3, 7.0)], 0) is None  # a first point is no rise
+
+
+# --- storage bounds, and the series API (issue 32: its mutants) -------------------------------------
+
+def power(ts, value=1.0, gpu="GPU-a", **labels):
+    return Sample("hw.power", value, gpu, labels, ts)
+
+
+def test_append_skips_points_not_newer_and_re_emitted_ones_but_keeps_the_rest_of_the_batch():
+    assert History().maxlen == 720  # points per series by default
+    h = History(maxlen=3)
+    h.append([power(10.0), power(11.0, gpu="GPU-b"), power(12.0, gpu="GPU-c")], newer_than=11.0)
+    assert [s.gpu for s in h.select("hw.power")] == ["GPU-c"]  # 10 and 11 are not newer; 12 after them is kept
+    # the value of the newest point equals the next time: still a new point; a repeated time is not
+    h.append([power(12.0, gpu="GPU-c"), power(13.0, 12.0, gpu="GPU-c"), power(13.0, gpu="GPU-c"),
+              power(14.0, gpu="GPU-d")])
+    assert h.select("hw.power", gpu="GPU-c")[0].points == [(12.0, 1.0), (13.0, 12.0)]
+    assert [s.gpu for s in h.select("hw.power")] == ["GPU-c", "GPU-d"]
+    h.append([power(t, gpu="GPU-c") for t in (15.0, 16.0, 17.0)])
+    assert h.select("hw.power", gpu="GPU-c")[0].points == [(15.0, 1.0), (16.0, 1.0), (17.0, 1.0)]  # maxlen
+
+
+def test_the_cap_forgets_a_sixteenth_oldest_newest_point_first(caplog):
+    h = History(max_series=32)
+    # keys sort the other way round from their newest points: the order must come from the points
+    h.append([power(1000.0 - i, gpu=f"GPU-{i:02d}") for i in range(32)])
+    h.append([power(2000.0, gpu="GPU-new")])
+    gone = {f"GPU-{i:02d}" for i in (30, 31)}  # 32 // 16 = 2, the two with the oldest points
+    assert {s.gpu for s in h.select("hw.power")} == {f"GPU-{i:02d}" for i in range(32)} - gone | {"GPU-new"}
+    assert h.evicted["cap"] == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "history holds 32 series, its cap: the oldest are forgotten (counted in "
+        "gpuwatch_history_series_evicted_total{reason=\"cap\"}; not logged again)"]
+    small = History(max_series=8)  # under 16 series: one at a time
+    small.append([power(float(i), gpu=f"GPU-{i}") for i in range(9)])
+    assert len(small) == 8 and small.evicted["cap"] == 1
+
+
+def test_expiry_at_its_limit_and_by_the_pid_label_only():
+    h = History(expire_after=100.0, process_expire_after=10.0)
+    h.append([power(0.0, gpu="GPU-a", sensor="x"), power(0.0, gpu="GPU-b", pid="7"), power(50.0, gpu="GPU-c")])
+    assert h.expire(10.0) == 0  # exactly its limit: kept
+    assert h.expire(10.5) == 1 and {s.gpu for s in h.select("hw.power")} == {"GPU-a", "GPU-c"}
+    assert h.expire(100.0) == 0 and h.expire(100.5) == 1 and [s.gpu for s in h.select("hw.power")] == ["GPU-c"]
+
+
+def test_shift_moves_every_point_and_keeps_the_bound():
+    h = History(maxlen=2)
+    h.append([power(10.0), power(11.0)])
+    h.shift(-5.0)
+    h.append([power(7.0)])
+    assert h.select("hw.power")[0].points == [(6.0, 1.0), (7.0, 1.0)]
+
+
+def test_select_newest_and_windows_keep_what_the_series_is():
+    h = History()
+    h.append([Sample("hw.energy", 1.0, "GPU-a", {}, 500.0), power(10.0, sensor="x"), power(20.0, gpu="GPU-b")])
+    assert h.newest("hw.power") == 20.0 and h.newest("hw.energy", "hw.power") == 500.0 and h.newest("nothing") is None
+    (s,) = h.select("hw.power", sensor="x")
+    assert (s.metric, s.gpu, s.labels, s.latest, s.latest_ts, len(s)) == ("hw.power", "GPU-a", {"sensor": "x"}, 1.0,
+                                                                          10.0, 1)
+    w = s.window(10.0)
+    assert (w.metric, w.gpu, w.labels, w.points) == ("hw.power", "GPU-a", {"sensor": "x"}, [(10.0, 1.0)])
+    assert s.window(10.5).points == [] and s.window(10.5).latest is None and s.window(10.5).span == 0.0
+
+
+def test_select_of_one_gpu_with_a_window():
+    h = History()
+    h.append([power(10.0, gpu="GPU-a"), power(10.0, gpu="GPU-b"), power(10.0, gpu="")])
+    h.append([power(20.0, 2.0, gpu="GPU-a"), power(20.0, 2.0, gpu="GPU-b"), power(20.0, 2.0, gpu="")])
+    assert [(s.gpu, s.points) for s in h.select("hw.power", gpu="GPU-b", since=20.0)] == [
+        ("GPU-b", [(10.0, 1.0), (20.0, 2.0)])]
+    assert [s.gpu for s in h.select("hw.power", gpu="", since=15.0)] == [""]

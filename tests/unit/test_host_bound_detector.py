@@ -5,9 +5,9 @@ busy and a process with no host series have no finding."""
 import pytest
 
 from gpuwatch.agent import metrics
-from gpuwatch.agent.history import History
+from gpuwatch.agent.history import History, Series
 from gpuwatch.agent.api import Sample
-from gpuwatch.detectors.host_bound import MIB, HostBoundDetector, _count, counter_rate, typical_rate
+from gpuwatch.detectors.host_bound import MIB, HostBoundDetector, _count
 
 GIB = 1 << 30
 GPU = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"
@@ -236,6 +236,14 @@ def test_a_process_that_stopped_reporting_has_no_finding():
 
 
 # --- counters -------------------------------------------------------------------------------------
+
+def counter_rate(points, t0, t1):  # the rates live on History's series (agent/history.py)
+    return Series(list(points)).rate(t0, t1)
+
+
+def typical_rate(points, t0, t1):
+    return Series(list(points)).typical_rate(t0, t1)
+
 
 def test_counter_rate_skips_a_reset_and_its_interval():
     pts = [(0.0, 100.0), (10.0, 200.0), (20.0, 5.0), (30.0, 105.0), (40.0, 205.0)]

@@ -80,6 +80,9 @@ def test_a_link_that_was_up_and_went_down_is_critical_one_never_up_is_not():
     # back up: no finding
     h = history(100, up=lambda i, link: 0 if 40 <= i < 60 else 1)
     assert found(h) == []
+    # a driver that gives no error counters: a link down is still found
+    h = history(100, errors=lambda i, link, kind: None, up=lambda i, link: 0 if link == 0 and i >= 60 else 1)
+    assert found(h) == [("nvlink_down", "0", "critical")]
 
 
 def test_kinds_and_needs():

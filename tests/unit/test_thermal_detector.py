@@ -1,7 +1,7 @@
 """Thermal and error findings on series shaped like the NVML probe's, and none on the H200 recording."""
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.history import History
-from gpuwatch.detectors.thermal import ThermalDetector, increase
+from gpuwatch.detectors.thermal import ThermalDetector
 from gpuwatch.probes.nvml.replay import ReplayBackend
 from tests.conftest import FIXTURE
 
@@ -26,12 +26,6 @@ def history(seconds, **series):
 
 def kinds(findings):
     return sorted((f.kind, f.attrs["id"], f.severity) for f in findings)
-
-
-def test_counter_increase_ignores_resets():
-    pts = [(0, 5.0), (1, 7.0), (2, 1.0), (3, 4.0)]  # a restart between 1 and 2
-    assert increase(pts, 0) == 2 + 3
-    assert increase(pts, 2.5) == 3
 
 
 def test_thermal_throttling_and_margin():
@@ -88,7 +82,6 @@ def test_the_recorded_h200_under_load_has_no_findings():
 
 # Exact findings at and around each threshold, on hand-placed points (dt: seconds after T0).
 from gpuwatch.agent.api import Finding  # noqa: E402
-from gpuwatch.detectors.thermal import first_rise  # noqa: E402
 
 OTHER = "GPU-00000000-0000-0000-0000-000000000001"
 HW_THERMAL = "hardware thermal slowdown (the GPU is too hot: clocks cut hard)"
@@ -107,26 +100,6 @@ def points(up=(0, 400), *series):
 
 def throttle(reason, pts):
     return ("gpuwatch.gpu.clock_event.duration", {"reason": reason}, pts)
-
-
-def test_increase_starts_from_the_last_value_before_the_window():
-    # before since=100: 0 then 20 (the last one counts); inside: 40, 120, 170 -> 20 + 80 + 50
-    pts = [(0, 0.0), (50, 20.0), (150, 40.0), (250, 120.0), (400, 170.0)]
-    assert increase(pts, 100) == 150
-    assert increase(pts, 150) == 150  # a point at `since` is in the window: 20 (before) -> 40 -> 120 -> 170
-    assert increase(pts, 0) == 170  # nothing before: from the first point
-    assert increase(pts, 401) == 0  # nothing inside: no rise
-    assert increase([(0, 3.0), (1, 3.0), (2, 3.0)], 0) == 0  # flat is no rise
-
-
-def test_first_rise_is_the_first_increase_at_or_after_since():
-    pts = [(0, 1.0), (5, 1.0), (10, 2.0), (15, 3.0)]
-    assert first_rise(pts, 0) == 10  # 1 -> 1 is no rise
-    assert first_rise(pts, 10) == 10  # at since counts
-    assert first_rise(pts, 11) == 15
-    assert first_rise(pts, 16) is None
-    assert first_rise([(0, 5.0), (1, 2.0), (2, 3.0)], 0) == 2  # after a reset, the rise from the lower value
-    assert first_rise([(3, 7.0)], 0) is None  # a first point is no rise
 
 
 def test_detector_name_and_interval():
@@ -251,6 +224,9 @@ def test_temperature_without_a_slowdown_limit_is_not_judged():
                ("hw.temperature.limit", {"threshold": "shutdown"}, [(10, 95)]),
                ("hw.temperature.limit", {"threshold": "slowdown"}, [(10, 89)], OTHER))
     assert list(ThermalDetector().observe(h)) == []
+    # ...while the next GPU's, which has one, still is
+    h.append([Sample("hw.temperature", 88.0, OTHER, {"sensor": "gpu"}, T0 + 50)])
+    assert [(f.kind, f.resource) for f in ThermalDetector().observe(h)] == [("thermal_margin", OTHER)]
 
 
 def xids(xid_pts, *more, up=(0, 1000), **kw):
