@@ -20,14 +20,15 @@ What is normalised, because it measures this run rather than the code:
   *_timestamp_seconds (when this run loaded its config),
 - the version and python labels of gpuwatch_build_info (the build, not the behaviour),
 - the process_* and python_* families, should a collector add them (the agent's own RSS, CPU, start time).
+- the value of gpuwatch_history_series (it counts the series dropped below).
 Each such value becomes "<normalised>"; the lines stay, so a family that appears or goes shows.
-- dropped: the gpuwatch_node_process_* families (the page-cache probe's busiest readers of this node,
-  any process: the test run beside it), and so the value of gpuwatch_history_series (which counts them).
+Dropped: the gpuwatch_node_process_* families (the page-cache probe's busiest readers of this node,
+any process: whatever else runs beside it). Samples carry no timestamps in this format.
 
-What is pointed away from this machine: the eBPF probe attaches to ebpf.library, set to the fixture
-(not an ELF file: it attaches nothing) rather than to whatever libcuda this machine's processes map.
-Samples carry no timestamps in this format. Not normalised, but said on stderr: a recorded pid that
-names a live process on this machine (the host-side probes would read it).
+Pointed away from this machine: the eBPF probe attaches to ebpf.library, set to the fixture (not an
+ELF file: it attaches nothing), not to whatever libcuda this machine's processes map. Not
+normalised, but said on stderr: a recorded pid that names a live process here (the host-side
+probes would read it).
 """
 from __future__ import annotations
 
