@@ -31,6 +31,7 @@ from typing import Iterable, Mapping, Sequence
 
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
+from gpuwatch.agent.registry import DetectorEntry
 from gpuwatch.agent.trace.render import fmt_bytes
 
 KIND = "host_bound"
@@ -377,3 +378,5 @@ class HostBoundDetector(Detector):
                        {"pid": str(f.attrs["pid"]), "process": f.attrs["process"], "cause": f.attrs["cause"]}, f.ts)
                 for f in findings if f.kind == KIND]
 
+
+DETECTOR = DetectorEntry(HostBoundDetector.name, "", HostBoundDetector.kinds, 50, lambda ctx: HostBoundDetector())

@@ -16,6 +16,7 @@ from typing import Iterable
 
 from gpuwatch.agent.api import Detector, Finding
 from gpuwatch.agent.history import History
+from gpuwatch.agent.registry import DetectorEntry
 from gpuwatch.detectors.thermal import increase
 
 # Launch calls that start one kernel each (a graph launch starts many: it is the cure, not the disease).
@@ -130,3 +131,6 @@ class LaunchDetector(Detector):
                                    {"id": name, "pid": pid, "process": process, "kernel": name, "share": share},
                                    ts=now))
         return out
+
+
+DETECTOR = DetectorEntry(LaunchDetector.name, "", LaunchDetector.kinds, 30, lambda ctx: LaunchDetector())

@@ -37,6 +37,7 @@ from typing import Iterable, Mapping, Sequence
 from gpuwatch.agent import own
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
+from gpuwatch.agent.registry import DetectorEntry
 from gpuwatch.agent.trace.render import fmt_bytes
 
 WHITE, GREY, BLACK = "white", "grey", "black"
@@ -421,3 +422,7 @@ class LeakDetector(Detector):
                 out.append(Sample("gpuwatch.leak.time_to_oom", f.attrs["time_to_oom_seconds"], f.resource, labels,
                                   f.ts))
         return out
+
+
+DETECTOR = DetectorEntry(LeakDetector.name, "", LeakDetector.kinds, 10,
+                         lambda ctx: LeakDetector(allocators=ctx.allocators))

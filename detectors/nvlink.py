@@ -13,6 +13,7 @@ from typing import Iterable
 
 from gpuwatch.agent.api import Detector, Finding
 from gpuwatch.agent.history import History
+from gpuwatch.agent.registry import DetectorEntry
 from gpuwatch.detectors.thermal import increase
 
 KIND_ERRORS = "nvlink_errors"
@@ -92,3 +93,6 @@ class NvlinkDetector(Detector):
                                 "rate_per_second": {k: by_kind[k][1] for k in kinds},
                                 "window_seconds": self.window}, ts=now))
         return out
+
+
+DETECTOR = DetectorEntry(NvlinkDetector.name, "", NvlinkDetector.kinds, 70, lambda ctx: NvlinkDetector())

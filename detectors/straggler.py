@@ -20,6 +20,7 @@ from typing import Iterable, Sequence
 
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
+from gpuwatch.agent.registry import DetectorEntry
 from gpuwatch.detectors.thermal import increase
 
 KIND = "straggler_rank"
@@ -131,3 +132,6 @@ def _host_words(host: dict) -> str:
     if faults:
         words.append(f"made {faults:.0f} major page faults/s")
     return ", ".join(words)
+
+
+DETECTOR = DetectorEntry(StragglerDetector.name, "", StragglerDetector.kinds, 60, lambda ctx: StragglerDetector())

@@ -14,6 +14,7 @@ from typing import Iterable, Sequence
 
 from gpuwatch.agent.api import Detector, Finding
 from gpuwatch.agent.history import History
+from gpuwatch.agent.registry import DetectorEntry
 
 # Clock-event reasons that cost performance (idle, application clocks, sync boost do not).
 THROTTLE_REASONS = {
@@ -163,3 +164,6 @@ class ThermalDetector(Detector):
                 if pts and pts[-1][1] == 1:
                     out.append(Finding(kind, gpu, severity, f"GPU {gpu} {text}", {"id": kind}, ts=pts[-1][0]))
         return out
+
+
+DETECTOR = DetectorEntry(ThermalDetector.name, "", ThermalDetector.kinds, 20, lambda ctx: ThermalDetector())

@@ -19,6 +19,7 @@ from gpuwatch.agent import daemon as daemon_mod
 from gpuwatch.agent import trace
 from gpuwatch.agent.trace import session, summary
 from gpuwatch.agent.api import Probe, ProbeNotRunning
+from gpuwatch.agent.registry import ProbeEntry
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred, parse_params
 from gpuwatch.agent.wire import PidParams
 from gpuwatch.probes.ebpf import loader
@@ -441,7 +442,8 @@ def agent(tmp_path, monkeypatch):
     made = []
 
     def make(probe: Probe | None):
-        monkeypatch.setattr(daemon_mod, "build_probes", lambda cfg: [probe] if probe is not None else [])
+        monkeypatch.setattr(daemon_mod, "probe_entries",
+                            lambda: [ProbeEntry("ebpf", "ebpf", 20, lambda ctx: probe)])
         # A state directory each: a Daemon holds its directory's lock (agent.lock) for its life.
         cfg = config_mod.load("", {"agent.state_dir": str(tmp_path / f"state{len(made)}"),
                                    "agent.runtime_dir": str(tmp_path),
