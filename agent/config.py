@@ -23,6 +23,7 @@ import textwrap
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
 
+from gpuwatch.agent.allocators import parse_pool_libraries
 from gpuwatch.agent.api import GpuwatchError
 
 if sys.version_info >= (3, 11):
@@ -99,8 +100,6 @@ def _process_names(v: str) -> str:
 
 
 def _pool_libraries(v: str) -> str:
-    from gpuwatch.probes.ebpf.pools import parse_pool_libraries
-
     parse_pool_libraries(v)
     return ",".join(e.strip() for e in v.split(",") if e.strip())
 
@@ -123,15 +122,37 @@ def _optional_abs_path(v: str) -> str:
     return _abs_path(v) if v else ""
 
 
-def _otlp_endpoint(v: str) -> str:
-    from gpuwatch.exporters.otlp import check_endpoint
+def parse_headers(text: str) -> dict[str, str]:
+    """"key=value,key2=value2" (OTEL_EXPORTER_OTLP_HEADERS' format, values URL-encoded) -> dict.
+    ValueError says what is wrong."""
+    from urllib.parse import unquote
 
-    return check_endpoint(v)
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"expected key=value pairs separated by commas, got {item!r}")
+        out[key.strip().lower()] = unquote(value.strip())
+    return out
+
+
+def check_endpoint(url: str) -> str:
+    """An OTLP endpoint URL: http(s)://host:port[/path]. ValueError otherwise."""
+    from urllib.parse import urlsplit
+
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected http://HOST:PORT or https://HOST:PORT, got {url!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    return url
 
 
 def _otlp_headers(v: str) -> str:
-    from gpuwatch.exporters.otlp import parse_headers
-
     parse_headers(v)
     return v
 
@@ -360,7 +381,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("otlp", "endpoint", str, "",
             "Receiver URL. Empty: http://localhost:4317 (grpc) or http://localhost:4318 (http; /v1/metrics and "
             "/v1/logs are appended).",
-            "--otlp-endpoint", "http(s)://HOST:PORT, or empty", _otlp_endpoint),
+            "--otlp-endpoint", "http(s)://HOST:PORT, or empty", check_endpoint),
     Setting("otlp", "protocol", str, "grpc", "OTLP transport: grpc, or http (protobuf over HTTP).",
             "--otlp-protocol", "grpc or http", _one_of(("grpc", "http"))),
     Setting("otlp", "interval", float, 10.0, "Seconds between metric exports.",

@@ -253,7 +253,7 @@ class Daemon(Handlers):
             from gpuwatch.exporters.prometheus import PrometheusStatsProbe
 
             http = PrometheusStatsProbe(self.exporters[0])  # gpuwatch_http_*: the first exporter made
-        from gpuwatch.probes.ebpf.pools import names, pool_table
+        from gpuwatch.agent.allocators import names, pool_table
 
         # The agent's own probes, placed among the packages' (their orders: probes/*/__init__.py):
         # what it keeps for users, what its exporters and control socket did, its config reloads.

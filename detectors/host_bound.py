@@ -32,7 +32,7 @@ from typing import Iterable, Mapping, Sequence
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
 from gpuwatch.agent.registry import DetectorEntry
-from gpuwatch.agent.trace.render import fmt_bytes
+from gpuwatch.agent.logs import fmt_bytes
 
 KIND = "host_bound"
 MIB = 1 << 20

@@ -38,7 +38,7 @@ from gpuwatch.agent import own
 from gpuwatch.agent.api import Detector, Finding, Sample
 from gpuwatch.agent.history import History
 from gpuwatch.agent.registry import DetectorEntry
-from gpuwatch.agent.trace.render import fmt_bytes
+from gpuwatch.agent.logs import fmt_bytes
 
 WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"

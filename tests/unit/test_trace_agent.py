@@ -16,6 +16,7 @@ import pytest
 
 from gpuwatch.agent import config as config_mod
 from gpuwatch.agent import daemon as daemon_mod
+from gpuwatch.agent import handlers as handlers_mod
 from gpuwatch.agent import trace
 from gpuwatch.agent.trace import session, summary
 from gpuwatch.agent.api import Probe, ProbeNotRunning
@@ -512,7 +513,7 @@ def test_snapshot_when_the_probe_is_disabled_or_down(agent):
 
 
 def test_snapshot_while_the_probe_starts_is_busy_not_stuck(agent, monkeypatch):
-    monkeypatch.setattr(daemon_mod, "TRACE_LOCK_WAIT", 0.05)
+    monkeypatch.setattr(handlers_mod, "TRACE_LOCK_WAIT", 0.05)
     probe = EbpfCudaProbe(libraries=[MISSING])
     d = agent(probe)
     held, done = threading.Event(), threading.Event()
