@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent.api import Event, GpuwatchError, Probe
-from gpuwatch.agent.config import ConfigError, changed_settings, load
+from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
 from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe
 from gpuwatch.agent.handlers import Handlers
