@@ -12,7 +12,6 @@ start with the file (or flag), the key and the reason.
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import grp
 import ipaddress
 import math
@@ -22,8 +21,9 @@ import stat
 import sys
 import textwrap
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
+from gpuwatch.agent.allocators import parse_pool_libraries
 from gpuwatch.agent.api import GpuwatchError
 
 if sys.version_info >= (3, 11):
@@ -99,82 +99,6 @@ def _process_names(v: str) -> str:
     return ",".join(names)
 
 
-# The pool allocators gpuwatch knows and ebpf.pool_libraries, which adds to them: the eBPF probe tells
-# them apart by the libraries on an allocating stack (probes/ebpf/pools.py), the leak detector names them.
-OUTSIDE = "none"  # not a pool: plain cuMemAlloc/cudaMalloc calls outside any allocator
-_NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
-# Libraries on (nearly) every allocating stack: a configured glob must not match them.
-_EVERYONES = ("/usr/local/cuda/lib64/libcudart.so.13", "/usr/lib/x86_64-linux-gnu/libc.so.6",
-              "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/bin/python3.12", "/usr/lib/libpython3.12.so.1.0")
-
-
-@dataclass(frozen=True)
-class Pool:
-    allocator: str  # the `allocator` label of gpuwatch.process.cuda.memory.pooled
-    name: str  # for people, in findings
-    patterns: tuple[str, ...]  # globs on a file's basename; with a "/", on the end of its path
-
-    def matches(self, path: str) -> bool:
-        base = path.rsplit("/", 1)[-1]
-        return any(fnmatch.fnmatchcase(path, "*/" + p) if "/" in p else fnmatch.fnmatchcase(base, p)
-                   for p in self.patterns)
-
-
-# The allocators we know, by where their code lives (wheels and conda packages of 2024-2026).
-POOLS: tuple[Pool, ...] = (
-    Pool("pytorch", "PyTorch caching allocator (libc10_cuda)", ("libc10_cuda.so*",)),
-    Pool("cupy", "CuPy memory pool (cupy.cuda.memory)", ("cupy/cuda/memory.*so", "cupy/cuda/memory.so")),
-    # jaxlib < 0.6: xla_extension.so; >= 0.6: jaxlib/_jax.*.so; the CUDA plugin carries the GPU allocator.
-    Pool("xla", "XLA BFC allocator (jaxlib)", ("xla_extension*.so*", "jaxlib/_jax*.so", "xla_cuda_plugin*.so*",
-                                               "libjax_common*.so*")),
-    Pool("rmm", "RAPIDS Memory Manager (librmm)", ("librmm.so*", "rmm/*memory_resource*.so")),
-    Pool("tensorflow", "TensorFlow BFC allocator (libtensorflow_framework)",
-         ("libtensorflow_framework.so*", "_pywrap_tensorflow_internal.so", "libtensorflow_cc.so*")),
-)
-
-
-def parse_pool_libraries(text: str) -> dict[str, tuple[str, ...]]:
-    """An ebpf.pool_libraries value, "GLOB=NAME" pairs separated by commas, as {NAME: globs}. NAME
-    becomes the allocator label; a known one (pytorch, cupy, xla, rmm, tensorflow) gains the globs.
-    ValueError with the reason when an entry is not that."""
-    extra: dict[str, list[str]] = {}
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        glob, eq, name = (s.strip() for s in entry.partition("="))
-        if not eq:
-            raise ValueError(f"{entry!r} has no allocator name: expected GLOB=NAME pairs separated by commas, "
-                             f"e.g. \"libmypool.so*=mypool\"")
-        if not glob:
-            raise ValueError(f"{entry!r} has no library glob before \"=\"")
-        if not _NAME.match(name):
-            raise ValueError(f"{entry!r}: the allocator name {name!r} may hold only letters, digits and . _ + - "
-                             f"(1 to 64 of them)")
-        if name == OUTSIDE:
-            raise ValueError(f"{entry!r}: {OUTSIDE!r} means outside any allocator; choose another name")
-        if not glob.strip("*?/"):
-            raise ValueError(f"{entry!r}: the glob {glob!r} names no library (it would match every file)")
-        hit = next((path for path in _EVERYONES if Pool("", "", (glob,)).matches(path)), None)
-        if hit is not None:  # every allocation's stack runs through these: all would be pooled
-            raise ValueError(f"{entry!r}: the glob {glob!r} matches {hit.rsplit('/', 1)[-1]}, which every "
-                             f"allocation's call stack runs through; name the allocator's own library")
-        extra.setdefault(name, []).append(glob)
-    return {name: tuple(globs) for name, globs in extra.items()}
-
-
-def pool_table(text: str = "") -> tuple[Pool, ...]:
-    """POOLS with the ebpf.pool_libraries entries added (ValueError for a bad value)."""
-    extra = parse_pool_libraries(text)
-    out = [Pool(p.allocator, p.name, p.patterns + tuple(extra.pop(p.allocator, ()))) for p in POOLS]
-    out += [Pool(name, f"{name} ({', '.join(globs)})", tuple(globs)) for name, globs in extra.items()]
-    return tuple(out)
-
-
-def names(pools: Iterable[Pool] = POOLS) -> dict[str, str]:
-    """allocator label -> name for people."""
-    return {p.allocator: p.name for p in pools}
-
-
 def _pool_libraries(v: str) -> str:
     parse_pool_libraries(v)
     return ",".join(e.strip() for e in v.split(",") if e.strip())
@@ -198,15 +122,37 @@ def _optional_abs_path(v: str) -> str:
     return _abs_path(v) if v else ""
 
 
-def _otlp_endpoint(v: str) -> str:
-    from gpuwatch.exporters.otlp import check_endpoint
+def parse_headers(text: str) -> dict[str, str]:
+    """"key=value,key2=value2" (OTEL_EXPORTER_OTLP_HEADERS' format, values URL-encoded) -> dict.
+    ValueError says what is wrong."""
+    from urllib.parse import unquote
 
-    return check_endpoint(v)
+    out: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"expected key=value pairs separated by commas, got {item!r}")
+        out[key.strip().lower()] = unquote(value.strip())
+    return out
+
+
+def check_endpoint(url: str) -> str:
+    """An OTLP endpoint URL: http(s)://host:port[/path]. ValueError otherwise."""
+    from urllib.parse import urlsplit
+
+    if not url:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected http://HOST:PORT or https://HOST:PORT, got {url!r}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"bad port in {url!r}") from None
+    return url
 
 
 def _otlp_headers(v: str) -> str:
-    from gpuwatch.exporters.otlp import parse_headers
-
     parse_headers(v)
     return v
 
@@ -435,7 +381,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("otlp", "endpoint", str, "",
             "Receiver URL. Empty: http://localhost:4317 (grpc) or http://localhost:4318 (http; /v1/metrics and "
             "/v1/logs are appended).",
-            "--otlp-endpoint", "http(s)://HOST:PORT, or empty", _otlp_endpoint),
+            "--otlp-endpoint", "http(s)://HOST:PORT, or empty", check_endpoint),
     Setting("otlp", "protocol", str, "grpc", "OTLP transport: grpc, or http (protobuf over HTTP).",
             "--otlp-protocol", "grpc or http", _one_of(("grpc", "http"))),
     Setting("otlp", "interval", float, 10.0, "Seconds between metric exports.",

@@ -8,33 +8,31 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import importlib
 import logging
 import os
+import pkgutil
 import signal
 import socket
 import termios
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from gpuwatch.agent import __version__, sdnotify
-from gpuwatch.agent import wire
-from gpuwatch.agent.api import Event, GpuwatchError, Probe, ProbeBusy, ProbeNotRunning
+from gpuwatch.agent.api import Event, GpuwatchError, Probe
 from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
 from gpuwatch.agent import budget as budget_
-from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe, PeerCred
+from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe
+from gpuwatch.agent.handlers import Handlers
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
-from gpuwatch.agent.runner import Runner, finding_attrs
+from gpuwatch.agent.registry import Context, DetectorEntry, ProbeEntry
+from gpuwatch.agent.runner import Runner
+from gpuwatch.agent.snapshot import EMPTY, Inventory
 from gpuwatch.agent.store import Store, StoreError
-from gpuwatch.probes import cupti as cupti_probes
-from gpuwatch.probes import ebpf as ebpf_probes
-from gpuwatch.probes import nvml as nvml_probes
 from gpuwatch.probes.process import cuda_devices
-from gpuwatch.probes.process.identity import identify, is_alive, owns
-from gpuwatch.probes.process.host import HostProcessProbe
-from gpuwatch.probes.process.pagecache import PageCacheProbe
-from gpuwatch.probes.cupti.reports import InProcessProbe, InProcessReports, ReportError, nvml_view
+from gpuwatch.probes.cupti.reports import InProcessReports, nvml_view
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
@@ -49,31 +47,29 @@ LOCK_NAME = "agent.lock"  # in agent.state_dir: "PID\n", "PID stopping\n" once i
 # What a SIGHUP applies at once; every other setting takes effect on restart.
 LIVE_SETTINGS = ("agent.log_level", "agent.log_format")
 
-# How long trace.snapshot waits for the eBPF probe's own work (a collection, or a start that
-# compiles and attaches) before answering that it is busy: well within the client's timeout.
-TRACE_EXACT_S = 60.0  # launches counted exactly this long after each trace.snapshot
-TRACE_LOCK_WAIT = 3.0
-TOP_KERNELS_EVERY = 2.0  # seconds between eBPF reads of the processes' top kernels for `top`
-OOMS_SHOWN = 20  # the latest OOM events `gpuwatch findings` and `gpuwatch leaks` list
-
 
 class DaemonError(GpuwatchError):
     """The agent cannot start; the message says what is in the way."""
 
 
-# The probes made from the config alone, in the order the runner gets them: each package's
-# from_config(cfg) returns its probe, or None when the config leaves it off. A new probe package
-# adds its factory here. The Daemon adds the probes that need its own objects after these (the
-# OTLP exporter's counters, the in-process reports, the reference workload with the store).
-PROBE_FACTORIES: tuple[Callable[[Config], Probe | None], ...] = (
-    nvml_probes.from_config,
-    ebpf_probes.from_config,
-    cupti_probes.from_config,
-)
+def entries(package: str, name: str) -> list:
+    """The registry entries (agent/registry.py) that the modules right under `package` declare as
+    `name` (one entry, or a tuple of them), by their order."""
+    found = []
+    for mod in pkgutil.iter_modules(importlib.import_module(package).__path__, package + "."):
+        declared = getattr(importlib.import_module(mod.name), name, ())
+        found += declared if isinstance(declared, tuple) else [declared]
+    return sorted(found, key=lambda e: e.order)
 
-# Per-process series whose pids are GPU processes (NVML: a context on a GPU; eBPF: CUDA calls).
-GPU_PROCESS_METRICS = frozenset({"gpuwatch.process.gpu.memory.usage", "gpuwatch.cuda.calls",
-                                 "gpuwatch.process.cuda.memory.live"})
+
+def probe_entries() -> list[ProbeEntry]:
+    """Each probe package's PROBES, in the runner's order."""
+    return entries("gpuwatch.probes", "PROBES")
+
+
+def detector_entries() -> list[DetectorEntry]:
+    """Each detector module's DETECTOR, in the runner's order."""
+    return entries("gpuwatch.detectors", "DETECTOR")
 
 
 def detach_from_terminal() -> bool:
@@ -101,10 +97,14 @@ def detach_from_terminal() -> bool:
     return False
 
 
-def build_probes(cfg: Config) -> list[Probe]:
-    """The probes of PROBE_FACTORIES that cfg turns on, in their order."""
-    made = (factory(cfg) for factory in PROBE_FACTORIES)
-    return [p for p in made if p is not None]
+def build_probes(ctx: Context, own: Iterable[ProbeEntry] = ()) -> list[Probe]:
+    """The probes of the registered entries and of `own` (the agent's own) that ctx.cfg turns on,
+    in their order; each factory sees those made before it (ctx.probes)."""
+    for entry in sorted([*probe_entries(), *own], key=lambda e: e.order):
+        probe = entry.make(ctx)
+        if probe is not None:
+            ctx.probes.append(probe)
+    return ctx.probes
 
 
 def lock_state_dir(state_dir: str, stop: threading.Event) -> int | None:
@@ -191,19 +191,7 @@ def web_config(path: str):
     return web
 
 
-def attach_stacks(findings: list[dict], stacks_of: Callable[[int, str], list[dict]]) -> list[dict]:
-    """Leak findings get the call stacks holding the process's live driver allocations (eBPF), where
-    they say something: for black, those outside any allocator; for grey, those of the pool that
-    grows (of any pool when the in-process agent reported grey). White leaks are tensors: the
-    allocator's stacks would only show its own growth. stacks_of(pid, allocator) as live_stacks."""
-    for f in findings:
-        if f.get("kind") == "memory_leak" and f.get("color") in ("black", "grey") and str(f.get("pid", "")).isdigit():
-            which = "none" if f["color"] == "black" else (f.get("allocator") or "*")
-            f["stacks"] = stacks_of(int(f["pid"]), which)
-    return findings
-
-
-class Daemon:
+class Daemon(Handlers):
     def __init__(self, cfg: Config, config_path: str | None, overrides: dict[str, Any],
                  interactive: bool = True) -> None:
         """interactive: a person runs it at a terminal (detach_from_terminal()): SIGINT is their Ctrl-C."""
@@ -243,415 +231,58 @@ class Daemon:
         except StoreError as e:
             self.store_error = str(e)
             log.error("running without the store: %s", e)
-        probes = build_probes(cfg)
         # What users' processes may make the agent keep, per user and node-wide (agent/budget.py):
         # one set shared by the parts that keep it.
         self.budgets = budget_.from_config(cfg)
-        probes.append(budget_.BudgetProbe(self.budgets))  # gpuwatch_budget_used, _refusals_total
-        # Not in PROBE_FACTORIES: these three need the daemon's own objects (the exporter whose
-        # counters OtlpStatsProbe reads, the reports the control socket fills, the store).
+        otlp = None
         if cfg.otlp.enabled:
             from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, parse_headers
 
             otlp = OtlpExporter(cfg.otlp.endpoint, cfg.otlp.protocol, cfg.otlp.interval, cfg.otlp.timeout,
                                 parse_headers(cfg.otlp.headers), cfg.otlp.certificate, cfg.otlp.insecure)
             self.exporters.append(otlp)
-            probes.append(OtlpStatsProbe(otlp))
+        # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
+        # only reads what processes send, checked against NVML's view in the runner's inventory.
+        self.inprocess = InProcessReports(gpus=lambda: self._inventory().view(nvml_view), devices=self._cuda_devices)
+        self._kernels_read: tuple[float, dict] = (float("-inf"), {})  # (when, eBPF's top kernels) for `top`
+        self.control = ControlServer(cfg.control.socket, self.handlers(), group=cfg.control.group or None)
+        from gpuwatch.agent.reload import ReloadStatus
+        self.reload_status = ReloadStatus(self.cfg.path)  # gpuwatch_config_last_reload_success
+        http = None
+        if cfg.prometheus.enabled:
+            from gpuwatch.exporters.prometheus import PrometheusStatsProbe
+
+            http = PrometheusStatsProbe(self.exporters[0])  # gpuwatch_http_*: the first exporter made
+        from gpuwatch.agent.allocators import names, pool_table
+
+        # The agent's own probes, placed among the packages' (their orders: probes/*/__init__.py):
+        # what it keeps for users, what its exporters and control socket did, its config reloads.
+        own = [ProbeEntry("budget", "budget", 30, lambda ctx: budget_.BudgetProbe(ctx.budgets)),
+               ProbeEntry("otlp", "otlp", 50, lambda ctx: OtlpStatsProbe(otlp) if otlp else None),
+               ProbeEntry("control", "control", 100, lambda ctx: ControlStatsProbe(self.control)),
+               ProbeEntry("http", "prometheus", 110, lambda ctx: http),
+               ProbeEntry("config", "agent", 120, lambda ctx: self.reload_status)]
+        ctx = Context(cfg, self.store, self._inventory, self.inprocess, self.budgets,
+                      allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
+        probes = build_probes(ctx, own)
         # Read by trace.snapshot and findings from the control socket's threads, through its
         # self-locking queries (query, live_stacks).
         self.ebpf: EbpfCudaProbe | None = next((p for p in probes if p.name == "ebpf"), None)
-        if self.ebpf is not None:
-            self.ebpf.budgets = self.budgets
-        # What in-process agents (`gpuwatch run`) report over the control socket; always on, it
-        # only reads what processes send.
-        self.inprocess = InProcessReports(gpus=self._nvml_view, devices=self._cuda_devices)
-        self._view: tuple = (None, {})  # (snapshot, NVML's view of it): one view per snapshot
-        self._nvml_gpus: tuple = (None, [])  # (snapshot, NVML's GPUs in it, in bus order)
-        self._kernels_read: tuple[float, dict] = (float("-inf"), {})  # (when, eBPF's top kernels) for `top`
-        probes.append(InProcessProbe(self.inprocess))
-        # The host side of the GPU processes the runner's snapshot names (their pids and names).
-        if cfg.host.enabled:
-            probes.append(HostProcessProbe(self._gpu_processes, interval=cfg.host.interval))
-        if cfg.host.page_cache:
-            probes.append(PageCacheProbe(self._gpu_processes, cfg.host.page_cache_min_bytes, budgets=self.budgets))
-        # The reference workload: judged runs kept in the store; unavailable without torch/triton.
-        self.baseline = None
-        if cfg.baseline.enabled:
-            from gpuwatch.detectors.health import HealthSettings
-            from gpuwatch.probes.baseline.probe import BaselineProbe
-
-            # The GPUs the NVML probe (their one owner) saw last, replayed ones included: a run is
-            # kept under the UUID of the GPU it was asked to run on, never under what the child printed.
-            gpus = self._gpu_uuids
-            # The agent's own CUDA contexts (the CUPTI sampler) are not a user's: left out of the busy
-            # check, and stepped aside while a run holds the GPU.
-            tenants = [p for p in probes if p.name == "cupti_sampler"]
-            self.baseline = BaselineProbe(self.store, every=cfg.baseline.interval, python=cfg.baseline.python,
-                                          timeout=cfg.baseline.timeout, replay=cfg.baseline.replay, gpus=gpus,
-                                          tenants=tenants,
-                                          settings=HealthSettings(k_spread=cfg.baseline.k_spread,
-                                                                  min_drop=cfg.baseline.min_drop,
-                                                                  min_drop_memory=cfg.baseline.min_drop_memory,
-                                                                  retakes=cfg.baseline.retakes),
-                                          # replayed runs replay their own busy answers
-                                          compute_processes=None if cfg.baseline.replay
-                                          else lambda uuid: self._nvml_view().get(uuid))
-            probes.append(self.baseline)
-        from gpuwatch.detectors.health import HealthDetector
-        from gpuwatch.detectors.launch import LaunchDetector
-        from gpuwatch.detectors.leak import LeakDetector
-        from gpuwatch.detectors.nvlink import NvlinkDetector
-        from gpuwatch.detectors.thermal import ThermalDetector
-        from gpuwatch.detectors.host_bound import HostBoundDetector
-        from gpuwatch.detectors.straggler import StragglerDetector
-
-        self.control = ControlServer(cfg.control.socket, {
-            "ping": lambda params, peer: "pong",
-            "status": self._status,
-            "trace.snapshot": self._trace_snapshot,
-            "trace.graphs": self._trace_graphs,
-            "cupti.report": self._cupti_report,
-            "cupti.process": self._cupti_process,
-            "findings": self._findings,
-            "baseline.run": self._baseline_run,
-            "baseline.show": self._baseline_show,
-            "top": self._top,
-        }, group=cfg.control.group or None)
-        probes.append(ControlStatsProbe(self.control))  # gpuwatch_control_requests_total
-        if cfg.prometheus.enabled:
-            from gpuwatch.exporters.prometheus import PrometheusExporter, PrometheusStatsProbe
-
-            probes += [PrometheusStatsProbe(e) for e in self.exporters if isinstance(e, PrometheusExporter)]
-        from gpuwatch.agent.reload import ReloadStatus
-        self.reload_status = ReloadStatus(self.cfg.path)  # gpuwatch_config_last_reload_success
-        probes.append(self.reload_status)
-        from gpuwatch.probes.ebpf.pools import names, pool_table
-
-        leaks = LeakDetector(allocators=names(pool_table(cfg.ebpf.pool_libraries)))  # validated by the config
-        self.runner = Runner(probes, detectors=[leaks, ThermalDetector(), LaunchDetector(), HealthDetector(),
-                                                HostBoundDetector(), StragglerDetector(), NvlinkDetector()],
-                             exporters=self.exporters,
+        self.baseline = next((p for p in probes if p.name == "baseline"), None)  # `baseline.run`, `top`
+        self.runner = Runner(probes, detectors=[e.make(ctx) for e in detector_entries()], exporters=self.exporters,
                              history=History(maxlen=cfg.history.points), on_event=self._on_event)
 
-    # -- control socket handlers -----------------------------------------------------------
-    def _top_view(self) -> dict:
-        """The GPUs, their processes and the open findings of the runner's latest snapshot
-        (agent/top.py build()): `top`, and the GPU and process rows of `status`."""
-        from gpuwatch.agent import top
-
-        snap = self.runner.snapshot
-        return top.build(snap.samples, snap.findings, self.runner.history,
-                         self.baseline.verdicts() if self.baseline is not None else None,
-                         kernels=self._top_kernels())
-
-    def _top_kernels(self) -> dict[int, str]:
-        """eBPF's busiest kernel of each process, read at most every TOP_KERNELS_EVERY s however many
-        `top`s poll ({} while the probe does not run or is busy: a view, not worth waiting for)."""
-        if self.ebpf is None:
-            return {}
-        at, kernels = self._kernels_read
-        if time.monotonic() - at >= TOP_KERNELS_EVERY:
-            try:
-                kernels = self.ebpf.top_kernels(timeout=0.2)
-            except (ProbeBusy, ProbeNotRunning):
-                kernels = {}
-            self._kernels_read = (time.monotonic(), kernels)
-        return kernels
-
-    def _top(self, params: wire.NoParams, peer: PeerCred) -> dict:
-        from gpuwatch.agent import top
-
-        view = self._top_view()
-        if not view["gpus"]:
-            view["no_gpus_reason"] = top.why_no_gpus(
-                {n: st.as_dict() for n, st in self.runner.snapshot.probes.items()})
-        return {"pid": os.getpid(), **view}
-
-    def _status(self, params: wire.NoParams, peer: PeerCred) -> dict:
-        snap = self.runner.snapshot
-        view = self._top_view()
-        return {
-            "version": __version__,
-            "pid": os.getpid(),
-            "uptime_seconds": round(time.time() - self.started, 1),
-            "snapshot_age_seconds": round(time.time() - snap.ts, 2) if snap.ts else None,
-            "probes": {name: st.as_dict() for name, st in snap.probes.items()},
-            "gpus": view["gpus"],
-            "processes": view["processes"],
-            "exporters": {e.name: _exporter_info(e) for e in self.exporters},
-            "state_dir": self.cfg.agent.state_dir,
-            "config": self.reload_status.as_dict(),
-            "store": {"path": self.store.path, "write_errors": self.store.write_errors} if self.store
-                     else {"error": self.store_error},
-            "inprocess_agents": [{"pid": r.pid, "process": r.process, "state": r.cupti.state,
-                                  "reason": r.cupti.reason, "mode": r.cupti.mode, "records": r.cupti.records,
-                                  "dropped": r.cupti.dropped, "self_reported": not r.verified,
-                                  "report_age_seconds": round(time.time() - r.received, 1)}
-                                 for r in sorted(self.inprocess.current(), key=lambda r: r.pid)],
-            "recent_events": [{"ts": e.ts, "kind": e.kind, "resource": e.resource, "attrs": dict(e.attrs)}
-                              for e in snap.events[-20:]],
-        }
-
-    def _trace_snapshot(self, params: wire.PidParams, peer: PeerCred) -> dict:
-        """trace.snapshot {"pid": N}: the eBPF probe's snapshot(N) (see EbpfCudaProbe.snapshot), for
-        root or the process's owner, with "libraries" narrowed to the attached libraries the process
-        maps, each under the path the process sees. An empty "libraries": the process maps a libcuda
-        the probe has not attached to yet (it rescans for new ones)."""
-        from gpuwatch.agent.trace import pids
-        from gpuwatch.agent.trace.errors import TraceError
-        from gpuwatch.probes.ebpf import loader
-
-        pid = params.pid
-        if self.ebpf is None:
-            raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its "
-                               "config): enable it and restart the agent, or run trace as root")
-        try:
-            target = pids.check_pid(pid, privileged=lambda: True)
-        except TraceError as e:
-            raise ControlError(str(e)) from None
-        # The process checked, by pid and start time: if the PID is reused from here on, the
-        # snapshot below is of a process this caller was not allowed.
-        process = identify(pid)
-        if process is None or process.start_time != target.start_time:
-            raise ControlError(f"process {pid} has exited")
-        if not owns(peer.uid, process):
-            raise ControlError(pids.not_yours_message(pid, peer.uid))
-        # Matched by file (device, inode): the probe may have found a library through another process.
-        mapped: dict[tuple[int, int], str] = {}
-        for path in loader.mapped_files(pid):
-            fid = loader.file_id(f"/proc/{pid}/root{path}")
-            if fid is not None:
-                mapped.setdefault(fid, path)
-        try:
-            # a trace refreshes every second or so: its launches stay exact while it asks
-            answer = self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT, exact_launches=TRACE_EXACT_S)
-        except ProbeBusy:
-            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
-                               "libcuda): try again in a few seconds") from None
-        except ProbeNotRunning as e:
-            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
-        snap, files = answer.snapshot, answer.library_files
-        if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
-            raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
-        snap["libraries"] = [dict(lib, path=mapped[files[lib["path"]]]) for lib in snap.get("libraries", [])
-                             if files.get(lib["path"]) in mapped]
-        if not snap["libraries"]:
-            cuda = sorted(p for p in mapped.values() if loader.LIBCUDA_RE.search(p))
-            if not cuda:
-                raise ControlError(pids.no_cuda_message(target, None))
-            if self.ebpf.libraries:
-                raise ControlError(f"process {pid} ({target.process}) maps {', '.join(cuda)}, but this gpuwatch "
-                                   f"agent attaches only to {', '.join(self.ebpf.libraries)} (ebpf.library in its "
-                                   f"config)")
-        return snap
-
-    def _trace_graphs(self, params: wire.PidParams, peer: PeerCred) -> dict:
-        """trace.graphs {"pid": N}: the executable graphs the eBPF probe followed in process N, their
-        kernel nodes and names (EbpfCudaProbe.graphs_of), for root or the process's owner: a root trace
-        attached later counts their replays with that content (wire.TraceGraphsResult)."""
-        from gpuwatch.agent.trace import pids
-        from gpuwatch.agent.trace.errors import TraceError
-
-        pid = params.pid
-        if self.ebpf is None:
-            raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false)")
-        try:
-            target = pids.check_pid(pid, privileged=lambda: True)
-        except TraceError as e:
-            raise ControlError(str(e)) from None
-        process = identify(pid)
-        if process is None or process.start_time != target.start_time:
-            raise ControlError(f"process {pid} has exited")
-        if not owns(peer.uid, process):
-            raise ControlError(pids.not_yours_message(pid, peer.uid))
-        try:
-            answer = self.ebpf.graphs_of(pid, timeout=TRACE_LOCK_WAIT)
-        except ProbeBusy:
-            raise ControlError("the gpuwatch agent's eBPF probe is busy: try again in a few seconds") from None
-        except ProbeNotRunning as e:
-            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
-        if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
-            raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
-        return answer
-
-    def _gpu_processes(self) -> dict[int, str]:
-        """pid -> process name of the processes with series of their own on a GPU in the runner's
-        latest snapshot (NVML's kept processes, eBPF's busiest): the processes the host-side probes
-        read, under the same pid/process labels."""
-        out: dict[int, str] = {}
-        for s in self.runner.snapshot.samples:
-            if s.metric in GPU_PROCESS_METRICS:
-                pid = s.labels.get("pid", "")
-                if pid.isdigit():
-                    out.setdefault(int(pid), s.labels.get("process", ""))
-        return out
+    def _inventory(self) -> Inventory:
+        """The GPUs and GPU processes of the runner's latest snapshot (none before the runner)."""
+        runner = getattr(self, "runner", None)  # None while __init__ builds it
+        return (EMPTY if runner is None else runner.snapshot).inventory
 
     def _cuda_devices(self, pid: int) -> tuple[str, ...]:
         """NVML's UUID of each CUDA ordinal of process `pid`, from the CUDA_VISIBLE_DEVICES and
         CUDA_DEVICE_ORDER it was started with (probes/process/cuda_devices.py): for an in-process
         report's device that came without a UUID."""
-        snap = self.runner.snapshot
-        if self._nvml_gpus[0] is not snap:
-            self._nvml_gpus = (snap, cuda_devices.nvml_gpus(snap.samples))
-        return cuda_devices.visible_uuids(cuda_devices.read_cuda_environment(pid), self._nvml_gpus[1])
-
-    def _nvml_view(self) -> dict:
-        """NVML's GPUs and the pids it lists on each, from the runner's latest snapshot (the NVML
-        probe's samples; see reports.nvml_view): what in-process reports are checked against."""
-        snap = self.runner.snapshot
-        if self._view[0] is not snap:
-            self._view = (snap, nvml_view(snap.samples))
-        return self._view[1]
-
-    def _cupti_report(self, params: wire.CuptiReport, peer: PeerCred) -> dict:
-        """cupti.report {report}: an in-process agent's report about its own process (the kernel
-        names the caller; the server stamps time, name and GPUs itself: see probes/cupti/reports.py).
-        The reply asks for continuous kernel activity while a trace watches the process."""
-        try:
-            return self.inprocess.accept(params, peer.pid, peer.uid, peer.identity)
-        except ReportError as e:
-            raise ControlError(f"report refused: {e}") from None
-
-    def _cupti_process(self, params: wire.PidParams, peer: PeerCred) -> dict | None:
-        """cupti.process {"pid": N}: the last in-process agent report of the process that has pid N
-        (None when it has not reported; once it has exited, its last report for a while), for root
-        or the user it reported as; asks it for continuous kernel activity for a while. A reused pid
-        is a new process: its former owner's report is neither shown to nor held against it."""
-        pid = params.pid
-        report = self.inprocess.get(pid)
-        if report is None:
-            return None
-        if not (peer.is_root or peer.uid == report.uid):
-            from gpuwatch.agent.trace.pids import not_yours_message
-
-            raise ControlError(not_yours_message(pid, peer.uid))
-        self.inprocess.watch(report)
-        return report.as_dict()
-
-    def _baseline_probe(self):
-        if self.baseline is None:
-            raise ControlError("this gpuwatch agent does not run the reference workload (baseline.enabled is "
-                               "false in its config)")
-        st = self.runner.snapshot.probes.get("baseline")
-        if st is not None and st.state == "unavailable":
-            raise ControlError(f"the reference workload cannot run: {st.reason}")
-        return self.baseline
-
-    def _gpus(self) -> list[tuple[int, str]]:
-        """(NVML index, UUID) of each GPU in the runner's latest snapshot, in NVML's order ([] before
-        it, or while the NVML probe is down)."""
-        runner = getattr(self, "runner", None)  # None while __init__ builds it
-        if runner is None:
-            return []
-        return sorted((int(s.labels.get("gpu_index", -1)), s.resource) for s in runner.snapshot.by_metric("gpuwatch.gpu"))
-
-    def _gpu_uuids(self) -> list[str]:
-        """The GPUs' UUIDs in NVML's order: who the baseline workload runs on."""
-        return [uuid for _, uuid in self._gpus()]
-
-    def _gpu_ref(self, ref: str, known_only: bool = True) -> tuple[int | None, str]:
-        """(index, UUID) of the GPU a person named by NVML index or UUID, from NVML's latest view.
-        A UUID NVML does not list now is taken as given where known_only is false (the kept runs
-        of a GPU since removed)."""
-        by_index = dict(self._gpus())
-        gpus = {u: i for i, u in by_index.items()}
-        listing = ", ".join(f"{i} ({u})" for i, u in sorted(by_index.items())) or "none now: NVML is not up"
-        if ref.isdigit():
-            if int(ref) in by_index:
-                return int(ref), by_index[int(ref)]
-            raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
-        if ref in gpus:
-            return gpus[ref], ref
-        if not known_only:
-            return None, ref
-        raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
-
-    def _baseline_run(self, params: wire.BaselineRunParams, peer: PeerCred) -> list[dict]:
-        """baseline.run {"gpu": N?, "force": bool?}: run the reference workload now on GPU N (each GPU
-        without one), judged and stored; the results. Root only: it takes the GPU for a second or two,
-        and force runs it beside other processes."""
-        force = params.force
-        if not peer.is_root:
-            raise ControlError("only root may run the reference workload (it takes the GPU for a while)")
-        gpu = None if params.gpu is None else self._gpu_ref(params.gpu)[0]
-        if gpu is None and not self._gpu_uuids():
-            st = self.runner.snapshot.probes.get("nvml")
-            why = f" (probe nvml {st.state}: {st.reason})" if st is not None and st.reason else ""
-            raise ControlError(f"NVML sees no GPUs now{why}: no GPU to run the reference workload on")
-        try:
-            return self._baseline_probe().run_now(gpu, force)
-        except TimeoutError as e:
-            raise ControlError(str(e)) from None
-
-    def _baseline_show(self, params: wire.BaselineShowParams, peer: PeerCred) -> dict:
-        """baseline.show {"gpu": UUID?, "limit": N?}: stored runs, oldest first, with their verdicts."""
-        limit = params.limit
-        gpu = None if params.gpu is None else self._gpu_ref(params.gpu, known_only=False)[1]
-        if self.store is None:
-            raise ControlError(f"the agent runs without its store ({self.store_error}): no runs are kept")
-        try:
-            return {"runs": self.store.baseline_runs(gpu, limit)}
-        except StoreError as e:
-            raise ControlError(str(e)) from None
-
-    def _findings(self, params: wire.FindingsParams, peer: PeerCred) -> dict:
-        """findings {"kind": K?}: the detectors' open findings (of kind K) and the recent opened,
-        updated and closed events, from the store across restarts. Anyone who may use the socket
-        sees them, as on /metrics."""
-        kind = params.kind
-        known = sorted({k for det in self.runner.detectors for k in det.kinds} | {"oom"})
-        if kind is not None and kind not in known:
-            import difflib
-
-            close = difflib.get_close_matches(kind, known, n=1)
-            raise ControlError(f"no finding kind {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                               + f"; the kinds are {', '.join(known)}")
-        snap = self.runner.snapshot
-        # History from the store (it outlives restarts); the agent's own memory when there is none.
-        events = [e for e in snap.events if e.kind.startswith("finding.")]
-        if self.store is not None:
-            try:
-                events = list(reversed(self.store.recent_events(500, prefix="finding.")))
-            except StoreError as e:
-                log.warning("findings: %s; showing this run's only", e)
-        as_dict = lambda e: {"ts": e.ts, "event": e.kind, "resource": e.resource, **e.attrs}  # noqa: E731
-        return {
-            "open": attach_stacks([dict(finding_attrs(f), resource=f.resource, ts=f.ts) for f in snap.findings
-                                   if kind is None or f.kind == kind], self._live_stacks),
-            "recent": [as_dict(e) for e in events if kind is None or e.attrs.get("kind") == kind][-50:],
-            # The OOMs, each beside the forecast its leak finding made: with leaks too (what they foretold)
-            "ooms": [as_dict(e) for e in events if e.kind == "finding.oom"][-OOMS_SHOWN:]
-                    if kind in (None, "memory_leak", "oom") else [],
-            **self._detectors_sight(snap, "memory_leak" if kind == "oom" else kind),
-        }
-
-    def _detectors_sight(self, snap, kind: str | None) -> dict:
-        """The detectors (of findings of `kind`) that can see ("seeing") and those none of whose
-        probes is up ("blind"): their "no finding" means nothing; each blind one with why, from its
-        probes' states."""
-        blind, seeing = [], []
-        for det in self.runner.detectors:
-            if kind is not None and kind not in det.kinds:
-                continue
-            states = {name: snap.probes.get(name) for name in det.needs}
-            if not det.needs or any(st is not None and st.up for st in states.values()):
-                seeing.append(det.name)
-                continue
-            why = "; ".join(f"probe {name} {st.state}: {st.reason}" if st is not None and st.reason
-                            else f"probe {name} {st.state}" if st is not None
-                            else f"probe {name} is off in this agent's config" for name, st in states.items())
-            blind.append({"detector": det.name, "kinds": list(det.kinds), "reason": why})
-        return {"blind": blind, "seeing": seeing}
-
-    def _live_stacks(self, pid: int, allocator: str | None = None) -> list[dict]:
-        """The eBPF probe's allocation stacks for pid (of `allocator`: see live_stacks); [] when it
-        does not run or is busy."""
-        if self.ebpf is None:
-            return []
-        try:
-            return self.ebpf.live_stacks(pid, timeout=TRACE_LOCK_WAIT, allocator=allocator)
-        except (ProbeBusy, ProbeNotRunning):
-            return []
+        return cuda_devices.visible_uuids(cuda_devices.read_cuda_environment(pid),
+                                          self._inventory().view(cuda_devices.nvml_gpus))
 
     def _on_event(self, ev: Event) -> None:
         log.info("event %s %s %s", ev.kind, ev.resource, dict(ev.attrs))
@@ -815,15 +446,3 @@ def _give_back_freed_memory() -> None:
     import ctypes
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
-
-
-def _exporter_info(exp) -> dict:
-    port = getattr(exp, "port", None)
-    host = getattr(exp, "host", None)
-    if port is None:
-        return {}
-    info = {"listen": f"{host}:{port}"}
-    web = getattr(exp, "web", None)
-    if web is not None:
-        info["scheme"], info["web_config"] = exp.scheme, web.path
-    return info

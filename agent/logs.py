@@ -87,3 +87,15 @@ class WarnOnce:
         if key not in self.said:
             self.said.add(key)
             self.logger.warning(msg, *args)
+
+
+# A size as people read it: log lines, finding summaries (detectors), trace output.
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "—"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

@@ -9,7 +9,7 @@ goes by a process's name: a user's process may call itself anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, Protocol, runtime_checkable
 
 from gpuwatch.agent.api import Sample
 
@@ -28,6 +28,7 @@ class OwnProcess:
             raise ValueError(f"not an own process: pid {self.pid!r}, role {self.role!r}")
 
 
+@runtime_checkable
 class GpuTenant(Protocol):
     """A probe whose child holds a CUDA context and can step aside while a baseline run holds the GPU."""
 

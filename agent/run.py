@@ -18,7 +18,6 @@ a read-only home. The only requirement is that the job can read the gpuwatch ins
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import shutil
@@ -27,12 +26,12 @@ import sys
 from typing import Mapping, NoReturn, Sequence
 
 import gpuwatch.probes.cupti as _cupti_pkg
+from gpuwatch.agent import package_dirs
 from gpuwatch.agent.api import GpuwatchError
 from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
 from gpuwatch.probes.cupti import cupti_lib_dir as _newest_cupti
 
 KERNEL_MODES = ("sampled", "continuous", "off")
-SUBPACKAGES = ("agent", "probes", "exporters", "detectors")
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(_cupti_pkg.__file__)), "bootstrap")
 BOOTSTRAP_FILE = os.path.join(BOOTSTRAP_DIR, "sitecustomize.py")
 
@@ -49,19 +48,6 @@ ENV_QUIET = "GPUWATCH_RUN_QUIET"
 
 class RunError(GpuwatchError):
     """gpuwatch itself cannot prepare the run (broken installation)."""
-
-
-def package_dirs() -> dict[str, str]:
-    """{"agent": "/…/agent", ...}: where this gpuwatch's subpackages are, however it is installed."""
-    dirs = {}
-    for sub in SUBPACKAGES:
-        try:
-            spec = importlib.util.find_spec(f"gpuwatch.{sub}")
-        except ImportError:
-            spec = None
-        if spec is not None and spec.submodule_search_locations:
-            dirs[sub] = os.path.abspath(list(spec.submodule_search_locations)[0])
-    return dirs
 
 
 def _fmt_number(v: float) -> str:

@@ -6,9 +6,58 @@ reference assignment, so readers never lock and never see a half-built state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping, Sequence, TypeVar
 
 from gpuwatch.agent.api import Event, Finding, Sample
+
+T = TypeVar("T")
+
+# Per-process series whose pids are GPU processes (NVML: a context on a GPU; eBPF: CUDA calls).
+GPU_PROCESS_METRICS = frozenset({"gpuwatch.process.gpu.memory.usage", "gpuwatch.cuda.calls",
+                                 "gpuwatch.process.cuda.memory.live"})
+
+
+class Inventory:
+    """The GPUs and GPU processes a snapshot names: what probes that follow other probes' output
+    read (the host side of GPU processes, in-process reports, the reference workload), from the
+    runner's latest snapshot. Each view is made on its first read, once per snapshot."""
+
+    __slots__ = ("_samples", "_views")
+
+    def __init__(self, samples: Sequence[Sample]) -> None:
+        self._samples = samples
+        self._views: dict[Callable, object] = {}
+
+    def view(self, of: Callable[[Sequence[Sample]], T]) -> T:
+        """of(the snapshot's samples), made once (a probe package's own view: reports.nvml_view)."""
+        if of not in self._views:
+            self._views[of] = of(self._samples)
+        return self._views[of]  # type: ignore[return-value]
+
+    @property
+    def gpus(self) -> list[tuple[int, str]]:
+        """(NVML index, UUID) of each GPU, in NVML's order ([] while the NVML probe is down)."""
+        return self.view(_gpus)
+
+    @property
+    def gpu_processes(self) -> dict[int, str]:
+        """pid -> process name of the processes with series of their own on a GPU (NVML's kept
+        processes, eBPF's busiest): the processes the host-side probes read, under the same labels."""
+        return dict(self.view(_gpu_processes))
+
+
+def _gpus(samples: Sequence[Sample]) -> list[tuple[int, str]]:
+    return sorted((int(s.labels.get("gpu_index", -1)), s.resource) for s in samples if s.metric == "gpuwatch.gpu")
+
+
+def _gpu_processes(samples: Sequence[Sample]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for s in samples:
+        if s.metric in GPU_PROCESS_METRICS:
+            pid = s.labels.get("pid", "")
+            if pid.isdigit():
+                out.setdefault(int(pid), s.labels.get("process", ""))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +83,10 @@ class Snapshot:
     probes: Mapping[str, ProbeStatus] = field(default_factory=dict)
     events: tuple[Event, ...] = ()  # the most recent events, oldest first
     findings: tuple[Finding, ...] = ()
+    inventory: Inventory = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inventory", Inventory(self.samples))
 
     def by_metric(self, metric: str) -> list[Sample]:
         return [s for s in self.samples if s.metric == metric]

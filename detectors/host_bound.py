@@ -37,7 +37,8 @@ from gpuwatch.agent.metrics import (
     PROCESS_FILE_CACHE_RESIDENT, PROCESS_FILE_SIZE, PROCESS_GPU_MEMORY_USAGE, PROCESS_GPU_UTILIZATION,
     PROCESS_MEMORY_SWAP, PROCESS_PAGING_FAULTS, PROCESS_THREAD_CPU_UTILIZATION,
 )
-from gpuwatch.agent.trace.render import fmt_bytes
+from gpuwatch.agent.registry import DetectorEntry
+from gpuwatch.agent.logs import fmt_bytes
 
 KIND = "host_bound"
 MIB = 1 << 20
@@ -352,3 +353,5 @@ class HostBoundDetector(Detector):
                        {"pid": str(f.attrs["pid"]), "process": f.attrs["process"], "cause": f.attrs["cause"]}, f.ts)
                 for f in findings if f.kind == KIND]
 
+
+DETECTOR = DetectorEntry(HostBoundDetector.name, "", HostBoundDetector.kinds, 50, lambda ctx: HostBoundDetector())

@@ -20,6 +20,7 @@ from gpuwatch.agent.metrics import (
     CUDA_CALLS, PROCESS_GPU_UTILIZATION, PROCESS_KERNEL_DURATION, PROCESS_KERNEL_GRID_BLOCKS, PROCESS_KERNEL_LAUNCHES,
     PROCESS_KERNEL_THEORETICAL_OCCUPANCY,
 )
+from gpuwatch.agent.registry import DetectorEntry
 
 # Launch calls that start one kernel each (a graph launch starts many: it is the cure, not the disease).
 KERNEL_LAUNCH_APIS = ("cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel")
@@ -129,3 +130,6 @@ class LaunchDetector(Detector):
                                    {"id": name, "pid": pid, "process": process, "kernel": name, "share": share},
                                    ts=now))
         return out
+
+
+DETECTOR = DetectorEntry(LaunchDetector.name, "", LaunchDetector.kinds, 30, lambda ctx: LaunchDetector())

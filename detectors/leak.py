@@ -36,7 +36,7 @@ from typing import Iterable, Mapping, Sequence
 
 from gpuwatch.agent import own
 from gpuwatch.agent.api import Detector, Finding, Sample
-from gpuwatch.agent.config import OUTSIDE, names
+from gpuwatch.agent.allocators import OUTSIDE, names
 from gpuwatch.agent.history import History
 from gpuwatch.agent.metrics import (
     GPU_MEMORY_FREE, GPU_PROCESSES, GPU_UP, HW_GPU_MEMORY_LIMIT, HW_GPU_MEMORY_USAGE, LEAK_GROWTH_RATE, LEAK_SUSPECTED,
@@ -44,7 +44,8 @@ from gpuwatch.agent.metrics import (
     PROCESS_GPU_MEMORY_ALLOCATED, PROCESS_GPU_MEMORY_ALLOCATED_SELF_REPORTED, PROCESS_GPU_MEMORY_RESERVED,
     PROCESS_GPU_MEMORY_RESERVED_SELF_REPORTED, PROCESS_GPU_MEMORY_USAGE,
 )
-from gpuwatch.agent.trace.render import fmt_bytes
+from gpuwatch.agent.registry import DetectorEntry
+from gpuwatch.agent.logs import fmt_bytes
 
 WHITE, GREY, BLACK = "white", "grey", "black"
 KIND = "memory_leak"
@@ -448,3 +449,7 @@ class LeakDetector(Detector):
             if f.attrs["time_to_oom_seconds"] is not None:
                 out.append(Sample(LEAK_TIME_TO_OOM, f.attrs["time_to_oom_seconds"], f.resource, labels, f.ts))
         return out
+
+
+DETECTOR = DetectorEntry(LeakDetector.name, "", LeakDetector.kinds, 10,
+                         lambda ctx: LeakDetector(allocators=ctx.allocators))

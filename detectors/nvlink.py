@@ -14,6 +14,7 @@ from typing import Iterable
 from gpuwatch.agent.api import Detector, Finding
 from gpuwatch.agent.history import History, Series
 from gpuwatch.agent.metrics import GPU_NVLINK_ERRORS, GPU_NVLINK_UP
+from gpuwatch.agent.registry import DetectorEntry
 
 KIND_ERRORS = "nvlink_errors"
 KIND_DOWN = "nvlink_down"
@@ -89,3 +90,6 @@ class NvlinkDetector(Detector):
                                 "rate_per_second": {k: by_kind[k][1] for k in kinds},
                                 "window_seconds": self.window}, ts=now))
         return out
+
+
+DETECTOR = DetectorEntry(NvlinkDetector.name, "", NvlinkDetector.kinds, 70, lambda ctx: NvlinkDetector())

@@ -24,6 +24,7 @@ from gpuwatch.agent.metrics import (
     NCCL_COLLECTIVES_COMPARED, NCCL_RANK_LAST, NCCL_RANK_LATENESS, NCCL_STRAGGLER_LATENESS,
     PROCESS_CGROUP_CPU_THROTTLED_TIME, PROCESS_CPU_TIME, PROCESS_GPU_MEMORY_USAGE, PROCESS_PAGING_FAULTS,
 )
+from gpuwatch.agent.registry import DetectorEntry
 
 KIND = "straggler_rank"
 
@@ -124,3 +125,6 @@ def _host_words(host: dict) -> str:
     if faults:
         words.append(f"made {faults:.0f} major page faults/s")
     return ", ".join(words)
+
+
+DETECTOR = DetectorEntry(StragglerDetector.name, "", StragglerDetector.kinds, 60, lambda ctx: StragglerDetector())

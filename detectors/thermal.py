@@ -18,6 +18,7 @@ from gpuwatch.agent.metrics import (
     GPU_CLOCK_EVENT_DURATION, GPU_REMAPPED_ROWS, GPU_REMAPPED_ROWS_FAILURE, GPU_REMAPPED_ROWS_PENDING, GPU_UP, GPU_XID,
     HW_ERRORS, HW_TEMPERATURE, HW_TEMPERATURE_LIMIT, PROCESS_GPU_MEMORY_USAGE,
 )
+from gpuwatch.agent.registry import DetectorEntry
 
 # Clock-event reasons that cost performance (idle, application clocks, sync boost do not).
 THROTTLE_REASONS = {
@@ -146,3 +147,6 @@ class ThermalDetector(Detector):
                 if s.latest == 1:
                     out.append(Finding(kind, s.gpu, severity, f"GPU {s.gpu} {text}", {"id": kind}, ts=s.latest_ts))
         return out
+
+
+DETECTOR = DetectorEntry(ThermalDetector.name, "", ThermalDetector.kinds, 20, lambda ctx: ThermalDetector())

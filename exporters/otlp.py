@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping
 from gpuwatch.agent import __version__
 from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Event, Exporter, Probe, Sample
+from gpuwatch.agent.config import check_endpoint, parse_headers  # noqa: F401 (the OTLP settings' own checks)
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
 from gpuwatch.agent.wire import printable
 
@@ -49,36 +50,6 @@ ATTRIBUTE_NAMES: dict[str, dict[str, str]] = {
 LIMIT_TYPES = {"slowdown": "high.degraded", "shutdown": "high.critical"}
 
 SEVERITIES = {"critical": 17, "warning": 13, "info": 9}  # OpenTelemetry SeverityNumber: ERROR, WARN, INFO
-
-
-def parse_headers(text: str) -> dict[str, str]:
-    """"key=value,key2=value2" (OTEL_EXPORTER_OTLP_HEADERS' format, values URL-encoded) -> dict.
-    ValueError says what is wrong."""
-    from urllib.parse import unquote
-
-    out: dict[str, str] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise ValueError(f"expected key=value pairs separated by commas, got {item!r}")
-        out[key.strip().lower()] = unquote(value.strip())
-    return out
-
-
-def check_endpoint(url: str) -> str:
-    """An OTLP endpoint URL: http(s)://host:port[/path]. ValueError otherwise."""
-    from urllib.parse import urlsplit
-
-    if not url:
-        return url
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"expected http://HOST:PORT or https://HOST:PORT, got {url!r}")
-    try:
-        parts.port
-    except ValueError:
-        raise ValueError(f"bad port in {url!r}") from None
-    return url
 
 
 def attributes(s: Sample, gpus: Mapping[str, str]) -> dict[str, Any]:

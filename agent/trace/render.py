@@ -4,23 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuwatch.agent.logs import fmt_bytes
 from gpuwatch.agent.trace.summary import TOP_STACKS, _kernels, has_latency, kernel_rates, percentile, rates, totals
 
 LATENCY_NOTE = ("p50/p99: upper edge of the power-of-two (log2 ns) latency bucket holding that rank; "
                 "the true value is between half of it and it")
 TOP_APIS = 25
 TOP_KERNELS = 10
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "—"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def fmt_seconds(s: float | None, upper: bool = False) -> str:

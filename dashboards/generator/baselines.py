@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as grafana
 from grafana_foundation_sdk.builders.dashboard import Row
-from gpuwatch.detectors.health import HealthSettings
+from gpuwatch.probes.baseline.verdict import HealthSettings
 
 from .common import (
     GPU, Q, build_dashboard, by_gpu, dashed_line, datasource_var, gpu_var, increase, node_var, sel, stat, steps,

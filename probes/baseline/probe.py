@@ -10,7 +10,7 @@ other probes say are theirs (agent/own.py: the CUPTI sampler's child), and those
 their child stopped, its CUDA context released - from before the check until the run is over, so
 the run has the GPU to itself and is not measured beside the sampler.
 
-Each completed run is judged against the GPU's earlier runs from the store (detectors/health.py),
+Each completed run is judged against the GPU's earlier runs from the store (probes/baseline/verdict.py),
 stored with its verdict, and exported as the GPU's latest values (collect() never waits on a
 child). HealthDetector turns those values into findings.
 """
@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from gpuwatch.agent import own
 from gpuwatch.agent.events import EventQueue
 from gpuwatch.agent.api import Event, Probe, ProbeDisabled, Sample
-from gpuwatch.detectors import health
+from gpuwatch.probes.baseline.verdict import HealthSettings, judge, retake_of, runs_of
 from gpuwatch.probes.baseline import missing
 
 log = logging.getLogger("gpuwatch.baseline")
@@ -78,7 +78,7 @@ def child_command(gpu: int, python: str = "", replay: str = "", nth: int = 0, fo
         args = ["--serve"]
     if not python or os.path.abspath(python) == os.path.abspath(sys.executable):  # a venv's python is a link
         return [sys.executable, "-m", "gpuwatch.probes.baseline.workload", *args]
-    from gpuwatch.agent.run import package_dirs
+    from gpuwatch.agent import package_dirs
 
     return [python, "-c", BOOT, json.dumps(package_dirs()), *args]
 
@@ -93,12 +93,12 @@ class BaselineProbe(Probe):
                  first_delay: float = 120.0, tenants: Sequence[own.GpuTenant] = (),
                  compute_processes: Callable[[str], frozenset[int] | None] | None = None,
                  pause_timeout: float = 5.0, exists: Callable[[int], bool] | None = None,
-                 settings: health.HealthSettings | None = None) -> None:
+                 settings: HealthSettings | None = None) -> None:
         # gpus: the GPUs' UUIDs in NVML's order (the daemon's: what its NVML probe saw last).
         # tenants: the agent's probes whose children hold a CUDA context (they step aside for a run);
         # compute_processes: UUID -> the pids NVML lists on that GPU now (None: it cannot say).
         self.tenants, self.compute_processes, self.pause_timeout = tuple(tenants), compute_processes, pause_timeout
-        self.settings = settings or health.HealthSettings()
+        self.settings = settings or HealthSettings()
         self.exists = exists or (lambda pid: os.path.exists(f"/proc/{pid}"))
         self.store, self.every, self.python, self.timeout, self.replay = store, every, python, timeout, replay
         self.gpus, self.clock, self.first_delay = gpus, clock, first_delay
@@ -301,10 +301,10 @@ class BaselineProbe(Probe):
     def _retakes(self, gpu: int, force: bool, mine: set[int], run: dict) -> list[dict]:
         """One run cannot resolve a 3 % slowdown without false alarms (docs/baseline.md): a run judged
         slower is followed at once by up to settings.retakes more, each its own child holding the GPU
-        about 1 s, and the GPU is judged on the median of them all (health.figure)."""
+        about 1 s, and the GPU is judged on the median of them all (verdict.figure)."""
         if self.settings.retakes <= 0:
             return []
-        if not health.judge(run, self._past(run["uuid"], 200), self.settings)["slower"]:
+        if not judge(run, self._past(run["uuid"], 200), self.settings)["slower"]:
             return []
         log.info("baseline: GPU %d judged slower on one run; taking up to %d more to judge on their median",
                  gpu, self.settings.retakes)
@@ -314,7 +314,7 @@ class BaselineProbe(Probe):
             if kind != "ok":  # a job came, or the run failed: judged on the runs there are
                 log.info("baseline: a retake on GPU %d %s (%s); judged on %d run(s)", gpu, kind, got, len(out) + 1)
                 break
-            out.append(health.retake_of(got))
+            out.append(retake_of(got))
         return out
 
     def _attempt(self, gpu: int, force: bool, mine: set[int]) -> tuple[str, dict | str]:
@@ -426,7 +426,7 @@ class BaselineProbe(Probe):
     def _judge_and_keep(self, run: dict, started: float) -> dict:
         uuid = run["uuid"]
         run["ts"] = started
-        run["verdict"] = verdict = health.judge(run, self._past(uuid, 200), self.settings)
+        run["verdict"] = verdict = judge(run, self._past(uuid, 200), self.settings)
         run["result"] = result = ("wrong" if verdict["wrong"] else "slower" if verdict["slower"]
                                   else "below_sku" if verdict["below_sku"] else "ok")
         if self.store is not None:
@@ -478,7 +478,7 @@ def samples_of(run: dict, ts: float) -> list[Sample]:
         if v.get("sku_ratio") is not None:
             out.append(Sample("gpuwatch.baseline.relative_throughput", v["sku_ratio"], gpu,
                               {"workload": workload, "reference": "sku"}, ts))
-    wrong = sum(r.get("check", {}).get("mismatches", 0) for r in health.runs_of(run)
+    wrong = sum(r.get("check", {}).get("mismatches", 0) for r in runs_of(run)
                 if not r.get("check", {}).get("ok", True)) + (1 if verdict.get("digest_changed") else 0)
     out.append(Sample("gpuwatch.baseline.wrong_answers", float(wrong), gpu, {}, ts))
     out.append(Sample("gpuwatch.baseline.last_run.timestamp", run.get("ts", ts), gpu, {}, ts))

@@ -8,6 +8,8 @@ import glob
 import os
 import re
 
+from gpuwatch.agent.registry import ProbeEntry  # stdlib only too: this module runs inside users' programs
+
 
 # The oldest CUPTI worth running: 13.0 decoded a kernel record in ~116 µs, 13.4 in ~1.4 µs (H200).
 MIN_CUPTI = (13, 4)
@@ -94,8 +96,7 @@ def uuid_string(raw) -> str:
 
 
 def from_config(cfg):
-    """The daemon's device-wide counter sampler (agent/daemon.py PROBE_FACTORIES); None when
-    cupti.sampling is false, or while NVML is replayed: counters of the real GPUs would not match
+    """The daemon's device-wide counter sampler; None when cupti.sampling is false, or while NVML is replayed: counters of the real GPUs would not match
     recorded ones. It starts a child process and returns: unavailable (no cupti-python, no
     permission) is reported by the probe, the daemon goes on."""
     if not cfg.cupti.sampling or cfg.nvml.replay:
@@ -106,3 +107,13 @@ def from_config(cfg):
     return CuptiSamplerProbe(sample_interval=cfg.cupti.sample_interval, group_seconds=cfg.cupti.group_seconds,
                              yield_to=parse_names(cfg.cupti.yield_to),
                              status_path=os.path.join(cfg.agent.state_dir, STATUS_FILE))
+
+
+def _in_process(ctx):
+    from gpuwatch.probes.cupti.reports import InProcessProbe
+
+    return InProcessProbe(ctx.reports)
+
+
+PROBES = (ProbeEntry("cupti_sampler", "cupti", 40, lambda ctx: from_config(ctx.cfg)),
+          ProbeEntry("cupti", "cupti", 60, _in_process))  # what `gpuwatch run` processes report

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpuwatch.agent.registry import Context, ProbeEntry
 from gpuwatch.probes.ebpf.pools import pool_table
 from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, Hook
@@ -17,12 +18,11 @@ from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, Hook
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.config import Config
 
-__all__ = ["EbpfCudaProbe", "API_NAMES", "HOOKS", "Hook", "from_config"]
+__all__ = ["EbpfCudaProbe", "API_NAMES", "HOOKS", "Hook", "from_config", "PROBES"]
 
 
 def from_config(cfg: Config) -> EbpfCudaProbe | None:
-    """The daemon's system-wide eBPF probe (agent/daemon.py PROBE_FACTORIES); None when
-    ebpf.enabled is false."""
+    """The daemon's system-wide eBPF probe; None when ebpf.enabled is false."""
     if not cfg.ebpf.enabled:
         return None
     p = EbpfCudaProbe(libraries=[cfg.ebpf.library] if cfg.ebpf.library else (), max_processes=cfg.ebpf.max_processes,
@@ -31,3 +31,13 @@ def from_config(cfg: Config) -> EbpfCudaProbe | None:
                       young_seconds=cfg.ebpf.new_process_exact)
     p.deadline = 30.0  # the first start on a machine compiles the BPF program (1-6 s; then it is cached)
     return p
+
+
+def _made(ctx: Context) -> EbpfCudaProbe | None:
+    p = from_config(ctx.cfg)
+    if p is not None:
+        p.budgets = ctx.budgets  # graphs, libraries, uprobes, stacks: one set with the other probes
+    return p
+
+
+PROBES = (ProbeEntry("ebpf", "ebpf", 20, _made),)

@@ -27,9 +27,8 @@ import re
 import time
 from typing import Callable, Iterable
 
-# The known pools and ebpf.pool_libraries' parsing are configuration (agent/config.py), which the
-# leak detector reads too; imported here for the probe and its callers.
-from gpuwatch.agent.config import OUTSIDE, POOLS, Pool, names, parse_pool_libraries, pool_table  # noqa: F401
+# The pool table itself is in the core (config checks ebpf.pool_libraries, the leak detector names pools).
+from gpuwatch.agent.allocators import OUTSIDE, POOLS, Pool, names, parse_pool_libraries, pool_table  # noqa: F401
 
 _LIBCUDA = re.compile(r"/libcuda\.so(\.[0-9.]+)?$")  # the hooked API's own frame: never a pool
 

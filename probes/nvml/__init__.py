@@ -9,6 +9,7 @@ import functools
 import os
 from typing import TYPE_CHECKING, Callable
 
+from gpuwatch.agent.registry import ProbeEntry
 from gpuwatch.probes.nvml.backend import (
     Backend, GpuLost, LibraryUnavailable, NotSupported, NoValue, NvmlError, RealBackend,
 )
@@ -20,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "Backend", "GpuLost", "LibraryUnavailable", "NotSupported", "NoValue", "NvmlError", "RealBackend",
-    "NvmlProbe", "inventory", "nvml_checks", "backend_factory", "from_config",
+    "NvmlProbe", "inventory", "nvml_checks", "backend_factory", "from_config", "PROBES",
 ]
 
 
@@ -39,7 +40,7 @@ def backend_factory(cfg: Config) -> Callable[[], Backend]:
 
 
 def from_config(cfg: Config) -> NvmlProbe | None:
-    """The daemon's NVML probe (agent/daemon.py PROBE_FACTORIES); None when nvml.enabled is false."""
+    """The daemon's NVML probe; None when nvml.enabled is false."""
     if not cfg.nvml.enabled:
         return None
     from gpuwatch.probes.process.kubernetes import PodResolver
@@ -53,3 +54,6 @@ def from_config(cfg: Config) -> NvmlProbe | None:
                   pods=None if cfg.nvml.replay else PodResolver())
     p.deadline = cfg.nvml.deadline
     return p
+
+
+PROBES = (ProbeEntry("nvml", "nvml", 10, lambda ctx: from_config(ctx.cfg)),)

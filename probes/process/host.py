@@ -1,6 +1,6 @@
 """The host side of GPU processes: what a GPU job waits on when its GPU waits on it.
 
-For each process with series of its own on a GPU (the daemon's `_gpu_processes`: NVML's kept
+For each process with series of its own on a GPU (the runner's inventory, agent/snapshot.py: NVML's kept
 processes and eBPF's busiest), under the same pid/process labels as its GPU series:
 
   CPU time (user, system) and its rate; the busiest threads' rates (a saturated data-loading

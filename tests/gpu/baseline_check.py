@@ -4,7 +4,7 @@
      the best is used below (and belongs in kernels.HOPPER);
   2. shapes: 8192^3, a Llama-8B FFN (8192 x 14336 x 4096), a small batch (16 x 14336 x 4096):
      fused vs cuBLAS vs cuBLASLt's fused epilogue vs unfused PyTorch;
-  3. --runs undisturbed runs, each judged against the runs before it (detectors/health.judge):
+  3. --runs undisturbed runs, each judged against the runs before it (probes/baseline/verdict.judge):
      run-to-run spread raw and per SM cycle, and how many were judged slower (none expected);
   4. planted slowdowns: another process launching spin kernels for a share of the GPU's time
      (time-slicing between processes), at several shares; each judged against step 3's history;
@@ -25,7 +25,7 @@ import time
 import torch
 import triton.testing
 
-from gpuwatch.detectors import health
+from gpuwatch.probes.baseline import verdict as judging
 from gpuwatch.probes.baseline import check as checks
 from gpuwatch.probes.baseline import kernels, workload
 
@@ -139,7 +139,7 @@ def main() -> int:
         except workload.Busy as e:
             log(f"run {i}: {e} (NVML's pids are not this namespace's?); forced")
             r = workload.run(0, config=cfg, seed=i % 7, force=True)
-        r["verdict"] = health.judge(r, runs)
+        r["verdict"] = judging.judge(r, runs)
         flagged += r["verdict"]["slower"] or r["verdict"]["wrong"]
         runs.append(r)
         if i % 10 == 0:
@@ -186,7 +186,7 @@ def main() -> int:
             tries = []
             for j in range(3):
                 r = workload.run(0, config=cfg, seed=j, force=True)
-                v = health.judge(r, runs)
+                v = judging.judge(r, runs)
                 tries.append({"raw_ratio": r["gemm_flops_per_second"]["fused"] / base_raw,
                               "verdict": v, "conditions": r["conditions"], "run": r})
         finally:

@@ -12,7 +12,7 @@ Figures compared (each run; spread = 1.4826 x MAD / median over the runs):
   vs_cublas        fused / cuBLAS in the same run (cancels what slows both: not a health figure,
                    shown for how much of the spread is the GPU's own state)
   copy             the copy kernel's bytes/s (judged too)
-Judging: detectors/health.judge on each run against the runs before it (the agent's rule: from
+Judging: probes/baseline/verdict.judge on each run against the runs before it (the agent's rule: from
 the sixth run, median of the last 20, threshold 1 - max(k x spread, min_drop)), for a grid of
 (k_spread, min_drop); a run is a false alarm when judged slower; the planted 3 % is the same run's
 figure x 0.97 judged against the same history; "med3" judges the median of 3 consecutive runs.
@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 
-from gpuwatch.detectors import health
+from gpuwatch.probes.baseline import verdict as judging
 
 FIGURES = ("per_cycle", "per_cycle_mean", "raw", "per_joule", "vs_cublas", "copy")
 GRID = [(5.0, 0.03), (4.0, 0.03), (3.0, 0.03), (5.0, 0.02), (3.0, 0.02), (5.0, 0.04)]
@@ -114,23 +114,23 @@ def spread(values: list[float]) -> dict:
 
 
 def as_run(base: dict, value: float) -> dict:
-    """A run for health.judge carrying `value` as its GEMM figure."""
+    """A run for judging.judge carrying `value` as its GEMM figure."""
     return {"gemm_flop_per_cycle": value, "check": {"ok": True}, "shape": base["shape"], "config": base["config"],
             "versions": base["versions"], "name": "", "seed": 0}
 
 
 def judge_series(runs: list[dict], values: list[float], k: float, drop: float) -> dict:
-    s = health.HealthSettings(k_spread=k, min_drop=drop)
+    s = judging.HealthSettings(k_spread=k, min_drop=drop)
     past, alarms, caught, judged, thresholds = [], 0, 0, 0, []
     for run, v in zip(runs, values):
         r = as_run(run, v)
-        verdict = health.judge(r, past, s, expected={})
+        verdict = judging.judge(r, past, s, expected={})
         m = verdict["metrics"].get("gemm_flop_per_cycle", {})
         if m.get("threshold") is not None:
             judged += 1
             thresholds.append(m["threshold"])
             alarms += bool(verdict["slower"])
-            slow = health.judge(as_run(run, v * 0.97), past, s, expected={})
+            slow = judging.judge(as_run(run, v * 0.97), past, s, expected={})
             caught += bool(slow["slower"])
         r["verdict"] = verdict
         past.append(r)

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 from gpuwatch.agent.metrics import METRICS
-from gpuwatch.detectors.health import HealthSettings
+from gpuwatch.probes.baseline.verdict import HealthSettings
 
 from dashboards.generator import common
 from tests.conftest import ROOT, need_binary

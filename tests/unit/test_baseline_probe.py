@@ -212,7 +212,7 @@ def test_a_prepared_child_waits_for_the_next_run(tmp_path):
 
 
 def test_the_verdict_thresholds_come_from_the_settings(tmp_path, recorded):
-    from gpuwatch.detectors.health import HealthSettings
+    from gpuwatch.probes.baseline.verdict import HealthSettings
 
     replay = replay_file(tmp_path, recorded[:12])
     p, _ = make(tmp_path, replay, settings=HealthSettings(k_spread=1.0, min_drop=1e-6))
@@ -252,7 +252,7 @@ def test_a_run_judged_slower_is_taken_twice_more_and_judged_on_the_median(tmp_pa
 
 
 def test_without_retakes_one_run_decides(tmp_path, recorded):
-    from gpuwatch.detectors.health import HealthSettings
+    from gpuwatch.probes.baseline.verdict import HealthSettings
 
     slow = dict(recorded[6], gemm_flop_per_cycle=recorded[6]["gemm_flop_per_cycle"] * 0.9)
     replay = replay_file(tmp_path, recorded[:6] + [slow, recorded[7], recorded[8]])

@@ -372,12 +372,10 @@ def test_cupti_config(tmp_path, monkeypatch):
 
 
 def test_the_daemon_builds_the_probe_only_when_asked(tmp_path, monkeypatch):
-    from gpuwatch.agent.daemon import build_probes
+    from gpuwatch.probes.cupti import from_config
 
     monkeypatch.setattr(config_mod, "DEFAULT_PATH", str(tmp_path / "absent.toml"))
     base = {"nvml.enabled": False, "ebpf.enabled": False, "agent.state_dir": str(tmp_path)}
-    probes = build_probes(load(None, base))
-    sampler = [p for p in probes if p.name == "cupti_sampler"]
-    assert len(sampler) == 1 and sampler[0].status_path == str(tmp_path / STATUS_FILE)
-    assert not [p for p in build_probes(load(None, dict(base, **{"cupti.sampling": False})))
-                if p.name == "cupti_sampler"]
+    sampler = from_config(load(None, base))
+    assert sampler.name == "cupti_sampler" and sampler.status_path == str(tmp_path / STATUS_FILE)
+    assert from_config(load(None, dict(base, **{"cupti.sampling": False}))) is None

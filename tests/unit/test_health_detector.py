@@ -1,4 +1,4 @@
-"""GPU health judging (detectors/health.py) on runs recorded on the H200
+"""GPU health judging (probes/baseline/verdict.py, detectors/health.py) on runs recorded on the H200
 (tests/fixtures/baseline-h200.json: 130 undisturbed runs, then runs beside a competing process)."""
 import copy
 import json
@@ -9,6 +9,7 @@ import pytest
 from gpuwatch.agent.api import Finding, Sample
 from gpuwatch.agent.history import History
 from gpuwatch.detectors import health
+from gpuwatch.probes.baseline import verdict as judging
 from gpuwatch.probes.baseline.probe import samples_of
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "baseline-h200.json")
@@ -23,7 +24,7 @@ def recorded():
 def judged(runs):
     past = []
     for r in runs:
-        r = dict(r, verdict=health.judge(r, past))
+        r = dict(r, verdict=judging.judge(r, past))
         past.append(r)
     return past
 
@@ -32,11 +33,11 @@ def judged_with_retakes(runs, s=None):
     """As the probe judges: a run judged slower gets the next two runs as its retakes."""
     past, single = [], []
     for i, r in enumerate(runs):
-        v = health.judge(r, past, s)
+        v = judging.judge(r, past, s)
         if v["slower"]:
             single.append(i)
-            r = dict(r, retakes=[health.retake_of(x) for x in runs[i + 1:i + 3]])
-            v = health.judge(r, past, s)
+            r = dict(r, retakes=[judging.retake_of(x) for x in runs[i + 1:i + 3]])
+            v = judging.judge(r, past, s)
         past.append(dict(r, verdict=v))
     return past, single
 
@@ -71,17 +72,17 @@ def warm_runs():
 def tally(runs, metric="gemm_flop_per_cycle", retakes=2, s=None):
     """(runs judged, false alarms, 3 % slowdowns caught): each run judged against the runs before it, as
     it is and with `metric` x 0.97; one judged slower takes the next `retakes` runs (slowed alike)."""
-    s = s or health.HealthSettings()
+    s = s or judging.HealthSettings()
     past, judged, alarms, caught = [], 0, 0, 0
 
     def verdict(i, f):
         slowed = [dict(runs[(i + k) % len(runs)]) for k in range(retakes + 1)]
         for r in slowed:
             r[metric] *= f
-        v = health.judge(slowed[0], past, s)
+        v = judging.judge(slowed[0], past, s)
         if v["slower"] and retakes:
-            slowed[0] = dict(slowed[0], retakes=[health.retake_of(r) for r in slowed[1:]])
-            v = health.judge(slowed[0], past, s)
+            slowed[0] = dict(slowed[0], retakes=[judging.retake_of(r) for r in slowed[1:]])
+            v = judging.judge(slowed[0], past, s)
         return slowed[0], v
 
     for i in range(len(runs)):
@@ -107,7 +108,7 @@ def test_the_default_thresholds_on_31_warm_h200_runs():
     assert tally(runs, "memory_bytes_per_second", retakes=0) == (26, 1, 26)  # the one alarm is the GEMM's
     assert tally(runs, "memory_bytes_per_second") == (26, 0, 26)
     # the former defaults (k 5, 3 %): the same false alarm, and a 3 % drop caught 8 times in 26
-    assert tally(runs, retakes=0, s=health.HealthSettings(k_spread=5.0, min_drop=0.03, min_drop_memory=0.03)) \
+    assert tally(runs, retakes=0, s=judging.HealthSettings(k_spread=5.0, min_drop=0.03, min_drop_memory=0.03)) \
         == (26, 1, 8)
 
 
@@ -115,21 +116,21 @@ def test_a_run_and_its_retakes_are_judged_on_their_median(recorded):
     last = recorded["runs"][-1]
     past = past_of(last, [400_000.0] * 5)  # flat: threshold 1 - 1.5 % = 0.985 (copy: 0.99)
     one = like(last, gemm_flop_per_cycle=380_000.0, memory_bytes_per_second=4.0e12)
-    assert health.judge(one, past)["slower"] is True  # 0.95 alone
-    taken = like(one, retakes=[health.retake_of(like(last, gemm_flop_per_cycle=g, memory_bytes_per_second=4.0e12))
+    assert judging.judge(one, past)["slower"] is True  # 0.95 alone
+    taken = like(one, retakes=[judging.retake_of(like(last, gemm_flop_per_cycle=g, memory_bytes_per_second=4.0e12))
                                for g in (398_000.0, 401_000.0)])
-    v = health.judge(taken, past)
+    v = judging.judge(taken, past)
     g = v["metrics"]["gemm_flop_per_cycle"]
     assert (g["value"], g["runs"], g["own_ratio"], g["threshold"]) == (398_000.0, 3, 0.995, 0.985)
     assert v["slower"] is False and v["metrics"]["memory_bytes_per_second"]["threshold"] == 0.99
-    still = like(one, retakes=[health.retake_of(like(last, gemm_flop_per_cycle=g, memory_bytes_per_second=4.0e12))
+    still = like(one, retakes=[judging.retake_of(like(last, gemm_flop_per_cycle=g, memory_bytes_per_second=4.0e12))
                                for g in (388_000.0, 401_000.0)])
-    assert health.judge(still, past)["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == 0.97  # median 388000
-    assert health.judge(still, past)["slower"] is True
+    assert judging.judge(still, past)["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == 0.97  # median 388000
+    assert judging.judge(still, past)["slower"] is True
     # the median of a run and its retakes is what the next runs' baseline takes from it
-    nxt = health.judge(like(last, gemm_flop_per_cycle=398_000.0), past[1:] + [taken])
+    nxt = judging.judge(like(last, gemm_flop_per_cycle=398_000.0), past[1:] + [taken])
     assert nxt["metrics"]["gemm_flop_per_cycle"]["own_median"] == 400_000.0
-    assert health.figure(taken, "gemm_flop_per_cycle") == 398_000.0
+    assert judging.figure(taken, "gemm_flop_per_cycle") == 398_000.0
 
 
 def test_a_wrong_or_changed_retake_is_silent_data_corruption(recorded):
@@ -137,12 +138,12 @@ def test_a_wrong_or_changed_retake_is_silent_data_corruption(recorded):
     same_seed = next(r for r in reversed(history) if r["seed"] == 0)
     bad = copy.deepcopy(same_seed)
     bad["check"]["ok"] = False
-    assert health.judge(dict(same_seed, retakes=[health.retake_of(bad)]), history)["wrong"] is True
+    assert judging.judge(dict(same_seed, retakes=[judging.retake_of(bad)]), history)["wrong"] is True
     flipped = copy.deepcopy(same_seed)
     flipped["check"]["digest"] += 1
-    v = health.judge(dict(same_seed, retakes=[health.retake_of(same_seed), health.retake_of(flipped)]), history)
+    v = judging.judge(dict(same_seed, retakes=[judging.retake_of(same_seed), judging.retake_of(flipped)]), history)
     assert v["wrong"] is True and v["digest_changed"] is True
-    assert health.judge(dict(same_seed, retakes=[health.retake_of(same_seed)]), history)["wrong"] is False
+    assert judging.judge(dict(same_seed, retakes=[judging.retake_of(same_seed)]), history)["wrong"] is False
 
 
 
@@ -152,7 +153,7 @@ def test_a_competing_process_is_flagged_on_its_first_run(recorded):
     for share in ((10.0, 4000.0), (25.0, 2000.0)):  # 3.9 % and 8.1 % slower raw, 10-18 % per SM cycle
         first = by_share[share][0]
         assert first["raw_ratio"] < 0.97
-        assert health.judge(first["run"], history)["slower"], share
+        assert judging.judge(first["run"], history)["slower"], share
 
 
 def test_a_wrong_answer_or_a_changed_digest_is_silent_data_corruption(recorded):
@@ -160,13 +161,13 @@ def test_a_wrong_answer_or_a_changed_digest_is_silent_data_corruption(recorded):
     same_seed = next(r for r in reversed(history) if r["seed"] == 0)
     bad = copy.deepcopy(same_seed)
     bad["check"]["ok"], bad["check"]["mismatches"] = False, 3
-    assert health.judge(bad, history)["wrong"]
+    assert judging.judge(bad, history)["wrong"]
     flipped = copy.deepcopy(same_seed)
     flipped["check"]["digest"] += 1  # a low bit inside the tolerance: only the digest sees it
-    v = health.judge(flipped, history)
+    v = judging.judge(flipped, history)
     assert v["wrong"] and v["digest_changed"]
     other_seed = copy.deepcopy(next(r for r in reversed(history) if r["seed"] == 1))
-    assert not health.judge(other_seed, [r for r in history if r["seed"] != 1])["wrong"]  # other inputs
+    assert not judging.judge(other_seed, [r for r in history if r["seed"] != 1])["wrong"]  # other inputs
 
 
 def test_new_software_starts_a_new_baseline_and_slow_runs_do_not_join_it(recorded):
@@ -174,22 +175,22 @@ def test_new_software_starts_a_new_baseline_and_slow_runs_do_not_join_it(recorde
     upgraded = copy.deepcopy(history[-1])
     upgraded["versions"]["driver"] = "590.1"
     upgraded["gemm_flop_per_cycle"] *= 0.8
-    v = health.judge(upgraded, history)
+    v = judging.judge(upgraded, history)
     assert not v["slower"] and v["baseline_runs"] == 0  # nothing comparable yet...
     assert v["below_sku"]  # ...but the SKU's expectation still holds it to account
     slow = [dict(copy.deepcopy(r), gemm_flop_per_cycle=r["gemm_flop_per_cycle"] * 0.8,
                  verdict={"slower": True}) for r in history[-20:]]
-    v = health.judge(history[-1], history + slow)
+    v = judging.judge(history[-1], history + slow)
     assert v["baseline_runs"] == 20 and not v["slower"]  # judged against the normal runs before them
 
 
 def test_another_kernel_config_or_shape_is_not_held_to_the_skus_number(recorded):
     run = copy.deepcopy(recorded["runs"][-1])
     run["config"]["num_stages"] = 3
-    assert health.judge(run, [])["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] is None
+    assert judging.judge(run, [])["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] is None
     run = copy.deepcopy(recorded["runs"][-1])
     run["shape"] = [8192, 14336, 4096]
-    assert health.judge(run, [])["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] is None
+    assert judging.judge(run, [])["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] is None
 
 
 def history_of(run: dict) -> History:
@@ -200,11 +201,11 @@ def history_of(run: dict) -> History:
 
 def test_the_detector_turns_the_latest_verdict_into_findings(recorded):
     history = recorded["runs"]
-    ok = dict(history[-1], ts=1.0, verdict=health.judge(history[-1], history[:-1]))
+    ok = dict(history[-1], ts=1.0, verdict=judging.judge(history[-1], history[:-1]))
     assert list(health.HealthDetector().observe(history_of(ok))) == []
 
     planted = next(p for p in recorded["planted"] if (p["spin_us"], p["period_us"]) == (10.0, 4000.0))["runs"][0]["run"]
-    slow = dict(planted, ts=1.0, verdict=health.judge(planted, history))
+    slow = dict(planted, ts=1.0, verdict=judging.judge(planted, history))
     found = {(f.kind, f.attrs["workload"]): f for f in health.HealthDetector().observe(history_of(slow))}
     f = found[(health.KIND_SLOWER, "gemm")]  # the copy kernel may be slowed too: a finding of its own
     assert {k for k, _ in found} == {health.KIND_SLOWER}
@@ -213,13 +214,13 @@ def test_the_detector_turns_the_latest_verdict_into_findings(recorded):
 
     bad = copy.deepcopy(history[-1])
     bad["check"].update(ok=False, mismatches=7)
-    wrong = dict(bad, ts=1.0, verdict=health.judge(bad, history[:-1]))
+    wrong = dict(bad, ts=1.0, verdict=judging.judge(bad, history[:-1]))
     kinds = {f.kind for f in health.HealthDetector().observe(history_of(wrong))}
     assert kinds == {health.KIND_WRONG}
 
     low = copy.deepcopy(history[-1])
     low["gemm_flop_per_cycle"] *= 0.7
-    below = dict(low, ts=1.0, verdict=health.judge(low, []))  # no history: only the SKU judges
+    below = dict(low, ts=1.0, verdict=judging.judge(low, []))  # no history: only the SKU judges
     (f,) = health.HealthDetector().observe(history_of(below))
     assert f.kind == health.KIND_BELOW_SKU and f.attrs["ratio"] == pytest.approx(0.7, abs=0.03)
 
@@ -233,7 +234,7 @@ def test_the_detector_needs_nothing_when_no_run_was_made():
 # Exact thresholds and texts, on copies of the last recorded run with hand-picked values, with k 5 and
 # a 3 % floor given (the formula, not the defaults, is what these pin down).
 TS = 1_800_000_000.0
-K5 = health.HealthSettings(k_spread=5.0, min_drop=0.03, min_drop_memory=0.03)
+K5 = judging.HealthSettings(k_spread=5.0, min_drop=0.03, min_drop_memory=0.03)
 
 
 def like(run, **changes):
@@ -247,7 +248,7 @@ def past_of(run, gemm, memory=(4.0e12,) * 5):
 
 
 def verdict_of(run, past, **kw):
-    return dict(run, verdict=health.judge(run, past, **kw))
+    return dict(run, verdict=judging.judge(run, past, **kw))
 
 
 def findings_of(run):
@@ -257,7 +258,7 @@ def findings_of(run):
 def test_a_flat_baseline_allows_exactly_the_minimum_drop(recorded):
     last = recorded["runs"][-1]
     past = past_of(last, [400_000.0] * 5)  # spread 0: threshold 1 - max(5 x 0, 3 %) = 0.97
-    at = health.judge(like(last, gemm_flop_per_cycle=388_000.0, memory_bytes_per_second=4.0e12), past, K5)
+    at = judging.judge(like(last, gemm_flop_per_cycle=388_000.0, memory_bytes_per_second=4.0e12), past, K5)
     assert at["slower"] is False and at["below_sku"] is False and at["wrong"] is False
     assert at["baseline_runs"] == 5 and at["digest_changed"] is False
     assert at["metrics"]["gemm_flop_per_cycle"] == {
@@ -268,9 +269,9 @@ def test_a_flat_baseline_allows_exactly_the_minimum_drop(recorded):
         "metric": "memory_bytes_per_second", "value": 4.0e12, "runs": 1, "own_median": 4.0e12, "own_spread": 0.0,
         "own_ratio": 1.0, "threshold": 0.97, "sku_expected": 4.011e12, "sku_ratio": 4.0e12 / 4.011e12,
         "sku_floor": 0.85}
-    below = health.judge(like(last, gemm_flop_per_cycle=387_996.0), past, K5)  # ratio 0.96999
+    below = judging.judge(like(last, gemm_flop_per_cycle=387_996.0), past, K5)  # ratio 0.96999
     assert below["slower"] is True and below["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == 0.96999
-    mem = health.judge(like(last, memory_bytes_per_second=3.8799e12), past, K5)  # 0.969975 of 4e12
+    mem = judging.judge(like(last, memory_bytes_per_second=3.8799e12), past, K5)  # 0.969975 of 4e12
     assert mem["slower"] is True and mem["metrics"]["memory_bytes_per_second"]["own_ratio"] == 0.969975
     assert mem["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == last["gemm_flop_per_cycle"] / 400_000.0  # not it
 
@@ -279,26 +280,26 @@ def test_a_noisy_baseline_allows_five_spreads(recorded):
     last = recorded["runs"][-1]
     past = past_of(last, [392_000.0, 396_000.0, 400_000.0, 404_000.0, 408_000.0])
     # median 400000, MAD 4000: spread 1.4826 x 4000 / 400000 = 0.014826; threshold 1 - 5 x 0.014826 = 0.92587
-    above = health.judge(like(last, gemm_flop_per_cycle=370_349.0), past, K5)  # ratio 0.9258725
+    above = judging.judge(like(last, gemm_flop_per_cycle=370_349.0), past, K5)  # ratio 0.9258725
     v = above["metrics"]["gemm_flop_per_cycle"]
     assert v["own_median"] == 400_000.0 and v["own_spread"] == pytest.approx(0.014826, rel=1e-12)
     assert v["threshold"] == pytest.approx(0.92587, rel=1e-12) and v["own_ratio"] == 0.9258725
     assert above["slower"] is False
-    below = health.judge(like(last, gemm_flop_per_cycle=370_347.0), past, K5)  # ratio 0.9258675
+    below = judging.judge(like(last, gemm_flop_per_cycle=370_347.0), past, K5)  # ratio 0.9258675
     assert below["slower"] is True
 
 
 def test_the_own_judgement_starts_at_min_history_runs_and_uses_the_last_history_runs(recorded):
     last = recorded["runs"][-1]
     run = like(last, gemm_flop_per_cycle=300_000.0)
-    four = health.judge(run, past_of(last, [400_000.0] * 4))
+    four = judging.judge(run, past_of(last, [400_000.0] * 4))
     assert four["baseline_runs"] == 4 and four["slower"] is False
     assert four["metrics"]["gemm_flop_per_cycle"]["own_median"] is None
     assert four["metrics"]["gemm_flop_per_cycle"]["threshold"] is None
-    five = health.judge(run, past_of(last, [400_000.0] * 5))
+    five = judging.judge(run, past_of(last, [400_000.0] * 5))
     assert five["slower"] is True and five["metrics"]["gemm_flop_per_cycle"]["own_ratio"] == 0.75
     # 5 old runs at 100000, then 20 at 400000: only the last 20 make the baseline
-    many = health.judge(run, past_of(last, [100_000.0] * 5 + [400_000.0] * 20, [4.0e12] * 25))
+    many = judging.judge(run, past_of(last, [100_000.0] * 5 + [400_000.0] * 20, [4.0e12] * 25))
     assert many["baseline_runs"] == 20 and many["metrics"]["gemm_flop_per_cycle"]["own_median"] == 400_000.0
 
 
@@ -308,7 +309,7 @@ def test_wrong_or_slower_past_runs_do_not_join_the_baseline(recorded):
     wrong = like(last, gemm_flop_per_cycle=100_000.0, verdict={"slower": False})
     wrong["check"]["ok"] = False
     slow = like(last, gemm_flop_per_cycle=100_000.0, verdict={"slower": True})
-    v = health.judge(last, past + [wrong, slow] * 3)
+    v = judging.judge(last, past + [wrong, slow] * 3)
     assert v["baseline_runs"] == 5 and v["metrics"]["gemm_flop_per_cycle"]["own_median"] == 400_000.0
 
 
@@ -325,16 +326,16 @@ def test_another_shape_config_or_software_is_another_baseline(recorded, change):
     run = copy.deepcopy(last)
     for k, v in change.items():
         run[k] = dict(run[k], **v) if isinstance(v, dict) else v
-    v = health.judge(run, past)
+    v = judging.judge(run, past)
     assert v["baseline_runs"] == 0 and v["metrics"]["gemm_flop_per_cycle"]["own_median"] is None
     assert v["digest_changed"] is False  # no comparable output to differ from
-    assert health.judge(last, past)["baseline_runs"] == 5  # unchanged: the same baseline
+    assert judging.judge(last, past)["baseline_runs"] == 5  # unchanged: the same baseline
 
 
 def test_a_run_that_lacks_fields_is_judged_without_them():
     # a record without shape, config, versions or check: nothing to compare with, not known right
     past = [{"name": "NVIDIA H200", "gemm_flop_per_cycle": 2.0}] * 5  # comparable, but never checked
-    v = health.judge({"name": "NVIDIA H200", "memory_bytes_per_second": 1.0}, past)
+    v = judging.judge({"name": "NVIDIA H200", "memory_bytes_per_second": 1.0}, past)
     assert v == {"slower": False, "below_sku": False, "wrong": True, "digest_changed": False, "baseline_runs": 0,
                  "metrics": {"memory_bytes_per_second": {
                      "metric": "memory_bytes_per_second", "value": 1.0, "runs": 1, "own_median": None, "own_spread": None,
@@ -345,20 +346,20 @@ def test_a_run_that_lacks_fields_is_judged_without_them():
 def test_a_check_without_ok_is_wrong(recorded):
     run = copy.deepcopy(recorded["runs"][-1])
     del run["check"]["ok"]
-    assert health.judge(run, [])["wrong"] is True
+    assert judging.judge(run, [])["wrong"] is True
 
 
 def test_the_sku_floor_is_exact(recorded):
     last = recorded["runs"][-1]
     # 0.85 x 420582 = 357494.7 FLOP/cycle, 0.85 x 4.011e12 = 3.40935e12 B/s
-    above = health.judge(like(last, gemm_flop_per_cycle=357_495.0, memory_bytes_per_second=3.4094e12), [])
+    above = judging.judge(like(last, gemm_flop_per_cycle=357_495.0, memory_bytes_per_second=3.4094e12), [])
     assert above["below_sku"] is False
     assert above["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] == 357_495.0 / 420_582.0
-    assert health.judge(like(last, gemm_flop_per_cycle=357_494.0), [])["below_sku"] is True
-    assert health.judge(like(last, memory_bytes_per_second=3.4093e12), [])["below_sku"] is True
+    assert judging.judge(like(last, gemm_flop_per_cycle=357_494.0), [])["below_sku"] is True
+    assert judging.judge(like(last, memory_bytes_per_second=3.4093e12), [])["below_sku"] is True
     # another table of expectations, given: exactly at the floor is not below it
     exp = {last["name"]: {"config": last["config"], "gemm_flop_per_cycle": 400_000.0}}
-    at = health.judge(like(last, gemm_flop_per_cycle=340_000.0), [], expected=exp)
+    at = judging.judge(like(last, gemm_flop_per_cycle=340_000.0), [], expected=exp)
     assert at["metrics"]["gemm_flop_per_cycle"]["sku_ratio"] == 0.85 and at["below_sku"] is False
     assert at["metrics"]["gemm_flop_per_cycle"]["sku_expected"] == 400_000.0
     assert at["metrics"]["memory_bytes_per_second"]["sku_expected"] is None  # not in that table
@@ -369,7 +370,7 @@ def test_a_run_without_a_clock_reading_is_still_judged_on_memory(recorded):
     run = like(last, memory_bytes_per_second=3.0e12)
     del run["gemm_flop_per_cycle"]
     past = past_of(last, [400_000.0] * 5)
-    v = health.judge(run, past)
+    v = judging.judge(run, past)
     assert list(v["metrics"]) == ["memory_bytes_per_second"] and v["slower"] is True
     assert v["metrics"]["memory_bytes_per_second"]["own_ratio"] == 0.75
 

@@ -235,12 +235,12 @@ def test_nvml_probe_without_a_resolver_has_no_pod_series():
 
 def test_the_agent_asks_for_pods_only_for_real_gpus():
     from gpuwatch.agent.config import load
-    from gpuwatch.agent.daemon import build_probes
+    from gpuwatch.probes.nvml import from_config
 
     off = {"ebpf.enabled": False, "cupti.sampling": False}
     real = load("", off)
     replay = load("", {**off, "nvml.replay": str(FIXTURE)})
-    nvml = [p for p in build_probes(real) if isinstance(p, NvmlProbe)][0]
+    nvml = from_config(real)
     assert isinstance(nvml.pods, PodResolver) and nvml.pods.proc_root == "/proc"
-    assert [p for p in build_probes(replay) if isinstance(p, NvmlProbe)][0].pods is None
+    assert from_config(replay).pods is None
     assert os.path.isabs(nvml.pods.log_root)

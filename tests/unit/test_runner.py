@@ -202,7 +202,7 @@ def test_findings_open_update_and_close_as_events_and_export_their_metrics():
 
 
 def test_leak_findings_get_the_stacks_that_hold_their_bytes_where_they_tell_something():
-    from gpuwatch.agent.daemon import attach_stacks
+    from gpuwatch.agent.handlers import attach_stacks
 
     asked = []
 

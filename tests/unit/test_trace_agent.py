@@ -16,9 +16,11 @@ import pytest
 
 from gpuwatch.agent import config as config_mod
 from gpuwatch.agent import daemon as daemon_mod
+from gpuwatch.agent import handlers as handlers_mod
 from gpuwatch.agent import trace
 from gpuwatch.agent.trace import session, summary
 from gpuwatch.agent.api import Probe, ProbeNotRunning
+from gpuwatch.agent.registry import ProbeEntry
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred, parse_params
 from gpuwatch.agent.wire import PidParams
 from gpuwatch.probes.ebpf import loader
@@ -441,7 +443,8 @@ def agent(tmp_path, monkeypatch):
     made = []
 
     def make(probe: Probe | None):
-        monkeypatch.setattr(daemon_mod, "build_probes", lambda cfg: [probe] if probe is not None else [])
+        monkeypatch.setattr(daemon_mod, "probe_entries",
+                            lambda: [ProbeEntry("ebpf", "ebpf", 20, lambda ctx: probe)])
         # A state directory each: a Daemon holds its directory's lock (agent.lock) for its life.
         cfg = config_mod.load("", {"agent.state_dir": str(tmp_path / f"state{len(made)}"),
                                    "agent.runtime_dir": str(tmp_path),
@@ -510,7 +513,7 @@ def test_snapshot_when_the_probe_is_disabled_or_down(agent):
 
 
 def test_snapshot_while_the_probe_starts_is_busy_not_stuck(agent, monkeypatch):
-    monkeypatch.setattr(daemon_mod, "TRACE_LOCK_WAIT", 0.05)
+    monkeypatch.setattr(handlers_mod, "TRACE_LOCK_WAIT", 0.05)
     probe = EbpfCudaProbe(libraries=[MISSING])
     d = agent(probe)
     held, done = threading.Event(), threading.Event()
