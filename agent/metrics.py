@@ -287,7 +287,7 @@ METRICS: tuple[Metric, ...] = (
            "when gpuwatch_ebpf_launch_sampled_ratio < 1 (ebpf.launch_sampling); every other API "
            "(cuGraphLaunch included) is exact.",
            ("pid", "process", "api")),
-    Metric("gpuwatch.cuda.errors", "", Kind.COUNTER,
+    Metric(CUDA_ERRORS := "gpuwatch.cuda.errors", "", Kind.COUNTER,
            "CUDA driver API calls that returned an error (a CUresult other than CUDA_SUCCESS).",
            ("pid", "process", "api")),
     Metric("gpuwatch.cuda.call.duration", "s", Kind.COUNTER,

@@ -4,7 +4,10 @@ The leak detector forecasts a time to OOM; this says when the OOM came and how g
 was. Evidence, whichever comes first (one event per process and OOM, not one per retry):
 
 - the driver returned CUDA_ERROR_OUT_OF_MEMORY to the process (the eBPF probe's "cuda.oom"
-  events: its errors by return code rose);
+  events: its errors by return code rose), and the process did not get over it: it exited, or in
+  DRIVER_HOLD_S made no call of that API that succeeded. Allocators back off from a refusal (XLA's
+  BFC asks for a smaller region; PyTorch's frees its cache and retries), and the program goes on;
+  that refusal is no OOM of the process;
 - the program's framework raised its out-of-memory error (torch.OutOfMemoryError, CuPy's
   OutOfMemoryError, JAX's RESOURCE_EXHAUSTED): the in-process agent of `gpuwatch run` saw it and
   said so in its report, which the daemon checked (probes/cupti/reports.py: "framework.oom" events);
@@ -24,12 +27,14 @@ thread only.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from gpuwatch.agent.api import Event, Finding, Sample
 from gpuwatch.agent.history import History
-from gpuwatch.agent.metrics import Histogram
+from gpuwatch.agent.metrics import CUDA_CALLS, CUDA_ERRORS, Histogram
 
 FULL = 0.95  # of the GPU's memory in use: an exit then is taken for an OOM
 RECENT_S = 5.0  # how far back "before it exited" looks in the GPU's memory series
@@ -45,6 +50,9 @@ LATE_S = 10.0
 # (which names the error and the bytes asked for) can reach the runner a probe interval after the
 # exit is seen. The exit's event waits this long for better evidence, which then replaces it.
 EXIT_HOLD_S = 5.0
+# A driver's refusal waits this long for the process to show it got over it (JAX raised its OOM 12 s
+# after a refusal XLA had backed off from, on the H100); made at once when the process exits.
+DRIVER_HOLD_S = 15.0
 
 CAUSE_WORDS = {"driver": "the driver returned CUDA_ERROR_OUT_OF_MEMORY",
                "out_of_memory_error": "{error}",
@@ -67,13 +75,16 @@ class _Forecast:
 
 
 class OomRecorder:
-    def __init__(self, history: History, started: float | None = None) -> None:
+    def __init__(self, history: History, started: float | None = None,
+                 alive: Callable[[str], bool] = lambda pid: os.path.exists(f"/proc/{pid}")) -> None:
         self.history = history
+        self.alive = alive  # a refusal's process still runs (its pid only: eBPF's events name no start time)
         # (pid, gpu) -> the first forecast of its open leak there
         self._forecasts: dict[tuple[str, str], _Forecast] = {}
         self._closed: dict[tuple[str, str], tuple[_Forecast, float]] = {}  # -> forecast of a leak that closed, when
         self._last_oom: dict[str, float] = {}  # pid -> when its last OOM event was made
         self._exits: dict[str, tuple[_Forecast, float, float]] = {}  # pid -> an exit with the GPU full: forecast, when, fullness
+        self._refusals: dict[str, tuple[Event, float]] = {}  # pid -> the driver's refusal held, when it was seen
         self.events_total: dict[tuple[str, str], int] = {}  # (gpu, cause) -> OOM events
         self.started = time.time() if started is None else started  # wall time the counting began: the histograms' start
         self.errors: dict[tuple[str, str], Histogram] = {}  # (gpu, came) -> |forecast error ratio|
@@ -112,24 +123,51 @@ class OomRecorder:
             self._exits[pid] = (fc, wall, full)
 
     def due(self, wall: float) -> list[Event]:
-        """The exits with the GPU full that no better evidence followed within EXIT_HOLD_S: OOM
-        events, dated when the exit was seen."""
+        """The held evidence that is now an OOM: a driver's refusal whose process exited, or did not
+        get over it in DRIVER_HOLD_S; an exit with the GPU full that no better evidence followed in
+        EXIT_HOLD_S. Each dated when it was seen."""
         out = []
+        for pid, (ev, at) in list(self._refusals.items()):
+            gone = not self.alive(pid)
+            if gone or wall - at >= DRIVER_HOLD_S or wall < at:
+                del self._refusals[pid]
+                # alive, calls in the refusal's own second count: XLA's smaller region comes at once;
+                # gone, only later ones: an OOM that ends a program comes after calls that worked
+                if not self._got_over(pid, str(ev.attrs.get("api", "")), at, later_only=gone):
+                    fc = self._forecast(pid, "", wall)  # eBPF's counts name no GPU
+                    detail = f" to {ev.attrs.get('api', 'an allocation')} ({ev.attrs.get('errors', 1)} calls)"
+                    out.append(self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc,
+                                           "driver", at, detail=detail))
         for pid, (fc, at, full) in list(self._exits.items()):
             if wall - at >= EXIT_HOLD_S or wall < at:
                 del self._exits[pid]
                 out.append(self._event(pid, fc.process, fc, "gpu_full_at_exit", at, full=full))
         return out
 
-    def driver_oom(self, ev: Event, wall: float) -> Event | None:
-        """The eBPF probe saw CUDA_ERROR_OUT_OF_MEMORY returned to a process."""
+    def driver_oom(self, ev: Event, wall: float) -> None:
+        """The eBPF probe saw CUDA_ERROR_OUT_OF_MEMORY returned to a process: held (due() judges it).
+        Another while one is held adds to its count, or, once the process got over the held one,
+        is held instead (the OOM that ends a program after a refusal it backed off from)."""
         pid = str(ev.attrs.get("pid", ""))
         if not pid.isdigit() or self._same_oom(pid, wall):
             return None
-        fc = self._forecast(pid, "", wall)  # eBPF's counts name no GPU
-        detail = f" to {ev.attrs.get('api', 'an allocation')} ({ev.attrs.get('errors', 1)} calls)"
-        return self._event(pid, str(ev.attrs.get("process", "")) or (fc.process if fc else ""), fc, "driver", wall,
-                           detail=detail)
+        held = self._refusals.get(pid)
+        if held is not None and not self._got_over(pid, str(held[0].attrs.get("api", "")), held[1]):
+            errors = held[0].attrs.get("errors", 1) + ev.attrs.get("errors", 1)
+            self._refusals[pid] = (Event(ev.kind, ev.resource, {**held[0].attrs, "errors": errors}, ev.ts), held[1])
+        elif held is not None or len(self._refusals) < MAX_TRACKED:
+            self._refusals[pid] = (ev, wall)  # the first, or a new one after it got over the last
+        return None
+
+    def _got_over(self, pid: str, api: str, at: float, later_only: bool = False) -> bool:
+        """Calls to `api` (any, when none is named) succeeded after the refusal seen at `at`: from the
+        collection that saw it on (its own rise counts), or with later_only from the one after it."""
+        succeeded = 0.0
+        for metric, sign in ((CUDA_CALLS, 1.0), (CUDA_ERRORS, -1.0)):
+            for s in self.history.select(metric, pid=pid, **({"api": api} if api else {})):
+                seen = max((t for t, _ in s.points if t <= at), default=at)
+                succeeded += sign * s.increase(seen + 1e-6 if later_only else seen)
+        return succeeded > 0
 
     def framework_oom(self, ev: Event, wall: float) -> Event | None:
         """The in-process agent saw its framework raise an out-of-memory error ("framework.oom",
@@ -139,6 +177,7 @@ class OomRecorder:
         framework, how = ev.attrs.get("framework"), ev.attrs.get("how")
         if not pid.isdigit() or framework not in ERRORS or how not in HOW or self._same_oom(pid, wall):
             return None
+        self._refusals.pop(pid, None)  # the program's own word for it says more
         fc = self._forecast(pid, ev.resource, wall)
         detail, extra = "", {"framework": framework, "how": how}
         requested, device = ev.attrs.get("requested_bytes"), ev.attrs.get("device")

@@ -5,9 +5,30 @@ import pytest
 from gpuwatch.agent import oom as oom_mod
 from gpuwatch.agent.api import Event, Finding, Sample
 from gpuwatch.agent.history import History
-from gpuwatch.agent.oom import OomRecorder
+from gpuwatch.agent.oom import OomRecorder as _OomRecorder
 
 GIB = 2**30
+ALLOC = "cuMemAlloc_v2"
+
+
+def OomRecorder(history: History, started: float | None = None, alive=lambda pid: False) -> _OomRecorder:
+    """A recorder whose processes have exited unless said (the driver's refusals are then judged at once)."""
+    return _OomRecorder(history, started, alive=alive)
+
+
+def refused(rec: _OomRecorder, ev: Event, wall: float) -> Event | None:
+    """The driver refused `ev`'s process at `wall`: the OOM event due then, if any (held otherwise)."""
+    assert rec.driver_oom(ev, wall) is None
+    events = rec.due(wall)
+    assert len(events) <= 1
+    return events[0] if events else None
+
+
+def cuda_calls(h: History, pid: str, points: list[tuple[float, float, float]], api: str = ALLOC) -> None:
+    """The eBPF probe's counters of `api` in `pid`: (time, calls, errors) at each collection."""
+    labels = {"pid": pid, "process": "jax", "api": api}
+    h.append([s for t, calls, errors in points for s in (Sample("gpuwatch.cuda.calls", calls, "", labels, t),
+                                                        Sample("gpuwatch.cuda.errors", errors, "", labels, t))])
 
 
 def leak(pid="42", tto=120.0, process="trainer", color="black", gpu="GPU-a") -> Finding:
@@ -73,7 +94,7 @@ def test_a_leak_that_ends_otherwise_is_no_oom(exited, points, why):
 def test_a_driver_oom_uses_the_forecast_and_names_the_call():
     rec = OomRecorder(History())
     rec.leak_seen(leak(pid="7", tto=600.0, process="jax", gpu="GPU-b"), 50.0)
-    ev = rec.driver_oom(Event("cuda.oom", "", {"pid": "7", "process": "", "api": "cuMemAlloc_v2", "errors": 2}, 0), 590.0)
+    ev = refused(rec, Event("cuda.oom", "", {"pid": "7", "process": "", "api": "cuMemAlloc_v2", "errors": 2}, 0), 590.0)
     assert ev.resource == "GPU-b" and ev.attrs["process"] == "jax"  # its own name missing: the leak's
     assert ev.attrs["summary"] == ("jax (pid 7) ran out of GPU memory: the driver returned CUDA_ERROR_OUT_OF_MEMORY "
                                    "to cuMemAlloc_v2 (2 calls); forecast 10.0 min when the leak was found, came at "
@@ -87,13 +108,13 @@ def test_a_driver_oom_uses_the_forecast_and_names_the_call():
 def test_the_same_oom_within_a_minute_and_a_new_one_after():
     rec = OomRecorder(History())
     ev = Event("cuda.oom", "", {"pid": "9", "process": "p"}, 0)
-    first = rec.driver_oom(ev, 100.0)
+    first = refused(rec, ev, 100.0)
     assert first.attrs["summary"] == ("p (pid 9) ran out of GPU memory: the driver returned CUDA_ERROR_OUT_OF_MEMORY "
                                       "to an allocation (1 calls); no leak was forecast for it")
     assert first.resource == "" and "forecast_seconds" not in first.attrs
-    assert rec.driver_oom(ev, 100.0 + oom_mod.SAME_OOM_S - 0.001) is None
-    assert rec.driver_oom(ev, 100.0 + oom_mod.SAME_OOM_S) is not None
-    assert rec.driver_oom(Event("cuda.oom", "", {"process": "p"}, 0), 500.0) is None  # no pid: nothing to score
+    assert refused(rec, ev, 100.0 + oom_mod.SAME_OOM_S - 0.001) is None
+    assert refused(rec, ev, 100.0 + oom_mod.SAME_OOM_S) is not None
+    assert refused(rec, Event("cuda.oom", "", {"process": "p"}, 0), 500.0) is None  # no pid: nothing to score
     assert rec.samples(501.0) == [Sample("gpuwatch.oom.events", 2.0, "", {"cause": "driver"}, 501.0)]
 
 
@@ -115,7 +136,7 @@ def test_forecasts_and_recent_ooms_are_bounded(monkeypatch):
         rec.leak_seen(leak(pid=str(pid)), float(pid))
     assert list(rec._forecasts) == [("2", "GPU-a"), ("3", "GPU-a"), ("4", "GPU-a")]  # the oldest went
     for pid in range(5):
-        rec.driver_oom(Event("cuda.oom", "", {"pid": str(100 + pid)}, 0), 10.0)
+        refused(rec, Event("cuda.oom", "", {"pid": str(100 + pid)}, 0), 10.0)
     assert list(rec._last_oom) == ["102", "103", "104"]
 
 
@@ -154,7 +175,7 @@ def test_a_framework_oom_is_scored_against_the_forecast_in_our_words():
     assert error.labels == {"came": "early"} and error.histogram.counts == (1, 0, 0, 0, 0, 0, 0)
     assert error.histogram.start == 10.0
     # the driver's word for the same OOM a moment later is not a second one
-    assert rec.driver_oom(Event("cuda.oom", "", {"pid": "42"}, 0), 1290.0) is None
+    assert refused(rec, Event("cuda.oom", "", {"pid": "42"}, 0), 1290.0) is None
 
 
 @pytest.mark.parametrize("fw, how, words", [
@@ -187,7 +208,7 @@ def test_evidence_just_after_the_leak_closed_still_scores_its_forecast():
     assert ev.attrs["forecast_seconds"] == 100.0 and ev.attrs["came_after_seconds"] == 100.0
     rec.leak_seen(leak(pid="6", tto=100.0), 1000.0)
     rec.leak_closed(leak(pid="6"), exited=False, wall=1090.0)
-    late = rec.driver_oom(Event("cuda.oom", "", {"pid": "6"}, 0), 1090.0 + oom_mod.LATE_S + 0.1)
+    late = refused(rec, Event("cuda.oom", "", {"pid": "6"}, 0), 1090.0 + oom_mod.LATE_S + 0.1)
     assert late.attrs["summary"].endswith("no leak was forecast for it")
 
 
@@ -241,7 +262,7 @@ def test_a_driver_oom_naming_no_gpu_takes_the_fullest_gpu_with_a_forecast():
     rec.leak_seen(leak(tto=300.0, gpu="GPU-1"), 1010.0)
     gpu_memory(h, "GPU-0", [(1098.0, 60 * GIB)])
     gpu_memory(h, "GPU-1", [(1098.0, 99 * GIB)])
-    ev = rec.driver_oom(Event("cuda.oom", "", {"pid": "42"}, 0), 1100.0)
+    ev = refused(rec, Event("cuda.oom", "", {"pid": "42"}, 0), 1100.0)
     assert (ev.resource, ev.attrs["forecast_seconds"]) == ("GPU-1", 300.0)
 
 
@@ -265,7 +286,86 @@ def test_a_short_lived_process_is_named_as_the_probes_named_it_while_it_ran():
     history.append([Sample("gpuwatch.cuda.calls", 10.0, "", {"pid": "77", "process": "trainer", "api": "cuMemAlloc_v2"},
                            ts=100.0)])
     rec = OomRecorder(history)
-    ev = rec.driver_oom(Event("cuda.oom", "", {"pid": 77, "process": "unknown", "api": "cuMemAlloc_v2"}), 101.0)
+    ev = refused(rec, Event("cuda.oom", "", {"pid": 77, "process": "unknown", "api": "cuMemAlloc_v2"}), 101.0)
     assert ev.attrs["process"] == "trainer" and ev.attrs["summary"].startswith("trainer (pid 77) ran out")
-    ev = rec.driver_oom(Event("cuda.oom", "", {"pid": 78, "process": ""}), 101.0)  # never named: as before
+    ev = refused(rec, Event("cuda.oom", "", {"pid": 78, "process": ""}), 101.0)  # never named: as before
     assert ev.attrs["process"] == "" and ev.attrs["summary"].startswith("process (pid 78)")
+
+
+def test_a_refusal_the_allocator_backs_off_from_is_no_oom():
+    """XLA asks for a doubled region, is refused, and takes a smaller one in the same second: the
+    process goes on, so no OOM, then or after the hold."""
+    h = History()
+    rec = OomRecorder(h, alive=lambda pid: True)
+    rec.leak_seen(leak(pid="5", tto=60.0), 100.0)
+    cuda_calls(h, "5", [(110.0, 4, 0), (120.0, 6, 1)])  # 2 calls at the refusal's collection, 1 refused
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC, "errors": 1}), 120.5) is None
+    assert rec.due(120.5 + oom_mod.DRIVER_HOLD_S) == [] and rec._refusals == {}
+
+
+def test_a_refusal_the_process_never_gets_over_is_its_oom_dated_when_it_came():
+    h = History()
+    rec = OomRecorder(h, alive=lambda pid: True)
+    rec.leak_seen(leak(pid="5", tto=60.0), 100.0)
+    cuda_calls(h, "5", [(110.0, 4, 0), (120.0, 6, 2), (130.0, 9, 5)])  # every call since was refused
+    cuda_calls(h, "5", [(110.0, 50, 0), (130.0, 80, 0)], api="cuLaunchKernel")  # other APIs do not count
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC, "errors": 2}), 120.0) is None
+    assert rec.due(120.0 + oom_mod.DRIVER_HOLD_S - 0.001) == []
+    (ev,) = rec.due(120.0 + oom_mod.DRIVER_HOLD_S)
+    assert (ev.ts, ev.attrs["came_after_seconds"], ev.attrs["forecast_seconds"]) == (120.0, 20.0, 60.0)
+    assert ev.attrs["evidence"] == f"the driver returned CUDA_ERROR_OUT_OF_MEMORY to {ALLOC} (2 calls)"
+
+
+@pytest.mark.parametrize("points, oom", [
+    ([(110.0, 4, 0), (120.0, 9, 1)], True),  # calls that worked came before it, in its second: its OOM
+    ([(110.0, 4, 0), (120.0, 5, 1), (125.0, 8, 1)], False),  # it went on after: this is not what ended it
+])
+def test_a_refusal_whose_process_exits_is_judged_at_once_by_the_calls_after_it(points, oom):
+    h = History()
+    running = {"5"}
+    rec = OomRecorder(h, alive=lambda pid: pid in running)
+    cuda_calls(h, "5", points)
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC}), 120.0) is None
+    running.clear()
+    events = rec.due(126.0)
+    assert [e.ts for e in events] == ([120.0] if oom else []) and rec._refusals == {}
+
+
+def test_the_oom_after_a_refusal_it_got_over_is_dated_at_the_second_refusal():
+    """JAX on the H100: a refusal XLA backed off from, then 12 s later the one it died of."""
+    h = History()
+    running = {"5"}
+    rec = OomRecorder(h, alive=lambda pid: pid in running)
+    rec.leak_seen(leak(pid="5", tto=30.0), 100.0)
+    cuda_calls(h, "5", [(110.0, 4, 0), (120.0, 6, 1)])
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC, "errors": 1}), 120.0) is None
+    cuda_calls(h, "5", [(132.0, 8, 3)])
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC, "errors": 2}), 132.0) is None
+    running.clear()
+    (ev,) = rec.due(133.0)
+    assert (ev.ts, ev.attrs["came_after_seconds"], ev.attrs["forecast_error_ratio"]) == (132.0, 32.0, 0.0667)
+    assert "(2 calls)" in ev.attrs["evidence"]
+
+
+def test_refusals_held_add_up_and_the_programs_own_word_replaces_them():
+    h = History()
+    rec = OomRecorder(h, alive=lambda pid: True)
+    rec.leak_seen(leak(pid="42", tto=300.0), 1000.0)
+    cuda_calls(h, "42", [(1100.0, 4, 0), (1200.0, 6, 2), (1201.0, 7, 3)], api="")
+    for wall in (1200.0, 1201.0):  # no api named: every call of the process counts
+        assert refused(rec, Event("cuda.oom", "", {"pid": "42", "errors": 2}), wall) is None
+    assert rec._refusals["42"][0].attrs["errors"] == 4 and rec._refusals["42"][1] == 1200.0
+    ev = rec.framework_oom(framework(), 1202.0)
+    assert ev.attrs["cause"] == "out_of_memory_error" and rec._refusals == {}
+    assert rec.due(1202.0 + oom_mod.DRIVER_HOLD_S) == []
+
+
+def test_refusals_held_are_bounded(monkeypatch):
+    monkeypatch.setattr(oom_mod, "MAX_TRACKED", 2)
+    rec = OomRecorder(History(), alive=lambda pid: True)
+    for pid in ("1", "2", "3"):
+        rec.driver_oom(Event("cuda.oom", "", {"pid": pid}), 10.0)
+    rec.driver_oom(Event("cuda.oom", "", {"pid": "2", "errors": 4}), 11.0)  # a held one still adds
+    assert {p: (ev.attrs.get("errors", 1), at) for p, (ev, at) in rec._refusals.items()} == {"1": (1, 10.0),
+                                                                                           "2": (5, 10.0)}
+    assert [e.attrs["pid"] for e in rec.due(10.0 + oom_mod.DRIVER_HOLD_S)] == ["1", "2"]

@@ -1119,13 +1119,16 @@ def test_a_leaking_process_gone_with_its_gpu_full_is_an_oom_scored_against_its_f
 
 def test_a_driver_oom_event_is_scored_once_and_a_leak_ending_without_a_full_gpu_is_none():
     from gpuwatch.agent.oom import OomRecorder
-    rec = OomRecorder(History())
+    rec = OomRecorder(History(), alive=lambda pid: False)  # the process died of it
     ev = Event("cuda.oom", "", {"pid": "77", "process": "jax", "api": "cuMemAlloc_v2", "errors": 3}, 100.0)
-    first = rec.driver_oom(ev, 100.0)
-    assert first is not None and first.attrs["cause"] == "driver" and "no leak was forecast" in first.attrs["summary"]
+    assert rec.driver_oom(ev, 100.0) is None  # held: due() judges it
+    (first,) = rec.due(100.0)
+    assert first.attrs["cause"] == "driver" and "no leak was forecast" in first.attrs["summary"]
     assert "cuMemAlloc_v2 (3 calls)" in first.attrs["summary"]
-    assert rec.driver_oom(ev, 130.0) is None  # the same OOM, retried
-    assert rec.driver_oom(ev, 200.0) is not None  # a later one
+    rec.driver_oom(ev, 130.0)
+    assert rec.due(130.0) == []  # the same OOM, retried
+    rec.driver_oom(ev, 200.0)
+    assert len(rec.due(200.0)) == 1  # a later one
     leak = Finding("memory_leak", "GPU-x", "warning", "leak", {"pid": "78", "process": "p", "time_to_oom_seconds": 90.0})
     rec.leak_seen(leak, 10.0)
     rec.leak_closed(leak, exited=True, wall=50.0)
@@ -1187,14 +1190,20 @@ class _OomEventsProbe(Probe):
 
 
 def test_a_driver_oom_from_a_probe_becomes_one_scored_oom_event():
+    """Held while its process runs (it may back off and go on), made when it exits, dated at the refusal."""
     events = []
     wall = [1_800_000_000.0]
     r = Runner([_OomEventsProbe()], on_event=events.append, wallclock=lambda: wall[0])
-    snap = r.tick_once()
-    assert [e.kind for e in events] == ["finding.oom"]  # the evidence itself is not an event of its own
-    assert events[0].attrs["cause"] == "driver" and events[0].ts == wall[0]
+    running = {"31"}
+    r.leaks.alive = lambda pid: pid in running
+    r.tick_once()
+    assert events == []  # the evidence itself is not an event of its own
+    refused_at = wall[0]
     wall[0] += 1
+    running.clear()
     snap = r.tick_once()
+    assert [e.kind for e in events] == ["finding.oom"]
+    assert events[0].attrs["cause"] == "driver" and events[0].ts == refused_at
     counted = [s for s in snap.samples if s.metric == "gpuwatch.oom.events"]
     assert [(s.resource, s.labels, s.value, s.ts) for s in counted] == [("", {"cause": "driver"}, 1.0, wall[0])]
 
