@@ -19,6 +19,11 @@ With --baseline-ref REF the same measures run, interleaved run by run, on a copy
 (`git archive REF`, imported through PYTHONPATH from this checkout's .venv: no worktree, no
 install), so that both sides see the same machine at the same moments.
 
+Each side runs as installed: its bytecode compiled first (pip compiles it at install, scripts/setup
+for the editable checkout). Without it, where PYTHONDONTWRITEBYTECODE is set or the checkout is
+read-only, every start compiles gpuwatch anew; --uncompiled adds that side (a copy of this
+checkout's files, no bytecode, PYTHONDONTWRITEBYTECODE=1) to show what it costs.
+
   sudo .venv/bin/python bench/lifecycle.py                       # ~1 minute, 10 runs
   sudo .venv/bin/python bench/lifecycle.py --baseline-ref 928b0d5 --out bench/results/lifecycle.json
 
@@ -30,6 +35,7 @@ driver and NVML instead (then RSS includes NVML's own). Prints a short table las
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import shutil
@@ -105,11 +111,16 @@ class Driver:
 class Side:
     """One version of gpuwatch: this checkout, or a copy of an older commit on PYTHONPATH."""
 
-    def __init__(self, name: str, pythonpath: str | None) -> None:
+    def __init__(self, name: str, pythonpath: str | None, tree: Path = ROOT, compiled: bool = True) -> None:
         self.name = name
         self.env = dict(os.environ)
         if pythonpath:  # first: the older copy wins over this checkout (installed, or on the caller's path)
             self.env["PYTHONPATH"] = ":".join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
+        if compiled:
+            for package in ("agent", "probes", "detectors", "exporters"):
+                compileall.compile_dir(str(tree / package), quiet=1, workers=0)
+        else:
+            self.env["PYTHONDONTWRITEBYTECODE"] = "1"
         self.env["PYTHONUNBUFFERED"] = "1"
         self.cwd = tempfile.mkdtemp(prefix="gw-lifecycle-cwd-")  # not the checkout: its own gpuwatch must win
 
@@ -242,6 +253,8 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=3.0, help="seconds of normal use before RSS and status")
     ap.add_argument("--status-calls", type=int, default=10, help="control calls per run (their median is kept)")
     ap.add_argument("--nvml-real", action="store_true", help="the daemon reads the real NVML (a GPU node)")
+    ap.add_argument("--uncompiled", action="store_true",
+                    help="also measure a copy without bytecode (PYTHONDONTWRITEBYTECODE=1: compiled at every start)")
     ap.add_argument("--only", choices=("trace", "daemon"), help="one half only")
     ap.add_argument("--out", help="write every run and the summary as JSON here")
     args = ap.parse_args()
@@ -251,15 +264,25 @@ def main() -> int:
     built = build(work)
     want = expected_calls()
     sides = [Side("this", None)]
-    if args.baseline_ref:
-        base = work / "base"
+
+    def copy_of(ref: str | None, name: str, compiled: bool) -> Side:
+        """A copy of commit `ref` (None: this checkout's files, without bytecode or .git)."""
+        base = work / name.replace(" ", "-")
         (base / "pp").mkdir(parents=True)
         tree = base / "tree"
-        tree.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline_ref], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        if ref is None:
+            shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".*", "__pycache__", "tests", "bench", "docs"))
+        else:
+            tree.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
         (base / "pp" / "gpuwatch").symlink_to(tree)  # the package is the repository's root
-        sides.append(Side(args.baseline_ref, str(base / "pp")))
+        return Side(name, str(base / "pp"), tree, compiled)
+
+    if args.baseline_ref:
+        sides.append(copy_of(args.baseline_ref, args.baseline_ref, True))
+    if args.uncompiled:
+        sides.append(copy_of(None, "no bytecode", False))
     load = os.getloadavg()
     runs: dict[str, list[dict]] = {s.name: [] for s in sides}
     t_all = time.monotonic()
