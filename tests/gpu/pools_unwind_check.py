@@ -176,6 +176,24 @@ def run_case(case: str, sock: str, out: str, a) -> dict:
     if first and oom and first.get("time_to_oom_seconds"):
         actual = oom - first["ts"]
         r["forecast_error"] = (first["time_to_oom_seconds"] - actual) / actual if actual > 0 else None
+    # The daemon's own OOM event for the process (a driver's refusal is held until the process exits or
+    # 15 s show it did not get over it): when it dates the OOM, against when the failing allocation was asked for.
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            ooms = [e for e in control.call(sock, "findings", {"kind": "oom"}, timeout=5).get("ooms", [])
+                    if e.get("pid") == str(p.pid)]
+        except control.ControlError:
+            ooms = []
+        if ooms:
+            r["daemon_ooms"] = [{k: e.get(k) for k in ("ts", "cause", "came_after_seconds", "forecast_error_ratio",
+                                                       "summary")} for e in ooms]
+            if oom:
+                r["daemon_oom_minus_requested_s"] = round(ooms[0]["ts"] - oom, 1)
+            break
+        time.sleep(1)
+    print(f"{case}: daemon OOM events {r.get('daemon_ooms')}; first minus the failing request "
+          f"{r.get('daemon_oom_minus_requested_s')} s", flush=True)
     return r
 
 
