@@ -3,6 +3,7 @@ could open by their path (probes/process/access.py). Real processes of user nobo
 files, directories and ACLs; the kernel decides, with nobody's credentials taken by one thread."""
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import struct
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -287,5 +289,97 @@ def test_without_setuid_and_setgid_nothing_is_shown_and_the_reason_is_given(top,
                               code, str(p.pid)], capture_output=True, text=True, timeout=30)
         assert out.stdout.strip() == "setfsuid/setfsgid refused (needs CAP_SETUID and CAP_SETGID)", out
         assert _shown(p, top) == ["mine/w.bin"]  # with them
+    finally:
+        _stop(p)
+
+
+# --- edges found by scripts/mutate ---------------------------------------------------------------
+
+NOBODY_CREDS = access.Credentials(65534, 65534, ())
+
+
+def test_the_check_runs_in_a_daemon_thread_named_for_the_user():
+    # daemon: a check stuck on a hung file system must not keep the agent from exiting
+    got = access.as_user(NOBODY_CREDS, lambda: [(threading.current_thread().name, threading.current_thread().daemon)])
+    assert got == [("access-uid-65534", True)]
+
+
+def test_without_setgid_in_effect_the_groups_cannot_be_taken_and_that_is_said():
+    # in-process (the thread that asks has CAP_SETGID out of its effective set; the check's thread inherits
+    # that), so that the reason is read from this module, not from a child's copy of it
+    got: list = []
+
+    def without_setgid() -> None:
+        head, data = access._CapHeader(access._CAP_VERSION_3, 0), (access._CapData * 2)()
+        assert access._libc.capget(ctypes.byref(head), data) == 0
+        data[0].effective &= ~(1 << 6)  # CAP_SETGID
+        assert access._libc.capset(ctypes.byref(head), data) == 0
+        try:
+            access.as_user(access.Credentials(65534, 65534, (4243,)), lambda: ["checked"])
+        except PermissionError as e:
+            got.append(str(e))
+
+    t = threading.Thread(target=without_setgid)
+    t.start()
+    t.join()
+    assert got == ["setgroups: Operation not permitted (needs CAP_SETGID)"]
+
+
+def test_reachable_refuses_relative_paths_and_a_deleted_file_without_a_handle(top):
+    _dir(top / "Xdata", 65534, 0o755)  # a name that starts with what lstrip("/") must leave alone
+    kept = _file(top / "Xdata" / "w.bin", 65534)
+    top_file = _file(top / "w.bin", 65534)
+    gone = _file(top / "Xdata" / "gone.bin", 65534)
+    handle = os.open(gone, os.O_PATH)
+    os.unlink(gone)
+    root = os.open(top, os.O_PATH | os.O_DIRECTORY)
+    key = lambda st: (st.st_dev, st.st_ino)  # noqa: E731
+    try:
+        got = access.as_user(NOBODY_CREDS, lambda: [
+            access.reachable(root, "/Xdata/w.bin", key(kept.stat()), None),
+            access.reachable(root, "/Xdata/gone.bin (deleted)", key(os.fstat(handle)), handle),
+            access.reachable(root, "w.bin", key(top_file.stat()), None),  # not a path from the root: "[heap]" and such
+            access.reachable(root, "/Xdata/gone.bin (deleted)", key(os.fstat(handle)), None)])  # its handle not opened
+        assert got == [True, True, False, False]
+    finally:
+        os.close(root)
+        os.close(handle)
+
+
+def test_a_deleted_file_at_the_top_of_a_root_its_user_cannot_search_is_not_reachable(top):
+    closed = _dir(top / "closed", 0, 0o700)  # the process's root: not searchable by nobody (the agent's / is)
+    gone = _file(closed / "gone.bin", 65534)
+    handle = os.open(gone, os.O_PATH)
+    os.unlink(gone)
+    root = os.open(closed, os.O_PATH | os.O_DIRECTORY)
+    key = (os.fstat(handle).st_dev, os.fstat(handle).st_ino)
+    try:
+        assert access.as_user(NOBODY_CREDS, lambda: [access.reachable(root, "/gone.bin (deleted)", key, handle)]) == [
+            False]
+        assert access.as_user(access.Credentials(0, 0, tuple(os.getgroups())), lambda: [
+            access.reachable(root, "/gone.bin (deleted)", key, handle)]) == [True]  # its owner could
+    finally:
+        os.close(root)
+        os.close(handle)
+
+
+def test_at_most_64_files_are_checked_and_the_handles_are_closed(top):
+    mine = _dir(top / "mine", 65534, 0o755)
+    path = _file(mine / "w.bin", 65534)
+    gone = _file(mine / "gone.bin", 65534)
+    p = _hold("read", str(path), "deleted", str(gone))
+    try:
+        st = path.stat()
+        (n,) = [e.name for e in os.scandir(f"/proc/{p.pid}/fd") if os.readlink(e.path) == f"{gone} (deleted)"]
+        gst = os.stat(f"/proc/{p.pid}/fd/{n}")
+        listed = types.SimpleNamespace(path=str(path), st_dev=st.st_dev, st_ino=st.st_ino, handle="")
+        deleted = types.SimpleNamespace(path=f"{gone} (deleted)", st_dev=gst.st_dev, st_ino=gst.st_ino,
+                                        handle=f"/proc/{p.pid}/fd/{n}")
+        unopenable = types.SimpleNamespace(path=f"{gone} (deleted)", st_dev=gst.st_dev, st_ino=gst.st_ino,
+                                           handle=f"{top}/no-such-handle")
+        open_fds = len(os.listdir("/proc/self/fd"))
+        assert len(access.openable_by_its_user(p.pid, [listed] * 70, 100)) == 64
+        assert access.openable_by_its_user(p.pid, [deleted, unopenable, listed], 100) == [deleted, listed]
+        assert len(os.listdir("/proc/self/fd")) == open_fds  # the root's fd and the handles closed
     finally:
         _stop(p)

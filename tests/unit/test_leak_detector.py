@@ -11,8 +11,8 @@ import pytest
 from gpuwatch.agent import metrics
 from gpuwatch.agent.api import Finding, Sample
 from gpuwatch.agent.history import History
-from gpuwatch.detectors.leak import (BLACK, GREY, WHITE, LeakDetector, LeakSettings, fmt_duration, gave_back,
-                                     sawtooth, still_rising, trend)
+from gpuwatch.detectors.leak import (BLACK, GREY, WHITE, LeakDetector, LeakSettings, Trend, _Process, _r2, _theil_sen,
+                                     fmt_duration, gave_back, rise, sawtooth, still_rising, trend)
 
 GIB, MIB = 1 << 30, 1 << 20
 GPU = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"
@@ -729,3 +729,117 @@ def test_the_first_half_need_only_rise_at_all():
     tr = trend([(T0 + t, stair(t)) for t in range(91) if not 45 <= t < 60], 90, T0 + 90)
     assert (tr.rising, tr.growth) == (0.75, 200 * MIB + 1)
     assert tr.rate == pytest.approx(200 * MIB / 45, rel=1e-12)
+
+
+# --- the pieces on their own: exact values at their edges (found by scripts/mutate) -------------
+
+def test_r2_of_known_fits():
+    assert _r2([0.0, 1.0], [0.0, 1.0]) == 0.0  # two points: no fit to judge
+    assert _r2([0.0, 1.0, 2.0], [0.0, 1.0, 2.0]) == 1.0  # three on a line
+    assert _r2([0.0, 1.0, 2.0], [5.0, 5.0, 5.0]) == 0.0  # flat: no rise to fit
+    # sxx 1, syy 5, sxy 2: 4 / 5
+    assert _r2([-0.5, -0.5, 0.5, 0.5], [0.0, 1.0, 2.0, 3.0]) == pytest.approx(0.8, rel=1e-12)
+
+
+def test_theil_sen_of_points_at_one_time_is_no_slope():
+    assert _theil_sen([3.0, 3.0], [0.0, 5.0]) == 0.0
+    assert _theil_sen([0.0, 1.0, 2.0, 4.0], [0.0, 1.0, 4.0, 4.0]) == 1.0  # slopes 0 1 1 1 2 3
+
+
+def test_rise_is_the_last_buckets_floor_less_the_firsts_bounds_included():
+    s, now = LeakSettings(), T0 + 60
+    tr = Trend(rate=1.0, growth=1.0, window=60.0, r2=1.0, rising=1.0, latest=300.0)  # buckets of 10 s
+    pts = [(T0, 100.0), (T0 + 10, 90.0), (T0 + 18, 80.0), (T0 + 45, 120.0), (T0 + 50, 250.0), (T0 + 60, 300.0)]
+    assert rise(pts, tr, now, s) == 250.0 - 90.0  # floors of [T0, T0 + 10] and [T0 + 50, T0 + 60]
+    assert rise(pts[1:], tr, now, s) == 250.0 - 80.0  # a younger series: from its own start
+    assert rise([(T0 - 1, 5.0)], tr, now, s) == 0.0  # nothing inside the window
+
+
+def series(fn, seconds: int = 21) -> list:
+    return [(float(t), float(fn(t))) for t in range(seconds)]
+
+
+@pytest.mark.parametrize("pooled, named", [
+    ({"empty": [], "b": series(lambda t: 0.5 * t)}, "b"),
+    # a's jump came at the window's start exactly (20 - 10): not in it; b rose 5 in it
+    ({"a": series(lambda t: 100.0 if t >= 10 else 0.0), "b": series(lambda t: 0.5 * t)}, "b"),
+    # a's came just after it: 100 in it
+    ({"a": series(lambda t: 100.0 if t > 10 else 0.0), "b": series(lambda t: 0.5 * t)}, "a"),
+    ({"a": series(lambda t: 100 + 0.5 * t), "b": series(lambda t: 100 + 0.5 * t)}, "a"),  # a tie: the first
+    ({"a": series(lambda t: 100 + 0.5 * t), "b": series(lambda t: 100 + t)}, "b"),
+    ({"a": series(lambda t: 10.0 if t == 20 else 0.0), "b": series(lambda t: 0.6 * t)}, "a"),  # a's last point
+    ({"a": series(lambda t: 50.0)}, None),  # none rose
+])
+def test_the_growing_allocator_is_the_one_whose_pool_rose_most_over_the_window(pooled, named):
+    p = _Process(GPU, "4242", "python3", pooled=pooled)
+    tr = Trend(rate=1.0, growth=1.0, window=10.0, r2=1.0, rising=1.0, latest=0.0)
+    assert LeakDetector._growing_allocator(p, tr) == named
+
+
+def test_ebpf_grey_is_the_sum_of_the_pools_and_outside_the_rest_of_the_live_bytes():
+    h = History()
+    add(h, 3, LIVE, lambda i: 0.0, {"pid": "77", "process": "gone"}, "")  # on no GPU: skipped, not the end
+    add(h, 3, USAGE, lambda i: GIB)
+    add(h, 3, LIVE, lambda i: 10.0 * (i + 1), resource="")
+    pooled(h, 2, "pytorch", lambda i: 1.0 + i)  # no pooled point at the third collection
+    pooled(h, 2, "cupy", lambda i: 3.0 + i)
+    (p,) = LeakDetector()._processes(h, T0 + 2)
+    assert p.grey_from_ebpf and list(p.pooled) == ["pytorch", "cupy"]
+    assert p.colors[GREY] == [(T0, 4.0), (T0 + 1, 6.0), (T0 + 2, 0.0)]
+    assert p.outside == [(T0, 6.0), (T0 + 1, 14.0), (T0 + 2, 30.0)]
+
+
+SELF_REPORTED = "gpuwatch.process.gpu.memory.allocated.self_reported"
+
+
+@pytest.mark.parametrize("gpu, age, pinned", [
+    (GPU2, 16, True),  # the agent's word on another GPU went stale: the process is on GPU only
+    (GPU2, 15, False),  # still current: it may hold memory on GPU2 too
+    (GPU, 0, True),  # on the same GPU: no other
+])
+def test_an_in_process_agents_word_for_another_gpu_keeps_ebpf_off_while_current(gpu, age, pinned):
+    h = History()
+    add(h, 31, USAGE, lambda i: GIB)
+    add(h, 31, LIVE, lambda i: 2.0 * GIB, resource="")
+    add(h, 31 - age, SELF_REPORTED, lambda i: GIB, resource=gpu)
+    (p,) = LeakDetector()._processes(h, T0 + 30)
+    assert p.grey_from_ebpf is pinned and (p.outside != []) is pinned
+
+
+def test_gpus_where_nvml_may_not_list_every_process():
+    now, h = T0 + 30, History()
+    gpus = [f"GPU-{n}" for n in range(7)]
+    h.append([Sample("hw.gpu.memory.limit", float(LIMIT), g, {}, now) for g in gpus])
+
+    def count(g, n, age=0):
+        h.append([Sample("gpuwatch.gpu.processes", float(n), g, {"type": "compute"}, now - age)])
+
+    def listed(g, pid, age=0):
+        h.append([Sample(USAGE, float(GIB), g, {"pid": pid, "process": "p"}, now - age)])
+
+    for g, n, pids in ((0, 2, ["1", "2"]),  # all listed
+                       (1, 1, ["3", "other"]),  # some folded into "other"
+                       (2, 1, []),  # one counted, none charged
+                       (5, 1, [])):
+        count(gpus[g], n)
+        for pid in pids:
+            listed(gpus[g], pid)
+    count(gpus[3], 0, age=16)  # its count went stale: none known
+    count(gpus[4], 0, age=15)  # still current
+    listed(gpus[5], "5", age=16)  # its one listing went stale
+    count(gpus[6], 1)
+    listed(gpus[6], "6", age=15)
+    assert LeakDetector()._unsure_gpus(h, now) == {gpus[1], gpus[2], gpus[3], gpus[5]}
+
+
+def test_the_agents_own_process_and_a_black_leak_waiting_for_grey_do_not_stop_the_others_judgement():
+    black = lambda i: 2 * GIB + 4 * MIB * i  # noqa: E731
+    pool = lambda i: max(0, i - 20) * 4 * MIB  # noqa: E731
+    h = History()
+    add(h, 61, "gpuwatch.agent.gpu_process", lambda i: 1.0, {"pid": "11", "role": "cupti_sampler"}, "")
+    add(h, 61, USAGE, black, {"pid": "11", "process": "gpuwatch"})  # ours: listed first
+    add(h, 61, USAGE, black)  # 4242: black grows with a pool too young to judge
+    add(h, 61, LIVE, lambda i: pool(i) + 100 * MIB, resource="")
+    pooled(h, 61, "pytorch", pool)
+    add(h, 61, USAGE, lambda i: 30 * GIB + 3 * MIB * i, OTHER)  # listed last, leaking
+    assert [(f.attrs["pid"], f.attrs["color"]) for f in findings(h)] == [("4343", BLACK)]

@@ -369,3 +369,232 @@ def test_refusals_held_are_bounded(monkeypatch):
     assert {p: (ev.attrs.get("errors", 1), at) for p, (ev, at) in rec._refusals.items()} == {"1": (1, 10.0),
                                                                                            "2": (5, 10.0)}
     assert [e.attrs["pid"] for e in rec.due(10.0 + oom_mod.DRIVER_HOLD_S)] == ["1", "2"]
+
+
+# --- edges that the cases above do not reach (each found by scripts/mutate) --------------------
+
+def test_the_histograms_start_is_the_wall_time_the_recorder_was_made():
+    import time
+    before = time.time()
+    rec = _OomRecorder(History())
+    assert before <= rec.started <= time.time()
+
+
+def test_came_after_is_rounded_to_tenths_and_an_oom_on_time_counts_as_late():
+    rec = OomRecorder(History())
+    rec.leak_seen(leak(pid="1", tto=100.0), 1000.0)
+    rec.leak_seen(leak(pid="2", tto=100.0), 1000.0)
+    first = rec.framework_oom(framework(pid="1"), 1100.37)
+    assert (first.attrs["came_after_seconds"], first.attrs["forecast_error_ratio"]) == (100.4, 0.004)
+    on_time = rec.framework_oom(framework(pid="2"), 1100.0)
+    assert on_time.attrs["forecast_error_ratio"] == 0.0 and on_time.attrs["score"].endswith("(+0%)")
+    # both in the one histogram of late OOMs on that GPU
+    (error,) = [s for s in rec.samples(1200.0) if s.metric == "gpuwatch.oom.forecast.error"]
+    assert error.labels == {"came": "late"} and error.value == 2.0
+    assert error.histogram.counts == (2, 0, 0, 0, 0, 0, 0) and error.histogram.sum == pytest.approx(0.004)
+
+
+def test_a_leak_without_a_forecast_says_when_it_was_found_in_minutes_of_60_seconds():
+    rec = OomRecorder(History())
+    rec.leak_seen(leak(tto=None), 0.0)
+    ev = rec.framework_oom(framework(), 600.0)
+    assert ev.attrs["score"] == "the leak was found 10.0 min before, with no time to OOM forecast"
+
+
+def test_evidence_in_the_same_second_as_the_leaks_close_still_scores_its_forecast():
+    rec = OomRecorder(History())
+    for pid in ("1", "2"):
+        rec.leak_seen(leak(pid=pid, tto=100.0), 1000.0)
+        rec.leak_closed(leak(pid=pid), exited=False, wall=1090.0)
+    assert rec.framework_oom(framework(pid="1"), 1090.0).attrs["forecast_seconds"] == 100.0  # at the close
+    assert rec.framework_oom(framework(pid="2"), 1090.5).attrs["forecast_seconds"] == 100.0
+    # before the close (the runner's clock stepped back): not this leak's
+    rec.leak_seen(leak(pid="3", tto=100.0), 1000.0)
+    rec.leak_closed(leak(pid="3"), exited=False, wall=1090.0)
+    assert "forecast_seconds" not in rec.framework_oom(framework(pid="3"), 1089.9).attrs
+
+
+def test_a_driver_oom_naming_no_gpu_takes_a_gpu_with_memory_figures_over_one_without():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(tto=100.0, gpu="GPU-0"), 1000.0)  # no memory series: fullness unknown, taken as 0
+    rec.leak_seen(leak(tto=300.0, gpu="GPU-1"), 1010.0)
+    gpu_memory(h, "GPU-1", [(1098.0, 60 * GIB)])
+    ev = refused(rec, Event("cuda.oom", "", {"pid": "42"}, 0), 1100.0)
+    assert (ev.resource, ev.attrs["forecast_seconds"]) == ("GPU-1", 300.0)
+
+
+def test_a_driver_oom_naming_no_gpu_between_gpus_as_full_takes_the_leak_found_first():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(tto=300.0, gpu="GPU-1"), 1010.0)
+    rec.leak_seen(leak(tto=100.0, gpu="GPU-0"), 1000.0)
+    for gpu in ("GPU-0", "GPU-1"):
+        gpu_memory(h, gpu, [(1098.0, 90 * GIB)])
+    ev = refused(rec, Event("cuda.oom", "", {"pid": "42"}, 0), 1100.0)
+    assert (ev.resource, ev.attrs["forecast_seconds"]) == ("GPU-0", 100.0)
+
+
+def test_full_exactly_5_s_before_the_exit_counts_and_a_gpu_without_a_limit_is_never_full():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(gpu="GPU-a"), 1000.0)
+    rec.leak_seen(leak(pid="43", gpu="GPU-z"), 1000.0)
+    gpu_memory(h, "GPU-a", [(1127.0, 99 * GIB), (1128.0, 10 * GIB)])  # the first at exactly 1132 - RECENT_S
+    gpu_memory(h, "GPU-z", [(1131.0, 99 * GIB)], limit=0.0)  # a limit of 0: no fullness to judge
+    assert closed(rec, leak(gpu="GPU-a"), True, 1132.0).attrs["evidence"] == "it exited with its GPU 99% full"
+    assert closed(rec, leak(pid="43", gpu="GPU-z"), True, 1132.0) is None
+
+
+def test_an_exit_is_held_at_its_own_second_too():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(), 1000.0)
+    gpu_memory(h, "GPU-a", [(1099.0, 99 * GIB)])
+    rec.leak_closed(leak(), exited=True, wall=1100.0)
+    assert rec.due(1100.0) == []
+    assert len(rec.due(1100.0 + oom_mod.EXIT_HOLD_S)) == 1
+
+
+def test_a_two_gpu_process_exiting_keeps_the_fuller_gpus_exit_closed_first_and_the_first_of_equals():
+    h = History()
+    rec = OomRecorder(h)
+    for pid in ("1", "2"):
+        rec.leak_seen(leak(pid=pid, tto=100.0, gpu="GPU-0"), 1000.0)
+        rec.leak_seen(leak(pid=pid, tto=200.0, gpu="GPU-1"), 1000.0)
+    gpu_memory(h, "GPU-0", [(1099.0, 99 * GIB)])
+    gpu_memory(h, "GPU-1", [(1099.0, 96 * GIB)])
+    for gpu in ("GPU-0", "GPU-1"):  # the fuller GPU's leak closes first: the less full one does not replace it
+        rec.leak_closed(leak(pid="1", gpu=gpu), exited=True, wall=1100.0)
+    gpu_memory(h, "GPU-1", [(1100.0, 99 * GIB)])  # as full as GPU-0 now: the first held stays
+    for gpu in ("GPU-0", "GPU-1"):
+        rec.leak_closed(leak(pid="2", gpu=gpu), exited=True, wall=1100.0)
+    got = {e.attrs["pid"]: (e.resource, e.attrs["evidence"]) for e in rec.due(1100.0 + oom_mod.EXIT_HOLD_S)}
+    assert got == {"1": ("GPU-0", "it exited with its GPU 99% full"),
+                   "2": ("GPU-0", "it exited with its GPU 99% full")}
+
+
+def test_held_exits_are_bounded_but_a_held_ones_fuller_gpu_still_replaces_it(monkeypatch):
+    monkeypatch.setattr(oom_mod, "MAX_TRACKED", 1)
+    h = History()
+    rec = OomRecorder(h)
+    gpu_memory(h, "GPU-0", [(1099.0, 96 * GIB)])
+    gpu_memory(h, "GPU-1", [(1099.0, 99 * GIB)])
+    rec.leak_seen(leak(pid="1", gpu="GPU-0"), 1000.0)
+    rec.leak_closed(leak(pid="1", gpu="GPU-0"), exited=True, wall=1100.0)
+    rec.leak_seen(leak(pid="1", gpu="GPU-1"), 1000.0)  # (one forecast kept at a time under this bound)
+    rec.leak_closed(leak(pid="1", gpu="GPU-1"), exited=True, wall=1100.0)
+    rec.leak_seen(leak(pid="2", gpu="GPU-1"), 1000.0)
+    rec.leak_closed(leak(pid="2", gpu="GPU-1"), exited=True, wall=1100.0)  # a second process: over the bound
+    assert [(e.attrs["pid"], e.resource) for e in rec.due(1100.0 + oom_mod.EXIT_HOLD_S)] == [("1", "GPU-1")]
+
+
+def test_closed_leaks_kept_are_bounded(monkeypatch):
+    monkeypatch.setattr(oom_mod, "MAX_TRACKED", 3)
+    rec = OomRecorder(History())
+    for pid in range(5):
+        rec.leak_seen(leak(pid=str(pid)), 1000.0)
+        rec.leak_closed(leak(pid=str(pid)), exited=False, wall=1000.0)
+    assert list(rec._closed) == [("2", "GPU-a"), ("3", "GPU-a"), ("4", "GPU-a")]
+    assert "forecast_seconds" in rec.framework_oom(framework(pid="2"), 1001.0).attrs
+    assert "forecast_seconds" not in rec.framework_oom(framework(pid="1"), 1001.0).attrs
+
+
+def test_a_process_whose_oom_was_made_then_exiting_full_makes_no_second():
+    h = History()
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(), 1000.0)
+    gpu_memory(h, "GPU-a", [(1099.0, 99 * GIB)])
+    assert rec.framework_oom(framework(), 1099.0) is not None
+    assert closed(rec, leak(), True, 1100.0) is None
+    assert rec.framework_oom(framework(), 1101.0) is None  # nor a second word of the framework's
+    assert rec.events_total == {("GPU-a", "out_of_memory_error"): 1}
+
+
+def test_names_and_colours_left_out_of_a_finding_or_event_stay_empty():
+    rec = OomRecorder(History())
+    f = Finding("memory_leak", "GPU-a", "warning", "leak", {"pid": "42", "time_to_oom_seconds": 60.0})
+    rec.leak_seen(f, 1000.0)
+    rec.leak_seen(Finding("memory_leak", "GPU-a", "warning", "leak", {"process": "p"}), 1000.0)  # no pid: not kept
+    assert list(rec._forecasts) == [("42", "GPU-a")]
+    ev = refused(rec, Event("cuda.oom", "", {"pid": "42"}, 0), 1050.0)
+    assert (ev.attrs["process"], ev.attrs["color"]) == ("", "")
+    assert ev.attrs["summary"].startswith("process (pid 42) ran out of GPU memory")
+    fw = rec.framework_oom(framework(pid="43", process=""), 1050.0)  # no leak, no name
+    assert fw.attrs["process"] == "" and fw.attrs["summary"].startswith("process (pid 43)")
+
+
+def test_an_event_without_a_name_takes_the_leaks():
+    rec = OomRecorder(History())
+    for pid in ("1", "2"):
+        rec.leak_seen(leak(pid=pid, process="trainer"), 1000.0)
+    bare = Event("cuda.oom", "", {"pid": "1"}, 0)  # no "process" at all
+    assert refused(rec, bare, 1050.0).attrs["process"] == "trainer"
+    ev = framework(pid="2")
+    del ev.attrs["process"]
+    assert rec.framework_oom(ev, 1050.0).attrs["process"] == "trainer"
+
+
+def test_an_unknown_name_is_replaced_by_the_leaks_or_else_by_what_the_probes_named_it():
+    h = History()
+    h.append([Sample("gpuwatch.process.gpu.memory.usage", 1.0, "GPU-a", {"pid": "3", "process": ""}, 100.0),
+              Sample("gpuwatch.process.gpu.memory.usage", 1.0, "GPU-b", {"pid": "3", "process": "unknown"}, 100.0),
+              Sample("gpuwatch.cuda.calls", 10.0, "", {"pid": "3", "process": "trainer", "api": ALLOC}, 100.0)])
+    rec = OomRecorder(h)
+    rec.leak_seen(leak(pid="2", process="jax"), 90.0)
+    assert refused(rec, Event("cuda.oom", "", {"pid": "2", "process": "unknown"}), 101.0).attrs["process"] == "jax"
+    rec.leak_seen(leak(pid="3", process="unknown"), 90.0)  # the leak's name no better
+    assert refused(rec, Event("cuda.oom", "", {"pid": "3", "process": "unknown"}), 101.0).attrs["process"] == "trainer"
+    # no name at all and no leak: the probes' name too
+    h.append([Sample("gpuwatch.cuda.calls", 10.0, "", {"pid": "4", "process": "trainer", "api": ALLOC}, 100.0)])
+    assert refused(rec, Event("cuda.oom", "", {"pid": "4", "process": ""}), 101.0).attrs["process"] == "trainer"
+
+
+def test_only_the_processs_own_calls_show_it_got_over_a_refusal():
+    h = History()
+    rec = OomRecorder(h, alive=lambda pid: True)
+    cuda_calls(h, "5", [(110.0, 4, 0), (120.0, 5, 1)])  # its one call then was refused
+    cuda_calls(h, "6", [(110.0, 4, 0), (120.0, 9, 0)])  # another process's worked
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC}), 120.0) is None
+    assert [e.attrs["pid"] for e in rec.due(120.0 + oom_mod.DRIVER_HOLD_S)] == ["5"]
+
+
+def test_a_refusal_naming_no_api_is_got_over_by_a_call_of_any_api():
+    h = History()
+    rec = OomRecorder(h, alive=lambda pid: True)
+    cuda_calls(h, "5", [(110.0, 4, 0), (120.0, 7, 1)])  # cuMemAlloc_v2 labelled: two worked in its second
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5"}), 120.0) is None
+    assert rec.due(120.0 + oom_mod.DRIVER_HOLD_S) == []
+
+
+def test_a_refusal_before_the_first_collection_of_its_calls_is_judged_by_all_of_them():
+    h = History()
+    rec = OomRecorder(h, alive=lambda pid: True)
+    cuda_calls(h, "5", [(121.0, 4, 1), (125.0, 9, 1)])  # first collected after the refusal was seen
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC}), 120.0) is None
+    assert rec.due(120.0 + oom_mod.DRIVER_HOLD_S) == []  # calls worked after it
+
+
+def test_a_refusal_whose_process_exits_counts_calls_from_the_next_collection_a_second_later():
+    h = History()
+    running = {"5"}
+    rec = OomRecorder(h, alive=lambda pid: pid in running)
+    cuda_calls(h, "5", [(119.0, 2, 0), (120.0, 5, 1), (121.0, 8, 1)])
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC}), 120.0) is None
+    running.clear()
+    assert rec.due(122.0) == []  # 3 calls worked in the collection a second after: not what ended it
+
+
+def test_a_second_refusal_adds_up_unless_the_held_ones_own_api_was_got_over():
+    h = History()
+    rec = OomRecorder(h, alive=lambda pid: True)
+    cuda_calls(h, "5", [(110.0, 4, 0), (120.0, 5, 1), (121.0, 6, 2)])  # every cuMemAlloc since refused
+    cuda_calls(h, "5", [(110.0, 50, 0), (121.0, 80, 0)], api="cuLaunchKernel")  # kernels ran: not the held API
+    assert refused(rec, Event("cuda.oom", "", {"pid": "5", "api": ALLOC, "errors": 2}), 120.0) is None
+    rec.driver_oom(Event("cuda.oom", "", {"pid": "5", "api": ALLOC}), 121.0)  # no count: one
+    assert (rec._refusals["5"][0].attrs["errors"], rec._refusals["5"][1]) == (3, 120.0)
+    # no API named: any call that worked is getting over it, and the next refusal is held afresh
+    cuda_calls(h, "6", [(110.0, 4, 0), (120.0, 6, 1), (121.0, 7, 2)], api="cuMemAllocAsync")
+    assert refused(rec, Event("cuda.oom", "", {"pid": "6", "errors": 1}), 120.0) is None
+    rec.driver_oom(Event("cuda.oom", "", {"pid": "6", "errors": 1}), 121.0)
+    assert (rec._refusals["6"][0].attrs["errors"], rec._refusals["6"][1]) == (1, 121.0)
