@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent.api import Event, GpuwatchError, Probe
-from gpuwatch.agent.config import Config, ConfigError, changed_settings, load
+from gpuwatch.agent.config import Config, ConfigError, changed_settings, load, parse_headers
 from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe
 from gpuwatch.agent.handlers import Handlers
@@ -236,7 +236,7 @@ class Daemon(Handlers):
         self.budgets = budget_.from_config(cfg)
         otlp = None
         if cfg.otlp.enabled:
-            from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, parse_headers
+            from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe
 
             otlp = OtlpExporter(cfg.otlp.endpoint, cfg.otlp.protocol, cfg.otlp.interval, cfg.otlp.timeout,
                                 parse_headers(cfg.otlp.headers), cfg.otlp.certificate, cfg.otlp.insecure)

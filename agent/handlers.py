@@ -109,47 +109,64 @@ class Handlers:
                               for e in snap.events[-20:]],
         }
 
+    def _allowed_process(self, pid: int, peer: PeerCred, off: str):
+        """(target, process) of a trace method's pid, for root or the process's owner; `off` is the
+        error while the agent does not run the eBPF probe."""
+        from gpuwatch.agent.trace import pids
+        from gpuwatch.agent.trace.errors import TraceError
+
+        if self.ebpf is None:
+            raise ControlError(off)
+        try:
+            target = pids.check_pid(pid, privileged=lambda: True)
+        except TraceError as e:
+            raise ControlError(str(e)) from None
+        # The process checked, by pid and start time: if the PID is reused from here on, the
+        # answer below is of a process this caller was not allowed.
+        process = identify(pid)
+        if process is None or process.start_time != target.start_time:
+            raise ControlError(f"process {pid} has exited")
+        if not owns(peer.uid, process):
+            raise ControlError(pids.not_yours_message(pid, peer.uid))
+        return target, process
+
+    @staticmethod
+    def _read_for(pid: int, process, read: Callable, busy: str):
+        """read() of the eBPF probe about the allowed `process`; `busy` is the error while the probe is."""
+        try:
+            answer = read()
+        except ProbeBusy:
+            raise ControlError(busy) from None
+        except ProbeNotRunning as e:
+            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
+        if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
+            raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
+        return answer
+
     def _trace_snapshot(self, params: wire.PidParams, peer: PeerCred) -> dict:
         """trace.snapshot {"pid": N}: the eBPF probe's snapshot(N) (see EbpfCudaProbe.snapshot), for
         root or the process's owner, with "libraries" narrowed to the attached libraries the process
         maps, each under the path the process sees. An empty "libraries": the process maps a libcuda
         the probe has not attached to yet (it rescans for new ones)."""
         from gpuwatch.agent.trace import pids
-        from gpuwatch.agent.trace.errors import TraceError
         from gpuwatch.probes.ebpf import loader
 
         pid = params.pid
-        if self.ebpf is None:
-            raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its "
-                               "config): enable it and restart the agent, or run trace as root")
-        try:
-            target = pids.check_pid(pid, privileged=lambda: True)
-        except TraceError as e:
-            raise ControlError(str(e)) from None
-        # The process checked, by pid and start time: if the PID is reused from here on, the
-        # snapshot below is of a process this caller was not allowed.
-        process = identify(pid)
-        if process is None or process.start_time != target.start_time:
-            raise ControlError(f"process {pid} has exited")
-        if not owns(peer.uid, process):
-            raise ControlError(pids.not_yours_message(pid, peer.uid))
+        target, process = self._allowed_process(
+            pid, peer, "this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false in its config): "
+                       "enable it and restart the agent, or run trace as root")
         # Matched by file (device, inode): the probe may have found a library through another process.
         mapped: dict[tuple[int, int], str] = {}
         for path in loader.mapped_files(pid):
             fid = loader.file_id(f"/proc/{pid}/root{path}")
             if fid is not None:
                 mapped.setdefault(fid, path)
-        try:
-            # a trace refreshes every second or so: its launches stay exact while it asks
-            answer = self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT, exact_launches=TRACE_EXACT_S)
-        except ProbeBusy:
-            raise ControlError("the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
-                               "libcuda): try again in a few seconds") from None
-        except ProbeNotRunning as e:
-            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
+        # a trace refreshes every second or so: its launches stay exact while it asks
+        answer = self._read_for(pid, process,
+                                lambda: self.ebpf.query(pid, timeout=TRACE_LOCK_WAIT, exact_launches=TRACE_EXACT_S),
+                                "the gpuwatch agent's eBPF probe is busy (starting, or attaching to a new "
+                                "libcuda): try again in a few seconds")
         snap, files = answer.snapshot, answer.library_files
-        if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
-            raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
         snap["libraries"] = [dict(lib, path=mapped[files[lib["path"]]]) for lib in snap.get("libraries", [])
                              if files.get(lib["path"]) in mapped]
         if not snap["libraries"]:
@@ -166,30 +183,11 @@ class Handlers:
         """trace.graphs {"pid": N}: the executable graphs the eBPF probe followed in process N, their
         kernel nodes and names (EbpfCudaProbe.graphs_of), for root or the process's owner: a root trace
         attached later counts their replays with that content (wire.TraceGraphsResult)."""
-        from gpuwatch.agent.trace import pids
-        from gpuwatch.agent.trace.errors import TraceError
-
         pid = params.pid
-        if self.ebpf is None:
-            raise ControlError("this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false)")
-        try:
-            target = pids.check_pid(pid, privileged=lambda: True)
-        except TraceError as e:
-            raise ControlError(str(e)) from None
-        process = identify(pid)
-        if process is None or process.start_time != target.start_time:
-            raise ControlError(f"process {pid} has exited")
-        if not owns(peer.uid, process):
-            raise ControlError(pids.not_yours_message(pid, peer.uid))
-        try:
-            answer = self.ebpf.graphs_of(pid, timeout=TRACE_LOCK_WAIT)
-        except ProbeBusy:
-            raise ControlError("the gpuwatch agent's eBPF probe is busy: try again in a few seconds") from None
-        except ProbeNotRunning as e:
-            raise ControlError(f"the gpuwatch agent's eBPF probe is not running: {e.reason}") from None
-        if not is_alive(process):  # the maps count by PID: a new process under it is not the one allowed
-            raise ControlError(f"process {pid} ({process.comm}) exited while it was read")
-        return answer
+        _, process = self._allowed_process(
+            pid, peer, "this gpuwatch agent does not run the eBPF probe (ebpf.enabled is false)")
+        return self._read_for(pid, process, lambda: self.ebpf.graphs_of(pid, timeout=TRACE_LOCK_WAIT),
+                              "the gpuwatch agent's eBPF probe is busy: try again in a few seconds")
 
     def _cupti_report(self, params: wire.CuptiReport, peer: PeerCred) -> dict:
         """cupti.report {report}: an in-process agent's report about its own process (the kernel

@@ -47,11 +47,9 @@ def pids_in(history, now: float, stale: float) -> dict[str, str]:
     """pid (as the samples' label text) -> role of the agent's own GPU processes seen within `stale`
     seconds of `now` in a History."""
     out: dict[str, str] = {}
-    for (_, _, labels), pts in history.series(METRIC, since=now - stale):
-        if pts and now - pts[-1][0] <= stale:
-            lab = dict(labels)
-            if lab.get("pid", "").isdigit() and lab.get("role") in ROLES:
-                out[lab["pid"]] = lab["role"]
+    for s in history.select(METRIC, since=now - stale):
+        if s and now - s.latest_ts <= stale and s.labels.get("pid", "").isdigit() and s.labels.get("role") in ROLES:
+            out[s.labels["pid"]] = s.labels["role"]
     return out
 
 

@@ -30,7 +30,6 @@ from typing import Any, Iterable, Mapping
 from gpuwatch.agent import __version__
 from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Event, Exporter, Probe, Sample
-from gpuwatch.agent.config import check_endpoint, parse_headers  # noqa: F401 (the OTLP settings' own checks)
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
 from gpuwatch.agent.wire import printable
 

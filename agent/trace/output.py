@@ -124,7 +124,8 @@ def _kernel_names(final: dict) -> dict[int, str]:
 def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, err, keep: bool) -> str | None:
     """The recorded calls as OTLP spans, to the [otlp] section's receiver. Returns the error to
     exit with when none of them was delivered (where it tried, and why), else None."""
-    from gpuwatch.exporters.otlp import DEFAULT_ENDPOINTS, export_calls_as_spans, parse_headers
+    from gpuwatch.agent.config import parse_headers
+    from gpuwatch.exporters.otlp import DEFAULT_ENDPOINTS, export_calls_as_spans
 
     endpoint = otlp.endpoint or DEFAULT_ENDPOINTS[otlp.protocol]
     err.print(f"sending {events['recorded']} calls as spans to {endpoint} ({otlp.protocol})…", highlight=False)

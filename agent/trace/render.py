@@ -84,29 +84,6 @@ def errors_cell(a: dict) -> str:
     return f"[red]{errors}[/red]" + (" " + " ".join(short) if short else "")
 
 
-def _api_table(snapshot: dict, r: dict[str, float] | None, limit: int | None):
-    from rich.table import Table
-    t = Table(box=None, pad_edge=False, header_style="bold")
-    cols = ["API"] + (["calls/s"] if r is not None else []) + ["calls", "errors", "bytes", "mean", "p50", "p99"]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "API" else "right")
-    items = sorted(snapshot.get("apis", {}).items(), key=lambda kv: (-kv[1].get("calls", 0), kv[0]))
-    shown = items if limit is None else items[:limit]
-    for name, a in shown:
-        hist = a.get("histogram") or {}
-        lat = has_latency(a)
-        row = [name] + ([f"{r.get(name, 0.0):.0f}"] if r is not None else [])
-        row += [str(a.get("calls", 0)), errors_cell(a),
-                fmt_bytes(a.get("bytes", 0)) if a.get("bytes") else "—",
-                fmt_seconds(a.get("mean_latency_s")) if lat else "—",
-                fmt_seconds(percentile(hist, 0.5), upper=True) if hist else "—",
-                fmt_seconds(percentile(hist, 0.99), upper=True) if hist else "—"]
-        t.add_row(*row)
-    if len(items) > len(shown):
-        t.add_row(f"… {len(items) - len(shown)} more", *[""] * (len(cols) - 1))
-    return t
-
-
 def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
     from rich.table import Table
     t = Table(box=None, pad_edge=False, header_style="bold")

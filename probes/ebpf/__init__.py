@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gpuwatch.agent.registry import Context, ProbeEntry
-from gpuwatch.probes.ebpf.pools import pool_table
+from gpuwatch.agent.allocators import pool_table
 from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, Hook
 

@@ -188,11 +188,6 @@ def scan_libraries(pids: Iterable[int] | None = None) -> dict[tuple[int, int], t
     return seen
 
 
-def scan_libcuda(pids: Iterable[int] | None = None) -> dict[tuple[int, int], str]:
-    """scan_libraries without the users: (device, inode) -> path."""
-    return {fid: path for fid, (path, _uid) in scan_libraries(pids).items()}
-
-
 HOOKED_PREFIXES = ("cu", "nccl")  # the driver API and NCCL's (not pnccl*, its aliases for profilers)
 
 

@@ -28,7 +28,7 @@ import time
 from typing import Callable, Iterable
 
 # The pool table itself is in the core (config checks ebpf.pool_libraries, the leak detector names pools).
-from gpuwatch.agent.allocators import OUTSIDE, POOLS, Pool, names, parse_pool_libraries, pool_table  # noqa: F401
+from gpuwatch.agent.allocators import POOLS, Pool, names
 
 _LIBCUDA = re.compile(r"/libcuda\.so(\.[0-9.]+)?$")  # the hooked API's own frame: never a pool
 

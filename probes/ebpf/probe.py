@@ -103,6 +103,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterable
 
 from gpuwatch.agent import budget as budget_
+from gpuwatch.agent.allocators import OUTSIDE, POOLS, Pool
 from gpuwatch.agent.api import Event, Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
 from gpuwatch.agent.events import EventQueue
 from gpuwatch.agent.wire import printable
@@ -230,7 +231,7 @@ class EbpfCudaProbe(Probe):
                  clock: Callable[[], float] = time.monotonic, launch_latency: bool = False,
                  driver_names: bool = True, events_path: "str | BinaryIO | None" = None,
                  max_events: int = 5_000_000, attach: str = "auto", launch_sampling: float = 1.0,
-                 sampling_period: float = 10.0, pools: Iterable[pools_.Pool] = pools_.POOLS,
+                 sampling_period: float = 10.0, pools: Iterable[Pool] = POOLS,
                  max_communicators: int = MAX_COMMUNICATORS, budgets: budget_.Budgets | None = None,
                  exact_launch_rate: float = EXACT_LAUNCH_RATE, young_seconds: float = YOUNG_SECONDS) -> None:
         """libraries: explicit libcuda paths (no /proc scan then); pid: trace only this process;
@@ -914,7 +915,7 @@ class EbpfCudaProbe(Probe):
     def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None,
                     allocator: str | None = None) -> list[dict]:
         """The allocating call stacks holding the most live device bytes of `pid` now: what a leak
-        finding points at. allocator: only the stacks of this pool ("*": of any pool; pools.OUTSIDE:
+        finding points at. allocator: only the stacks of this pool ("*": of any pool; OUTSIDE:
         outside any allocator). Waits at most `timeout` seconds (ProbeBusy); ProbeNotRunning when down."""
         with self._running(timeout) as ld, ld.symbols_batch():
             return self._stacks(ld, pid, top, allocator=allocator)
@@ -922,14 +923,14 @@ class EbpfCudaProbe(Probe):
     def _stacks(self, ld: _loader.Loader, pid: int, top: int = TOP_STACKS, wait: bool = True,
                 allocator: str | None = None, by_stack: dict | None = None) -> list[dict]:
         """The user stacks holding the most live bytes: [{"bytes", "allocations", "allocator", "frames"}],
-        "allocator" the pool that made them or pools.OUTSIDE. by_stack: ld.live_by_stack(pid), read already."""
+        "allocator" the pool that made them or OUTSIDE. by_stack: ld.live_by_stack(pid), read already."""
         live = ld.live_by_stack(pid) if by_stack is None else by_stack
         # stacks copied from several threads or depths unwind to one chain: one entry each chain
         chains: dict[tuple, list] = {}
         for (sid, caller, sp), (b, n) in live.items():
             pool = self._pools.pool_of(pid, sid, caller, lambda: ld.stack_addresses(sid, caller, pid=pid, sp=sp),  # noqa: B023
                                        sp=sp)
-            label = pool.allocator if pool is not None else pools_.OUTSIDE
+            label = pool.allocator if pool is not None else OUTSIDE
             if allocator is None or label == allocator or (allocator == "*" and pool is not None):
                 chain = tuple(ld.stack_addresses(sid, caller, pid=pid, sp=sp))
                 e = chains.get(chain)

@@ -12,8 +12,8 @@ import pytest
 
 from gpuwatch.agent.metrics import REGISTRY
 from gpuwatch.probes.ebpf import EbpfCudaProbe
+from gpuwatch.agent.allocators import OUTSIDE, pool_table
 from gpuwatch.probes.ebpf import pools
-from gpuwatch.probes.ebpf.pools import pool_table
 
 pytestmark = pytest.mark.root
 
@@ -58,7 +58,7 @@ def test_a_pools_chunks_are_pooled_and_plain_calls_outside_any_allocator(probe, 
         acc = by.setdefault(st["allocator"], [0, 0])
         acc[0] += st["bytes"]
         acc[1] += st["allocations"]
-    assert by == {"fakepool": [3 * CHUNK, 3], pools.OUTSIDE: [17 * MIB, 3]}
+    assert by == {"fakepool": [3 * CHUNK, 3], OUTSIDE: [17 * MIB, 3]}
     for st in stacks:
         frames = " ".join(st["frames"])
         assert st["frames"][0].startswith("cuMemAlloc_v2") and st["frames"][0].endswith("[libcuda.so.1]")
@@ -72,7 +72,7 @@ def test_a_pools_chunks_are_pooled_and_plain_calls_outside_any_allocator(probe, 
     pooled = [st for st in stacks if st["allocator"] == "fakepool"]
     assert probe.live_stacks(a.pid, top=8, allocator="fakepool") == pooled
     assert probe.live_stacks(a.pid, top=8, allocator="*") == pooled
-    assert probe.live_stacks(a.pid, top=8, allocator=pools.OUTSIDE) == [st for st in stacks if st not in pooled]
+    assert probe.live_stacks(a.pid, top=8, allocator=OUTSIDE) == [st for st in stacks if st not in pooled]
     assert probe.live_stacks(a.pid, top=8, allocator="pytorch") == []
     # The pool gives its chunks back: its series stays, at 0; the plain bytes are still there.
     a.send("release")
@@ -94,7 +94,7 @@ def test_without_frame_pointers_the_pool_is_found_by_unwinding_the_stack_copy(pr
     by: dict[str, int] = {}
     for st in stacks:
         by[st["allocator"]] = by.get(st["allocator"], 0) + st["bytes"]
-    assert by == {"fakepool": 3 * CHUNK, pools.OUTSIDE: 17 * MIB}
+    assert by == {"fakepool": 3 * CHUNK, OUTSIDE: 17 * MIB}
     for st in stacks:
         frames = " ".join(st["frames"])
         if st["allocator"] == "fakepool":  # the whole chain: runtime, pool, program
@@ -115,7 +115,7 @@ def test_without_the_setting_the_same_pool_is_outside_any_allocator(fake_cuda, a
         samples = p.collect()
         assert _series(samples, "gpuwatch.process.cuda.memory.live", a.pid) == {"": 3 * CHUNK + 17 * MIB}
         assert _series(samples, "gpuwatch.process.cuda.memory.pooled", a.pid) == {}
-        assert {st["allocator"] for st in p.snapshot(a.pid)["stacks"]} == {pools.OUTSIDE}
+        assert {st["allocator"] for st in p.snapshot(a.pid)["stacks"]} == {OUTSIDE}
     finally:
         p.shutdown()
 

@@ -7,8 +7,8 @@ import pytest
 
 from gpuwatch.agent.api import Event, Sample
 from gpuwatch.agent.snapshot import Snapshot
-from gpuwatch.exporters.otlp import (OtlpExporter, OtlpStatsProbe, attributes, check_endpoint, event_attributes,
-                                     parse_headers)
+from gpuwatch.agent.config import check_endpoint, parse_headers
+from gpuwatch.exporters.otlp import OtlpExporter, OtlpStatsProbe, attributes, event_attributes
 from tests.otlp_receiver import GrpcReceiver, HttpReceiver
 
 GPU = "GPU-c002ef2a-2a3c-e0e9-4d8a-a58bfd6b0084"

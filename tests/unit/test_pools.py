@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gpuwatch.agent.allocators import POOLS, names, parse_pool_libraries, pool_table
 from gpuwatch.probes.ebpf import pools
-from gpuwatch.probes.ebpf.pools import POOLS, Classifier, parse_pool_libraries, pool_table
+from gpuwatch.probes.ebpf.pools import Classifier
 
 SITE = "/opt/conda/lib/python3.12/site-packages"
 
@@ -50,7 +51,7 @@ def test_the_setting_adds_pools_and_globs_to_known_ones():
     assert c.file_pool("/srv/myco/arena/big.so").allocator == "arena"  # a glob with a / ends the path
     assert c.file_pool("/srv/other/arena/big.so") is None
     assert c.file_pool("/srv/libc10_custom.so").allocator == "pytorch"
-    assert pools.names(table)["arena"] == "arena (myco/arena/*.so)"
+    assert names(table)["arena"] == "arena (myco/arena/*.so)"
 
 
 def maps_file(tmp_path, pid: int, rows: list[tuple[int, int, str, str]]) -> None:
@@ -190,9 +191,9 @@ def test_mappings_that_are_not_code_or_not_files_and_a_bad_line(tmp_path):
 
 
 def test_defaults_bare_names_and_names_of_several_globs():
-    assert pool_table() == POOLS and Classifier()._proc == "/proc" and Classifier().names == pools.names()
+    assert pool_table() == POOLS and Classifier()._proc == "/proc" and Classifier().names == names()
     assert POOLS[0].matches("libc10_cuda.so.1") and not POOLS[1].matches("memory.so")  # a bare name, no folder
-    assert pools.names(pool_table("a.so=n,b*.so=n"))["n"] == "n (a.so, b*.so)"
+    assert names(pool_table("a.so=n,b*.so=n"))["n"] == "n (a.so, b*.so)"
     with pytest.raises(ValueError):
         parse_pool_libraries("libx.so=a=b")  # the name is all after the first "="
     Classifier().forget([123])  # a process never seen: nothing to forget, no error
