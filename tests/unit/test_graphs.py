@@ -332,3 +332,226 @@ def test_the_summary_of_all_processes_sums_them():
     s = book.summary()
     assert (s["graphs"], s["executable_graphs"], s["captures_in_progress"]) == (2, 2, 2)
     assert book.captures_begun == 2
+
+
+# ---- what each entry is charged to the "graphs" budget, and given back ----------------------------
+GB, SB, CB, HB, KB = graphs.GRAPH_BYTES, graphs.SPEC_BYTES, graphs.COPY_BYTES, graphs.HANDLE_BYTES, graphs.KERNEL_BYTES
+U = 1000
+
+
+def budgeted(per_user: int = 1 << 30, **kw) -> tuple[graphs.GraphBook, Budget]:
+    budget = Budget("graphs", per_user, 1 << 30)
+    return graphs.GraphBook(budget=budget, uid_of=lambda pid: U, **kw), budget
+
+
+def test_every_entry_is_charged_and_given_back_exactly():
+    book, budget = budgeted()
+    book.on_event(ev(S.GE_CREATE, graph=0xa, pid=77))  # another process of the same user: untouched below
+    base = GB
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_CREATE, graph=0xa))  # the same address again: the first one is given back
+    assert budget.used(U) == base + GB
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))  # its configuration, handle and owner
+    assert budget.used(U) == base + GB + SB + 2 * HB
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x72, function=F))  # a configuration already there
+    graph_a = GB + SB + 4 * HB
+    assert budget.used(U) == base + graph_a
+    book.on_event(ev(S.GE_BEGIN, capture=9))
+    book.on_event(ev(S.GE_BEGIN, capture=9))  # begun again: the first capture is given back
+    assert budget.used(U) == base + graph_a + GB
+    book.on_event(ev(S.GE_END, capture=9, graph=0, count=0))  # failed: nothing kept
+    assert budget.used(U) == base + graph_a
+    book.on_event(ev(S.GE_CLONE, graph=0xb, source=0xa))  # one entry copied, not the handles
+    clone = GB + CB
+    assert budget.used(U) == base + graph_a + clone
+    instantiate(book, 0xa, 0xe, 1)  # the executable graph, and its copy with the handles
+    exec_e = GB + GB + CB + 2 * HB
+    assert budget.used(U) == base + graph_a + clone + exec_e
+    book.on_event(ev(S.GE_SET, exec=0xe, serial=1, node=0x71, function=G))  # a new configuration
+    assert budget.used(U) == base + graph_a + clone + exec_e + SB
+    book.on_event(ev(S.GE_SET, exec=0xe, serial=1, node=0x72, function=G))  # F's entry gone
+    exec_e += SB - CB
+    assert budget.used(U) == base + graph_a + clone + exec_e
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xe, serial=1))
+    assert budget.used(U) == base + graph_a + clone
+    instantiate(book, 0xa, 0xf, 2)
+    instantiate(book, 0xa, 0xf, 2)  # the same one again: the first is given back
+    assert budget.used(U) == base + graph_a + clone + GB + GB + CB + 2 * HB
+    book.on_event(ev(S.GE_UPDATE, exec=0xf, serial=2, graph=0xb))  # now the clone's content, no handles
+    assert budget.used(U) == base + graph_a + clone + GB + GB + CB
+    book.on_event(ev(S.GE_DESTROY, graph=0xa))  # the graph, its handles and their owners
+    assert budget.used(U) == base + clone + GB + GB + CB
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xf, serial=2))
+    assert budget.used(U) == base + clone
+    book.on_event(ev(S.GE_CREATE, graph=0xc))
+    book.on_event(ev(S.GE_ADD, graph=0xc, node=0x75, function=F))
+    book.on_event(ev(S.GE_ADD, graph=0xc, node=0x75, function=F))  # a handle already kept: nothing more
+    assert budget.used(U) == base + clone + GB + SB + 2 * HB
+    book.forget({PID})  # what is left of it: the other process's graph stays charged
+    assert budget.used(U) == base
+    book.clear()
+    assert budget.used() == 0 and book.summary() == graphs.GraphBook().summary()
+
+
+def test_what_the_budget_refuses_is_counted_once_each_and_made_unknown():
+    book, budget = budgeted()
+    capture(book, 100, 0xa, [F])
+    budget.per_user = budget.used(U) + GB + GB  # room for an executable graph, not its copy
+    instantiate(book, 0xa, 0xe, 1)
+    assert book.overflow == 1
+    budget.per_user = budget.used(U)
+    book.on_event(ev(S.GE_CREATE, graph=0xb))
+    assert book.overflow == 2 and book.summary(PID)["graphs"] == 1
+    book.on_event(ev(S.GE_BEGIN, capture=200))
+    assert book.overflow == 3 and book.summary(PID)["captures_in_progress"] == 0
+    book.on_event(ev(S.GE_NODE, capture=300, function=F))  # its begin lost, and no room for it
+    assert book.overflow == 4
+    book.on_event(ev(S.GE_END, capture=400, graph=0xc, count=1))  # the same
+    assert book.overflow == 5 and book.summary(PID)["graphs"] == 1
+    nodes = [[F, 1, 1, 1, 32, 1, 1, 0, 1]]
+    assert book.preload(PID, [{"exec": 0x70, "complete": True, "nodes": nodes},
+                              {"exec": 0x71, "complete": True, "nodes": nodes}]) == 0
+    assert book.overflow == 7
+    budget.per_user = 1 << 30
+    instantiate(book, 0x99, 0xd, 1)  # of a graph never seen: unknown, but nothing refused
+    assert book.overflow == 7
+    book.account({(PID, 0xe): (1, 2), (PID, 0xd): (1, 1)})
+    s = book.summary(PID)
+    assert (s["launches"], s["unknown_content_launches"], s["kernel_launches"]) == (3, 3, 0)
+
+
+def test_a_node_past_the_budget_makes_its_graph_partial_and_is_not_counted():
+    book, budget = budgeted()
+    book.on_event(ev(S.GE_BEGIN, capture=100, ts=100))
+    book.on_event(ev(S.GE_NODE, capture=100, function=F, dims=D))
+    budget.per_user = budget.used(U)  # no room for G's configuration
+    book.on_event(ev(S.GE_NODE, capture=100, function=G, dims=D))
+    book.on_event(ev(S.GE_END, capture=100, graph=0xa, count=2, ts=110))
+    budget.per_user = 1 << 30
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 2)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 2}
+    assert book.summary(PID)["partial_content_launches"] == 2
+    assert book.export(PID) == {"execs": [{"exec": 0xe, "complete": False, "nodes": [[F, *D, 0, 1]]}],
+                                "truncated": False}
+
+
+def test_a_handle_kept_without_room_for_its_owner_is_not_followed_and_its_destroy_gives_back():
+    book, budget = budgeted()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    before = budget.used(U)
+    budget.per_user = before + SB + HB  # the configuration and the graph's handle, not the owner's
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))
+    assert budget.used(U) == before + SB + HB
+    budget.per_user = 1 << 30
+    book.on_event(ev(S.GE_SET, node=0x71, function=G))  # not owned: the graph is not changed through it
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    assert list(book.kernels(PID)) == [(PID, F)] and book.summary(PID)["partial_content_launches"] == 0
+    book.on_event(ev(S.GE_DESTROY, graph=0xa))
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xe, serial=1, count=1))
+    assert budget.used(U) == KB and book.summary(PID)["graphs"] == 0  # F's running counts: until it exits
+
+
+def test_a_kernel_without_room_makes_its_replay_partial_and_the_others_still_count():
+    book, budget = budgeted()
+    capture(book, 100, 0xa, [F + 2])
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})  # F + 2 has its running counts now
+    capture(book, 200, 0xb, [F, G, F + 2])
+    instantiate(book, 0xb, 0xf, 1)
+    budget.per_user = budget.used(U) + KB  # room for F's counts, not G's
+    book.account({(PID, 0xe): (1, 1), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F + 2: 2, F: 1}
+    s = book.summary(PID)
+    assert (s["launches"], s["partial_content_launches"]) == (2, 1)
+    assert book.per_process()[PID] == (3, {"known": 1, "partial": 1})
+
+
+def test_the_bounds_on_captures_handles_and_announced_processes(monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS_PER_PROCESS", 2)
+    monkeypatch.setattr(graphs, "MAX_HANDLES_PER_GRAPH", 2)
+    monkeypatch.setattr(graphs, "MAX_PROCESSES", 2)
+    book = graphs.GraphBook()
+    for pid in (1, 2, 3):
+        book.on_event(ev(S.GE_PROCESS, pid=pid))
+        book.on_event(ev(S.GE_FIRST, pid=pid + 10))
+    assert book.new_processes == {1, 2} and book.first_calls == {11, 12}
+    book.on_event(ev(S.GE_BEGIN, capture=1, ts=1))
+    book.on_event(ev(S.GE_NODE, capture=1, function=F))
+    book.on_event(ev(S.GE_BEGIN, capture=2, ts=2))
+    book.on_event(ev(S.GE_BEGIN, capture=3, ts=3))  # past the bound: not kept
+    assert book.summary(PID)["captures_in_progress"] == 2
+    book.on_event(ev(S.GE_BEGIN, capture=1, ts=4))  # begun again at the bound: a new capture
+    book.on_event(ev(S.GE_NODE, capture=1, function=G))
+    book.on_event(ev(S.GE_END, capture=1, graph=0xa, count=1, ts=5))
+    # handles: two nodes of 0xa take the process's two; 0xb's node is not followed
+    for node in (0x71, 0x72):
+        book.on_event(ev(S.GE_ADD, graph=0xa, node=node, function=G))
+    book.on_event(ev(S.GE_CREATE, graph=0xb))
+    book.on_event(ev(S.GE_ADD, graph=0xb, node=0x73, function=F))
+    book.on_event(ev(S.GE_SET, node=0x73, function=G))  # not followed: 0xb still runs F, known whole
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0xb, 0xf, 1)
+    book.account({(PID, 0xe): (1, 1), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {G: 3, F: 1}
+    assert book.summary(PID)["partial_content_launches"] == 0
+
+
+def test_a_set_on_a_node_never_seen_leaves_the_graph_at_handle_1_alone():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=1))
+    book.on_event(ev(S.GE_ADD, graph=1, node=0x71, function=F))
+    book.on_event(ev(S.GE_SET, node=0x99, function=G))
+    instantiate(book, 1, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    assert book.summary(PID)["partial_content_launches"] == 0
+
+
+def test_lost_begins_are_kept_under_their_capture_and_end_as_their_own_graph():
+    seen = []
+    book = graphs.GraphBook(launches_seen=lambda begin, end: seen.append((begin, end)) or True)
+    book.on_event(ev(S.GE_CREATE, graph=1))  # a graph at handle 1: nothing of the captures goes to it
+    book.on_event(ev(S.GE_NODE, capture=5, function=F, dims=D))  # its begin lost
+    book.on_event(ev(S.GE_END, capture=5, graph=0xa, count=1, ts=50))
+    book.on_event(ev(S.GE_END, capture=7, graph=0xb, count=0, ts=70))  # begin lost, empty: complete
+    assert seen == [(7, 70)]  # the first is partial already: its nodes came without their begin
+    assert book.summary(PID)["graphs"] == 3
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 1, 0xf, 1)
+    book.account({(PID, 0xe): (1, 2), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 2}
+    assert book.export(PID)["execs"] == [{"exec": 0xe, "complete": False, "nodes": [[F, *D, 0, 1]]},
+                                         {"exec": 0xf, "complete": True, "nodes": []}]
+
+
+def test_a_capture_into_a_graph_adds_each_node_and_into_one_never_seen_is_partial():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_BEGIN, capture=100, graph=0xa, ts=100))
+    for _ in range(3):
+        book.on_event(ev(S.GE_NODE, capture=100, function=F, dims=D))
+    book.on_event(ev(S.GE_END, capture=100, graph=0xa, count=3, ts=110))
+    # a graph made before the probe attached: what it held before the capture is unknown
+    book.on_event(ev(S.GE_BEGIN, capture=200, graph=0x99, ts=200))
+    book.on_event(ev(S.GE_NODE, capture=200, function=G, dims=D))
+    book.on_event(ev(S.GE_END, capture=200, graph=0x99, count=1, ts=210))
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0x99, 0xf, 1)
+    book.account({(PID, 0xe): (1, 2), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 6, G: 1}
+    s = book.summary(PID)
+    assert (s["graphs"], s["partial_content_launches"]) == (2, 1)
+
+
+def test_a_graph_added_to_before_the_probe_is_exported_as_not_complete():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F, dims=D))
+    book.on_event(ev(S.GE_SET, node=0x72, function=G, dims=D))  # no effect: never seen
+    book.on_event(ev(S.GE_CREATE, graph=0xb))
+    book.on_event(ev(S.GE_ADD, graph=0xb, node=0x73, function=F, dims=D))
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0xb, 0xf, 1)
+    book.on_event(ev(S.GE_SET, exec=0xf, serial=1, node=0x74, function=G, dims=D))  # a node never seen
+    assert book.export(PID)["execs"] == [{"exec": 0xe, "complete": False, "nodes": [[F, *D, 0, 1]]},
+                                         {"exec": 0xf, "complete": False, "nodes": [[F, *D, 0, 1]]}]
