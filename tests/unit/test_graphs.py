@@ -422,6 +422,9 @@ def test_what_the_budget_refuses_is_counted_once_each_and_made_unknown():
     book.account({(PID, 0xe): (1, 2), (PID, 0xd): (1, 1)})
     s = book.summary(PID)
     assert (s["launches"], s["unknown_content_launches"], s["kernel_launches"]) == (3, 3, 0)
+    budget.per_user = budget.used(U) + GB  # again: the copy refused, counted once more
+    instantiate(book, 0xa, 0xf, 2)
+    assert book.overflow == 8
 
 
 def test_a_node_past_the_budget_makes_its_graph_partial_and_is_not_counted():
@@ -455,6 +458,22 @@ def test_a_handle_kept_without_room_for_its_owner_is_not_followed_and_its_destro
     book.on_event(ev(S.GE_DESTROY, graph=0xa))
     book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xe, serial=1, count=1))
     assert budget.used(U) == KB and book.summary(PID)["graphs"] == 0  # F's running counts: until it exits
+
+
+def test_a_node_added_to_a_second_graph_without_room_for_its_handle_stays_with_the_first():
+    book, budget = budgeted()
+    for graph in (0xa, 0xb):
+        book.on_event(ev(S.GE_CREATE, graph=graph))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))
+    budget.per_user = budget.used(U) + SB  # 0xb's configuration, not its handle
+    book.on_event(ev(S.GE_ADD, graph=0xb, node=0x71, function=G))
+    budget.per_user = 1 << 30
+    book.on_event(ev(S.GE_SET, node=0x71, function=F + 1))  # changes 0xa's node
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0xb, 0xf, 1)
+    book.account({(PID, 0xe): (1, 1), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F + 1: 1, G: 1}
+    assert book.summary(PID)["partial_content_launches"] == 0
 
 
 def test_a_kernel_without_room_makes_its_replay_partial_and_the_others_still_count():
@@ -546,6 +565,7 @@ def test_a_capture_into_a_graph_adds_each_node_and_into_one_never_seen_is_partia
     assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 6, G: 1}
     s = book.summary(PID)
     assert (s["graphs"], s["partial_content_launches"]) == (2, 1)
+    assert [x["complete"] for x in book.export(PID)["execs"]] == [True, False]
 
 
 def test_a_graph_added_to_before_the_probe_is_exported_as_not_complete():
