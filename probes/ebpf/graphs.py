@@ -281,6 +281,8 @@ class GraphBook:
                 into.complete = into.complete and g.complete
                 g.drop()
             else:
+                if cap.into:  # into a graph made before the probe attached: what it held before is unknown
+                    g.complete = False
                 self._put_graph(p, e.graph, g)
         elif kind == S.GE_ADD:
             g = p.graphs.get(e.graph)

@@ -3,6 +3,10 @@ followed exactly where it can be, said to be partial or unknown where it cannot,
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
+
+import pytest
 
 from gpuwatch.agent.budget import Budget
 from gpuwatch.probes.ebpf import graphs, symbols as S
@@ -332,3 +336,460 @@ def test_the_summary_of_all_processes_sums_them():
     s = book.summary()
     assert (s["graphs"], s["executable_graphs"], s["captures_in_progress"]) == (2, 2, 2)
     assert book.captures_begun == 2
+
+
+# ---- what each entry is charged to the "graphs" budget, and given back ----------------------------
+GB, SB, CB, HB, KB = graphs.GRAPH_BYTES, graphs.SPEC_BYTES, graphs.COPY_BYTES, graphs.HANDLE_BYTES, graphs.KERNEL_BYTES
+U = 1000
+
+
+def budgeted(per_user: int = 1 << 30, **kw) -> tuple[graphs.GraphBook, Budget]:
+    budget = Budget("graphs", per_user, 1 << 30)
+    return graphs.GraphBook(budget=budget, uid_of=lambda pid: U, **kw), budget
+
+
+def test_every_entry_is_charged_and_given_back_exactly():
+    book, budget = budgeted()
+    book.on_event(ev(S.GE_CREATE, graph=0xa, pid=77))  # another process of the same user: untouched below
+    base = GB
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_CREATE, graph=0xa))  # the same address again: the first one is given back
+    assert budget.used(U) == base + GB
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))  # its configuration, handle and owner
+    assert budget.used(U) == base + GB + SB + 2 * HB
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x72, function=F))  # a configuration already there
+    graph_a = GB + SB + 4 * HB
+    assert budget.used(U) == base + graph_a
+    book.on_event(ev(S.GE_BEGIN, capture=9))
+    book.on_event(ev(S.GE_BEGIN, capture=9))  # begun again: the first capture is given back
+    assert budget.used(U) == base + graph_a + GB
+    book.on_event(ev(S.GE_END, capture=9, graph=0, count=0))  # failed: nothing kept
+    assert budget.used(U) == base + graph_a
+    book.on_event(ev(S.GE_CLONE, graph=0xb, source=0xa))  # one entry copied, not the handles
+    clone = GB + CB
+    assert budget.used(U) == base + graph_a + clone
+    instantiate(book, 0xa, 0xe, 1)  # the executable graph, and its copy with the handles
+    exec_e = GB + GB + CB + 2 * HB
+    assert budget.used(U) == base + graph_a + clone + exec_e
+    book.on_event(ev(S.GE_SET, exec=0xe, serial=1, node=0x71, function=G))  # a new configuration
+    assert budget.used(U) == base + graph_a + clone + exec_e + SB
+    book.on_event(ev(S.GE_SET, exec=0xe, serial=1, node=0x72, function=G))  # F's entry gone
+    exec_e += SB - CB
+    assert budget.used(U) == base + graph_a + clone + exec_e
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xe, serial=1))
+    assert budget.used(U) == base + graph_a + clone
+    instantiate(book, 0xa, 0xf, 2)
+    instantiate(book, 0xa, 0xf, 2)  # the same one again: the first is given back
+    assert budget.used(U) == base + graph_a + clone + GB + GB + CB + 2 * HB
+    book.on_event(ev(S.GE_UPDATE, exec=0xf, serial=2, graph=0xb))  # now the clone's content, no handles
+    assert budget.used(U) == base + graph_a + clone + GB + GB + CB
+    book.on_event(ev(S.GE_DESTROY, graph=0xa))  # the graph, its handles and their owners
+    assert budget.used(U) == base + clone + GB + GB + CB
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xf, serial=2))
+    assert budget.used(U) == base + clone
+    book.on_event(ev(S.GE_CREATE, graph=0xc))
+    book.on_event(ev(S.GE_ADD, graph=0xc, node=0x75, function=F))
+    book.on_event(ev(S.GE_ADD, graph=0xc, node=0x75, function=F))  # a handle already kept: nothing more
+    assert budget.used(U) == base + clone + GB + SB + 2 * HB
+    book.forget({PID})  # what is left of it: the other process's graph stays charged
+    assert budget.used(U) == base
+    book.clear()
+    assert budget.used() == 0 and book.summary() == graphs.GraphBook().summary()
+
+
+def test_what_the_budget_refuses_is_counted_once_each_and_made_unknown():
+    book, budget = budgeted()
+    capture(book, 100, 0xa, [F])
+    budget.per_user = budget.used(U) + GB + GB  # room for an executable graph, not its copy
+    instantiate(book, 0xa, 0xe, 1)
+    assert book.overflow == 1
+    budget.per_user = budget.used(U)
+    book.on_event(ev(S.GE_CREATE, graph=0xb))
+    assert book.overflow == 2 and book.summary(PID)["graphs"] == 1
+    book.on_event(ev(S.GE_BEGIN, capture=200))
+    assert book.overflow == 3 and book.summary(PID)["captures_in_progress"] == 0
+    book.on_event(ev(S.GE_NODE, capture=300, function=F))  # its begin lost, and no room for it
+    assert book.overflow == 4
+    book.on_event(ev(S.GE_END, capture=400, graph=0xc, count=1))  # the same
+    assert book.overflow == 5 and book.summary(PID)["graphs"] == 1
+    nodes = [[F, 1, 1, 1, 32, 1, 1, 0, 1]]
+    assert book.preload(PID, [{"exec": 0x70, "complete": True, "nodes": nodes},
+                              {"exec": 0x71, "complete": True, "nodes": nodes}]) == 0
+    assert book.overflow == 7
+    budget.per_user = 1 << 30
+    instantiate(book, 0x99, 0xd, 1)  # of a graph never seen: unknown, but nothing refused
+    assert book.overflow == 7
+    book.account({(PID, 0xe): (1, 2), (PID, 0xd): (1, 1)})
+    s = book.summary(PID)
+    assert (s["launches"], s["unknown_content_launches"], s["kernel_launches"]) == (3, 3, 0)
+    budget.per_user = budget.used(U) + GB  # again: the copy refused, counted once more
+    instantiate(book, 0xa, 0xf, 2)
+    assert book.overflow == 8
+
+
+def test_a_node_past_the_budget_makes_its_graph_partial_and_is_not_counted():
+    book, budget = budgeted()
+    book.on_event(ev(S.GE_BEGIN, capture=100, ts=100))
+    book.on_event(ev(S.GE_NODE, capture=100, function=F, dims=D))
+    budget.per_user = budget.used(U)  # no room for G's configuration
+    book.on_event(ev(S.GE_NODE, capture=100, function=G, dims=D))
+    book.on_event(ev(S.GE_END, capture=100, graph=0xa, count=2, ts=110))
+    budget.per_user = 1 << 30
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 2)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 2}
+    assert book.summary(PID)["partial_content_launches"] == 2
+    assert book.export(PID) == {"execs": [{"exec": 0xe, "complete": False, "nodes": [[F, *D, 0, 1]]}],
+                                "truncated": False}
+
+
+def test_a_handle_kept_without_room_for_its_owner_is_not_followed_and_its_destroy_gives_back():
+    book, budget = budgeted()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    before = budget.used(U)
+    budget.per_user = before + SB + HB  # the configuration and the graph's handle, not the owner's
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))
+    assert budget.used(U) == before + SB + HB
+    budget.per_user = 1 << 30
+    book.on_event(ev(S.GE_SET, node=0x71, function=G))  # not owned: the graph is not changed through it
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    assert list(book.kernels(PID)) == [(PID, F)] and book.summary(PID)["partial_content_launches"] == 0
+    book.on_event(ev(S.GE_DESTROY, graph=0xa))
+    book.on_event(ev(S.GE_EXEC_DESTROY, exec=0xe, serial=1, count=1))
+    assert budget.used(U) == KB and book.summary(PID)["graphs"] == 0  # F's running counts: until it exits
+
+
+def test_a_node_added_to_a_second_graph_without_room_for_its_handle_stays_with_the_first():
+    book, budget = budgeted()
+    for graph in (0xa, 0xb):
+        book.on_event(ev(S.GE_CREATE, graph=graph))
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F))
+    budget.per_user = budget.used(U) + SB  # 0xb's configuration, not its handle
+    book.on_event(ev(S.GE_ADD, graph=0xb, node=0x71, function=G))
+    budget.per_user = 1 << 30
+    book.on_event(ev(S.GE_SET, node=0x71, function=F + 1))  # changes 0xa's node
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0xb, 0xf, 1)
+    book.account({(PID, 0xe): (1, 1), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F + 1: 1, G: 1}
+    assert book.summary(PID)["partial_content_launches"] == 0
+
+
+def test_a_kernel_without_room_makes_its_replay_partial_and_the_others_still_count():
+    book, budget = budgeted()
+    capture(book, 100, 0xa, [F + 2])
+    instantiate(book, 0xa, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})  # F + 2 has its running counts now
+    capture(book, 200, 0xb, [F, G, F + 2])
+    instantiate(book, 0xb, 0xf, 1)
+    budget.per_user = budget.used(U) + KB  # room for F's counts, not G's
+    book.account({(PID, 0xe): (1, 1), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F + 2: 2, F: 1}
+    s = book.summary(PID)
+    assert (s["launches"], s["partial_content_launches"]) == (2, 1)
+    assert book.per_process()[PID] == (3, {"known": 1, "partial": 1})
+
+
+def test_the_bounds_on_captures_handles_and_announced_processes(monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS_PER_PROCESS", 2)
+    monkeypatch.setattr(graphs, "MAX_HANDLES_PER_GRAPH", 2)
+    monkeypatch.setattr(graphs, "MAX_PROCESSES", 2)
+    book = graphs.GraphBook()
+    for pid in (1, 2, 3):
+        book.on_event(ev(S.GE_PROCESS, pid=pid))
+        book.on_event(ev(S.GE_FIRST, pid=pid + 10))
+    assert book.new_processes == {1, 2} and book.first_calls == {11, 12}
+    book.on_event(ev(S.GE_BEGIN, capture=1, ts=1))
+    book.on_event(ev(S.GE_NODE, capture=1, function=F))
+    book.on_event(ev(S.GE_BEGIN, capture=2, ts=2))
+    book.on_event(ev(S.GE_BEGIN, capture=3, ts=3))  # past the bound: not kept
+    assert book.summary(PID)["captures_in_progress"] == 2
+    book.on_event(ev(S.GE_BEGIN, capture=1, ts=4))  # begun again at the bound: a new capture
+    book.on_event(ev(S.GE_NODE, capture=1, function=G))
+    book.on_event(ev(S.GE_END, capture=1, graph=0xa, count=1, ts=5))
+    # handles: two nodes of 0xa take the process's two; 0xb's node is not followed
+    for node in (0x71, 0x72):
+        book.on_event(ev(S.GE_ADD, graph=0xa, node=node, function=G))
+    book.on_event(ev(S.GE_CREATE, graph=0xb))
+    book.on_event(ev(S.GE_ADD, graph=0xb, node=0x73, function=F))
+    book.on_event(ev(S.GE_SET, node=0x73, function=G))  # not followed: 0xb still runs F, known whole
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0xb, 0xf, 1)
+    book.account({(PID, 0xe): (1, 1), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {G: 3, F: 1}
+    assert book.summary(PID)["partial_content_launches"] == 0
+
+
+def test_a_set_on_a_node_never_seen_leaves_the_graph_at_handle_1_alone():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=1))
+    book.on_event(ev(S.GE_ADD, graph=1, node=0x71, function=F))
+    book.on_event(ev(S.GE_SET, node=0x99, function=G))
+    instantiate(book, 1, 0xe, 1)
+    book.account({(PID, 0xe): (1, 1)})
+    assert book.summary(PID)["partial_content_launches"] == 0
+
+
+def test_lost_begins_are_kept_under_their_capture_and_end_as_their_own_graph():
+    seen = []
+    book = graphs.GraphBook(launches_seen=lambda begin, end: seen.append((begin, end)) or True)
+    book.on_event(ev(S.GE_CREATE, graph=1))  # a graph at handle 1: nothing of the captures goes to it
+    book.on_event(ev(S.GE_NODE, capture=5, function=F, dims=D))  # its begin lost
+    book.on_event(ev(S.GE_END, capture=5, graph=0xa, count=1, ts=50))
+    book.on_event(ev(S.GE_END, capture=7, graph=0xb, count=0, ts=70))  # begin lost, empty: complete
+    assert seen == [(7, 70)]  # the first is partial already: its nodes came without their begin
+    assert book.summary(PID)["graphs"] == 3
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 1, 0xf, 1)
+    book.account({(PID, 0xe): (1, 2), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 2}
+    assert book.export(PID)["execs"] == [{"exec": 0xe, "complete": False, "nodes": [[F, *D, 0, 1]]},
+                                         {"exec": 0xf, "complete": True, "nodes": []}]
+
+
+def test_a_capture_into_a_graph_adds_each_node_and_into_one_never_seen_is_partial():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    book.on_event(ev(S.GE_BEGIN, capture=100, graph=0xa, ts=100))
+    for _ in range(3):
+        book.on_event(ev(S.GE_NODE, capture=100, function=F, dims=D))
+    book.on_event(ev(S.GE_END, capture=100, graph=0xa, count=3, ts=110))
+    # a graph made before the probe attached: what it held before the capture is unknown
+    book.on_event(ev(S.GE_BEGIN, capture=200, graph=0x99, ts=200))
+    book.on_event(ev(S.GE_NODE, capture=200, function=G, dims=D))
+    book.on_event(ev(S.GE_END, capture=200, graph=0x99, count=1, ts=210))
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0x99, 0xf, 1)
+    book.account({(PID, 0xe): (1, 2), (PID, 0xf): (1, 1)})
+    assert {f: v["launches"] for (_, f), v in book.kernels(PID).items()} == {F: 6, G: 1}
+    s = book.summary(PID)
+    assert (s["graphs"], s["partial_content_launches"]) == (2, 1)
+    assert [x["complete"] for x in book.export(PID)["execs"]] == [True, False]
+
+
+def test_a_graph_added_to_before_the_probe_is_exported_as_not_complete():
+    book = graphs.GraphBook()
+    book.on_event(ev(S.GE_ADD, graph=0xa, node=0x71, function=F, dims=D))
+    book.on_event(ev(S.GE_SET, node=0x72, function=G, dims=D))  # no effect: never seen
+    book.on_event(ev(S.GE_CREATE, graph=0xb))
+    book.on_event(ev(S.GE_ADD, graph=0xb, node=0x73, function=F, dims=D))
+    instantiate(book, 0xa, 0xe, 1)
+    instantiate(book, 0xb, 0xf, 1)
+    book.on_event(ev(S.GE_SET, exec=0xf, serial=1, node=0x74, function=G, dims=D))  # a node never seen
+    assert book.export(PID)["execs"] == [{"exec": 0xe, "complete": False, "nodes": [[F, *D, 0, 1]]},
+                                         {"exec": 0xf, "complete": False, "nodes": [[F, *D, 0, 1]]}]
+
+
+# ---- what a later probe is told (trace.graphs), and takes --------------------------------------
+N1, N2 = (F, 4, 1, 1, 32, 1, 1, 0), (G, 1, 1, 1, 64, 1, 1, 128)
+
+
+def test_export_gives_the_newest_known_executable_graphs_in_order_and_preload_counts_them():
+    book = graphs.GraphBook()
+    assert book.export(PID) == {"execs": [], "truncated": False}
+    book.on_event(ev(S.GE_CREATE, graph=0xa))
+    for node, (f, *dims, shared) in ((0x71, N2), (0x72, N1), (0x73, N1)):
+        book.on_event(ev(S.GE_ADD, graph=0xa, node=node, function=f, dims=dims, shared_mem=shared))
+    capture(book, 100, 0xb, [G], count=2)  # a node lost: partial
+    instantiate(book, 0xb, 0xe, 1)
+    instantiate(book, 0xa, 0xe, 3)  # the same address, newer: this one is exported
+    instantiate(book, 0xb, 0xd, 2)
+    instantiate(book, 0x99, 0xc, 4)  # content unknown: not exported
+    want = {"execs": [{"exec": 0xd, "complete": False, "nodes": [[G, 4, 1, 1, 32, 1, 1, 0, 1]]},
+                      {"exec": 0xe, "complete": True, "nodes": [list(N1) + [2], list(N2) + [1]]}],
+            "truncated": False}
+    assert book.export(PID) == want
+    # a probe attached later is told, and counts their replays with that content
+    later = graphs.GraphBook()
+    assert later.preload(PID, want["execs"] + [{"exec": 0xd, "complete": True, "nodes": []}]) == 2
+    later.account({(PID, 0xe): (0, 3), (PID, 0xd): (0, 2), (PID, 0xc): (0, 1)})
+    k = later.kernels(PID)
+    assert k == {(PID, F): {"launches": 6, "degenerate_launches": 0, "grid": [4, 1, 1], "block": [32, 1, 1],
+                            "shared_mem_bytes": 0},
+                 (PID, G): {"launches": 5, "degenerate_launches": 3, "grid": [1, 1, 1], "block": [64, 1, 1],
+                            "shared_mem_bytes": 128}}
+    assert later.per_process()[PID] == (11, {"known": 3, "partial": 2, "unknown": 1})
+    # and exports them in turn, as of serial 0
+    assert later.export(PID) == {"execs": [dict(x) for x in want["execs"]], "truncated": False}
+
+
+def test_export_keeps_the_newest_even_when_an_older_one_came_later():
+    book = graphs.GraphBook()
+    book.preload(PID, [{"exec": 0xe, "complete": True, "nodes": [list(N1) + [1]]}])
+    capture(book, 100, 0xa, [G])
+    instantiate(book, 0xa, 0xe, 3)
+    book.account({(PID, 0xe): (0, 1)})  # the one made before the probe, seen after the newer one
+    assert book.export(PID)["execs"] == [{"exec": 0xe, "complete": True, "nodes": [[G, 4, 1, 1, 32, 1, 1, 0, 1]]}]
+
+
+def test_export_leaves_out_what_goes_past_max_nodes_and_goes_on_with_smaller_ones():
+    book = graphs.GraphBook()
+    for exec_, n in ((1, 2), (2, 3), (3, 1), (4, 1)):
+        capture(book, 100 * exec_, 0xa0 + exec_, [F + i for i in range(n)])
+        instantiate(book, 0xa0 + exec_, exec_, 1)
+    out = book.export(PID, max_nodes=3)
+    assert [x["exec"] for x in out["execs"]] == [1, 3] and out["truncated"] is True
+    assert book.export(PID, max_nodes=7) == {"execs": book.export(PID)["execs"], "truncated": False}
+
+
+def test_preload_is_bounded_and_refused_for_a_process_not_followed(monkeypatch):
+    monkeypatch.setattr(graphs, "MAX_GRAPHS_PER_PROCESS", 2)
+    book = graphs.GraphBook()
+    x = [{"exec": e, "complete": True, "nodes": [list(N1) + [1]]} for e in (1, 1, 2, 3)]
+    assert book.preload(PID, x) == 2  # the second 1 is taken already; 3 is past the bound
+    book.account({(PID, 1): (0, 1), (PID, 2): (0, 1), (PID, 3): (0, 1)})
+    # 3 was not told, and has no room as an executable graph of its own: counted as not followed
+    assert book.per_process()[PID] == (2, {"known": 2}) and book.overflow == 1
+    monkeypatch.setattr(graphs, "MAX_PROCESSES", 1)
+    assert book.preload(PID + 1, x) == 0 and book.overflow == 2
+
+
+# ---- GraphFollower: the ring drained by its thread, on a ring buffer of records handed in ----------
+class FakeRing:
+    """bpfsys.RingBuffer's consumer side: records pushed by the test, wait() ends on them or on wake()."""
+
+    def __init__(self, fd: int, size: int, on_record) -> None:
+        self.args, self.on_record = (fd, size), on_record
+        self.records: list[bytes] = []
+        self.waits: list[int] = []
+        self.woken = self.closed = False
+        self.cv = threading.Condition()
+
+    def push(self, *records: bytes) -> None:
+        with self.cv:
+            self.records += records
+            self.cv.notify_all()
+
+    def wait(self, timeout_ms: int) -> bool:
+        with self.cv:
+            self.waits.append(timeout_ms)
+            self.cv.notify_all()
+            return self.cv.wait_for(lambda: self.records or self.woken, timeout_ms / 1000)
+
+    def consume(self) -> int:
+        with self.cv:
+            records, self.records = self.records, []
+        for r in records:
+            self.on_record(r)
+        return len(records)
+
+    def wake(self) -> None:
+        with self.cv:
+            self.woken = True
+            self.cv.notify_all()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.seen: list = []
+        self.cv = threading.Condition()
+
+    def add(self, what) -> None:
+        with self.cv:
+            self.seen.append(what)
+            self.cv.notify_all()
+
+    def until(self, n: int) -> list:
+        with self.cv:
+            self.cv.wait_for(lambda: len(self.seen) >= n, 2)
+            return list(self.seen)
+
+
+@pytest.fixture
+def follower(monkeypatch):
+    monkeypatch.setattr(graphs.bpfsys, "RingBuffer", FakeRing)
+    made = []
+
+    def make(book, **callbacks):
+        made.append(graphs.GraphFollower((7, 4096), book, **callbacks))
+        return made[-1]
+    yield make
+    for f in made:
+        f.stop()
+
+
+def test_the_follower_calls_back_for_first_calls_new_processes_and_captures_in_that_order(follower):
+    book, calls = graphs.GraphBook(), Calls()
+    f = follower(book, on_capture=lambda: calls.add("capture"), on_processes=lambda p: calls.add(("new", p)),
+                 on_first_calls=lambda p: calls.add(("first", p)))
+    ring = f._ring
+    assert ring.args == (7, 4096) and ring.on_record == book.on_event
+    [t] = [t for t in threading.enumerate() if t.name == "gpuwatch-ebpf-graphs"]
+    assert t.daemon
+    ring.push(ev(S.GE_BEGIN, capture=1), ev(S.GE_PROCESS, pid=5), ev(S.GE_FIRST, pid=6), ev(S.GE_FIRST, pid=8))
+    assert calls.until(3) == [("first", {6, 8}), ("new", {5}), "capture"]
+    ring.push(ev(S.GE_BEGIN, capture=2))  # a capture alone: no empty sets handed on
+    assert calls.until(4)[3:] == ["capture"]
+    ring.push(ev(S.GE_PROCESS, pid=9))  # a process alone: no capture said
+    ring.push(ev(S.GE_NODE, capture=2, function=F))
+    assert calls.until(5)[4:] == [("new", {9})]
+    ring.push(ev(S.GE_FIRST, pid=10))
+    assert calls.until(6)[5:] == [("first", {10})]
+    assert set(ring.waits) == {graphs.GraphFollower.POLL_MS}
+    assert book.new_processes == set() and book.first_calls == set()
+    f.account(lambda: {(PID, 0xe): (0, 3)})
+    assert f.read(lambda b: b.summary(PID)["launches"]) == 3
+
+
+def test_the_follower_waits_again_after_a_quiet_poll(follower):
+    calls = Calls()
+    f = follower(graphs.GraphBook(), on_capture=lambda: calls.add("capture"))
+    ring = f._ring
+    with ring.cv:
+        ring.cv.wait_for(lambda: len(ring.waits) >= 2, 2)  # one wait timed out, and it waits again
+    ring.push(ev(S.GE_BEGIN, capture=1))
+    assert calls.until(1) == ["capture"]
+
+
+class RecordingEvent(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return super().wait(0)
+
+
+def test_a_failing_callback_is_said_and_the_follower_goes_on_after_a_pause(follower, caplog):
+    calls, fails = Calls(), [RuntimeError("boom")]
+
+    def on_capture():
+        if fails:
+            raise fails.pop()
+        calls.add("capture")
+    f = follower(graphs.GraphBook(), on_capture=on_capture)
+    f._stop = RecordingEvent()  # its pause, recorded rather than waited out
+    caplog.set_level(logging.WARNING, logger="gpuwatch.ebpf")
+    f._ring.push(ev(S.GE_BEGIN, capture=1))
+    f._ring.push(ev(S.GE_BEGIN, capture=2))  # may come with the first; then a third one is needed
+    with f._ring.cv:
+        f._ring.cv.wait_for(lambda: not f._ring.records, 2)
+    f._ring.push(ev(S.GE_BEGIN, capture=3))
+    assert calls.until(1)[0] == "capture"
+    assert [r.getMessage() for r in caplog.records if r.name == "gpuwatch.ebpf"] == \
+        ["following CUDA graphs: RuntimeError: boom"]
+    assert f._stop.waits == [1.0]
+
+
+def test_stop_ends_the_thread_within_its_bound_and_nothing_is_called_after(follower):
+    calls = Calls()
+    book = graphs.GraphBook()
+    f = follower(book, on_capture=lambda: calls.add("capture"))
+    thread, joins = f._thread, []
+
+    class Joined:
+        def join(self, timeout=None):
+            joins.append(timeout)
+            thread.join(timeout)
+    f._thread = Joined()
+    f.stop()
+    assert joins == [2 * graphs.GraphFollower.POLL_MS / 1000 + 1] and not thread.is_alive()
+    assert f._ring.closed and calls.seen == []
+    f._ring.push(ev(S.GE_BEGIN, capture=1))
+    f.account(lambda: {(PID, 0xe): (0, 3)})  # stopped: nothing taken
+    assert f._ring.records and book.summary()["launches"] == 0
