@@ -6,7 +6,7 @@
 #   pools        tests/gpu/pools_unwind_check.sh (33: CuPy / JAX pools grey with the allocator named,
 #                a raw cudaMalloc black)                                                    ~5 min
 #   jax          the pools check's JAX case alone, with the daemon's series of the process   ~2 min
-#   overhead     bench/ebpf_overhead.py (33: the daemon's default cost, with its interval)  ~3 min
+#   overhead     bench/ebpf_overhead.py (33: the daemon's default cost, with its interval)  ~5 min
 #   lifecycle    bench/lifecycle.py --nvml-real --uncompiled (36: the daemon on the real NVML, the
 #                trace on the fake libcuda; as installed, and beside a copy without bytecode) ~3 min
 #   profile      bench/lifecycle_profile.py (36: where each of the five goes, phase by phase) ~1.5 min
@@ -52,7 +52,7 @@ for step in "$@"; do
            rc=$?; cp "$logs/pools/pools.json" "$OUT/" 2>/dev/null; tail -8 "$logs/pools.txt" ;;
     jax) timeout 200 tests/gpu/pools_unwind_check.sh "$logs/jax" --cases jax --timeout 120 > "$logs/jax.txt" 2>&1
          rc=$?; cp "$logs/jax/pools.json" "$OUT/pools-jax.json" 2>/dev/null; tail -8 "$logs/jax.txt" ;;
-    overhead) bcc timeout 190 python3 bench/ebpf_overhead.py --rounds 30 --tiny 20000 --steps 8 \
+    overhead) bcc timeout 330 python3 bench/ebpf_overhead.py --rounds 100 --max-seconds 240 --tiny 20000 --steps 8 \
                 --out "$OUT/overhead.json" > "$logs/overhead.txt" 2>&1
               rc=$?; tail -12 "$logs/overhead.txt" ;;
     lifecycle) bcc timeout 240 python3 bench/lifecycle.py --runs 6 --nvml-real --uncompiled --out "$OUT/lifecycle.json" \
