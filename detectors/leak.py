@@ -96,6 +96,10 @@ class LeakSettings:
     lookback: float = 600.0         # a drop this recent, as large as half the rise, means a sawtooth
     stale: float = 15.0             # a process not reported for this long has gone: no finding
     recent: float = 30.0            # seconds: the floor must still be rising over the last of these
+    # A leak found stays open through passes that miss it, this long after it was last judged, while
+    # its process runs and its memory has not fallen: XLA's pool, between two of its steps, missed
+    # one pass on the H200 (the finding closed and opened 10 s later: an alert's `for` starts over).
+    hold: float = 30.0
 
 
 def _theil_sen(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -293,6 +297,7 @@ class LeakDetector(Detector):
         """allocators: the pool allocators' names for people by label (config.pool_table, with
         ebpf.pool_libraries); by default the known ones."""
         self.settings = settings or LeakSettings()
+        self._held: dict[tuple[str, str], tuple[Finding, float]] = {}  # (gpu, pid) -> its last finding, level
         self.allocators = dict(names() if allocators is None else allocators)
 
     def _unsure_gpus(self, history: History, now: float) -> set[str]:
@@ -385,12 +390,14 @@ class LeakDetector(Detector):
         findings = []
         # The agent's own processes (its CUPTI sampler: a context and nothing else) are nobody's leak.
         ours = own.pids_in(history, now, s.stale)
+        running: dict[tuple[str, str], _Process] = {}
         for p in self._processes(history, now):
             if p.pid in ours:
                 continue
             newest = max((pts[-1][0] for pts in p.colors.values() if pts), default=0.0)
             if now - newest > s.stale:
                 continue  # the process exited (or its GPU went away): its last trend is history
+            running[(p.gpu, p.pid)] = p
             trends = {c: best_trend(p.colors[c], now, s) for c in (WHITE, GREY, BLACK) if c in p.colors}
             color = next((c for c in (WHITE, GREY, BLACK) if trends.get(c) is not None), None)
             if color is None:
@@ -434,7 +441,24 @@ class LeakDetector(Detector):
                 "allocator": allocator,
                 "colors": {c: (None if t is None else round(t.rate, 1)) for c, t in trends.items()},
             }, ts=now))
-        return findings
+            self._held[(p.gpu, p.pid)] = (findings[-1], tr.latest)
+        return findings + self._still_held(findings, running, now)
+
+    def _still_held(self, found: list[Finding], running: dict[tuple[str, str], _Process],
+                    now: float) -> list[Finding]:
+        """The leaks found before and missed at this pass that stay open (see LeakSettings.hold), as
+        last judged; the others are let go."""
+        out = []
+        for key in list(self._held):
+            f, level = self._held[key]
+            if f in found:
+                continue
+            pts = running[key].colors.get(f.attrs["color"]) if key in running else None
+            if pts and now - f.ts <= self.settings.hold and pts[-1][1] >= level:
+                out.append(f)
+            else:
+                del self._held[key]
+        return out
 
     @staticmethod
     def samples(findings: Sequence[Finding]) -> list[Sample]:

@@ -29,10 +29,10 @@ def recorded():
         return json.load(f)
 
 
-def judge(pool, seconds: int, free_at_start: float, ebpf: bool, before: int = 10):
+def judge(pool, seconds: int, free_at_start: float, ebpf: bool, before: int = 10, settings=None):
     """Each second what the daemon samples (NVML's charge and free memory; with `ebpf`, live driver
     bytes, all of them XLA's pool), judged every 10 s as the daemon does: [(t since start, findings)]."""
-    h, detector, out = History(maxlen=720), LeakDetector(), []
+    h, detector, out = History(maxlen=720), LeakDetector(settings), []
     for i in range(-before, seconds):
         t = T0 + i
         p = pool(max(i, 0))
@@ -86,12 +86,40 @@ def test_a_warm_up_that_doubles_its_pool_fast_and_stops_is_not_a_leak():
 
 def test_a_slow_doubling_leak_is_seen_and_closes_once_the_growth_stops():
     # 64 MiB a second from 128 MiB: doublings at 2, 6, 14, 30, 62 s; the leak stops at 100 s (6.4 GiB in use,
-    # 8 GiB pool): with 1.6 GiB of room at 64 MiB/s, it would have stepped by 126 s, so by 130 s it is over.
+    # 8 GiB pool): with 1.6 GiB of room at 64 MiB/s, it would have stepped by 126 s, so by 130 s it is over;
+    # the finding judged at 120 s is held for LeakSettings.hold (30 s) and closes at 160 s.
     pool = doubling(128 * MIB, 64 * MIB, stop=128 * MIB + 64 * MIB * 100)
     fs = dict(judge(pool, 200, 100 * GIB, ebpf=True))
     assert [f.attrs["color"] for f in fs[70]] == [GREY]
     assert fs[70][0].attrs["rate_bytes_per_second"] == pytest.approx(64 * MIB, rel=0.05)
-    assert all(fs[t] == [] for t in range(130, 200, 10)), {t: len(f) for t, f in fs.items()}
+    assert [f.ts - T0 for t in range(130, 160, 10) for f in fs[t]] == [120.0] * 3  # as last judged
+    assert all(fs[t] == [] for t in range(160, 200, 10)), {t: len(f) for t, f in fs.items()}
+
+
+def marks(judged) -> str:
+    """A pass's finding: x judged then, h held from before, . none."""
+    return "".join(("h" if f[0].ts - T0 != t else "x") if f else "." for t, f in judged)
+
+
+def test_a_leak_that_pauses_for_30_s_stays_one_finding():
+    # 32 MiB a second from 1 GiB, flat from 100 s to 130 s, then on. Without the hold the finding closes
+    # for three passes and opens again (an alert's `for` starts over: XLA's pool between two steps, on
+    # the H200); held, it stays open throughout.
+    def pool(t):
+        return GIB + 32 * MIB * (t if t < 100 else 100 if t < 130 else t - 30)
+
+    assert marks(judge(pool, 220, 100 * GIB, True, settings=LeakSettings(hold=0.0))) == "....xxxxxxxxxx...xxxxx"
+    assert marks(judge(pool, 220, 100 * GIB, True)) == "....xxxxxxxxxxhhhxxxxx"
+
+
+def test_a_held_leak_is_let_go_at_once_when_its_memory_falls():
+    def stopped(t):
+        return GIB + 32 * MIB * min(t, 100)
+
+    assert marks(judge(stopped, 200, 100 * GIB, True)) == "....xxxxxxxxxxhhh..."  # judged to 130 s, held 30 s
+    # the same, giving 256 MiB back at 145 s: held at 140 s, let go at 150 s
+    assert marks(judge(lambda t: stopped(t) - (256 * MIB if t >= 145 else 0), 200, 100 * GIB, True)) == \
+        "....xxxxxxxxxxh....."
 
 
 def test_a_staircase_needs_four_steps_over_0_4_of_the_shortest_window_and_no_fall():
