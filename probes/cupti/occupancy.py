@@ -22,9 +22,6 @@ from typing import Mapping
 
 from gpuwatch.agent.api import GpuwatchError
 
-__all__ = ["Architecture", "Device", "Launch", "Occupancy", "UnsupportedDevice", "architecture",
-           "theoretical"]
-
 KB = 1024
 
 # Limiters, in the order a tie is reported: with equal bounds the first one named is the limiter
