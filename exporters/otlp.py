@@ -18,6 +18,7 @@ series, gpuwatch.build becomes the resource's service.version.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -218,10 +219,8 @@ def _failures_with_status_counted(exporter, signal: str = ""):
         if not getattr(result, "success", True) and getattr(result, "error", 0) is None:
             status = f"HTTP {result.status_code} {result.reason or ''}".strip()
             exporter_logs().note(signal or None, f"the receiver answered {status}")  # the SDK logs no reason
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 result = dataclasses.replace(result, error=HttpStatusError(status))
-            except (TypeError, ValueError):
-                pass
         return result
 
     client.export = counted
