@@ -283,7 +283,6 @@ def exporter_logs() -> ExporterLogs:
 def reach(endpoint: str, timeout: float) -> str:
     """Why an export failed when the exporter did not say (HTTP's last word is only "timeout, max
     retries or shutdown"): one TCP connect to the receiver, at a change of state only."""
-    import socket
     from urllib.parse import urlsplit
 
     u = urlsplit(endpoint)
