@@ -88,10 +88,8 @@ def event_attributes(ev: Event) -> dict[str, Any]:
 
 
 def _severity(ev: Event) -> int:
-    sev = str(ev.attrs.get("severity", ""))
-    if sev in SEVERITIES:
-        return SEVERITIES[sev]
-    return SEVERITIES["critical"] if ev.kind in ("xid", "gpu.lost") else SEVERITIES["info"]
+    default = SEVERITIES["critical"] if ev.kind in ("xid", "gpu.lost") else SEVERITIES["info"]
+    return SEVERITIES.get(str(ev.attrs.get("severity", "")), default)
 
 
 def sdk_counts(reader) -> dict[tuple[str, str], float]:

@@ -331,10 +331,7 @@ class _QuietHandler(WSGIRequestHandler):
         short plain-text body, and the connection closed."""
         if getattr(self, "request_version", None) == "HTTP/0.9":
             self.request_version = "HTTP/1.0"
-        try:
-            reason = self.responses[code][0]
-        except KeyError:
-            reason = "Error"
+        reason = self.responses.get(code, ("Error",))[0]
         body = f"{code} {reason}\n".encode()
         self.close_connection = True
         self.send_response(code, reason)
