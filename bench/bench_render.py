@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -17,9 +18,13 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from gpuwatch.agent.runner import Runner
-from gpuwatch.exporters.prometheus import reference_registry, render
+from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.nvml.probe import NvmlProbe
 from gpuwatch.probes.nvml.replay import ReplayBackend
+
+# The reference renderer is test code (tests/prometheus_reference.py), not part of the product.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from prometheus_reference import reference_registry  # noqa: E402
 
 FIXTURE = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "nvml-h200.json"
 

@@ -98,11 +98,9 @@ class ThermalDetector(Detector):
 
     def _processes_at(self, history: History, gpu: str, t: float) -> list[dict]:
         """The processes that had memory on `gpu` around time t (the XID's likely victims)."""
-        out = []
-        for s in history.select(PROCESS_GPU_MEMORY_USAGE, gpu=gpu):
-            lab = s.labels
-            if lab.get("pid") not in (None, "other") and any(abs(pt - t) <= 10 for pt, _ in s.points):
-                out.append({"pid": lab["pid"], "process": lab.get("process", "")})
+        out = [{"pid": s.labels["pid"], "process": s.labels.get("process", "")}
+               for s in history.select(PROCESS_GPU_MEMORY_USAGE, gpu=gpu)
+               if s.labels.get("pid") not in (None, "other") and any(abs(pt - t) <= 10 for pt, _ in s.points)]
         return sorted(out, key=lambda p: p["pid"])
 
     def _xids(self, history: History, now: float) -> list[Finding]:

@@ -18,6 +18,7 @@ series, gpuwatch.build becomes the resource's service.version.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -87,10 +88,8 @@ def event_attributes(ev: Event) -> dict[str, Any]:
 
 
 def _severity(ev: Event) -> int:
-    sev = str(ev.attrs.get("severity", ""))
-    if sev in SEVERITIES:
-        return SEVERITIES[sev]
-    return SEVERITIES["critical"] if ev.kind in ("xid", "gpu.lost") else SEVERITIES["info"]
+    default = SEVERITIES["critical"] if ev.kind in ("xid", "gpu.lost") else SEVERITIES["info"]
+    return SEVERITIES.get(str(ev.attrs.get("severity", "")), default)
 
 
 def sdk_counts(reader) -> dict[tuple[str, str], float]:
@@ -218,10 +217,8 @@ def _failures_with_status_counted(exporter, signal: str = ""):
         if not getattr(result, "success", True) and getattr(result, "error", 0) is None:
             status = f"HTTP {result.status_code} {result.reason or ''}".strip()
             exporter_logs().note(signal or None, f"the receiver answered {status}")  # the SDK logs no reason
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 result = dataclasses.replace(result, error=HttpStatusError(status))
-            except (TypeError, ValueError):
-                pass
         return result
 
     client.export = counted
@@ -284,7 +281,6 @@ def exporter_logs() -> ExporterLogs:
 def reach(endpoint: str, timeout: float) -> str:
     """Why an export failed when the exporter did not say (HTTP's last word is only "timeout, max
     retries or shutdown"): one TCP connect to the receiver, at a change of state only."""
-    import socket
     from urllib.parse import urlsplit
 
     u = urlsplit(endpoint)

@@ -22,7 +22,6 @@ import errno
 import gzip
 import io
 import ipaddress
-import itertools
 import logging
 import math
 import selectors
@@ -171,49 +170,6 @@ def _histogram_lines(fam: _Family, pairs: list[str], h: HistogramValue) -> list[
     out.append(f"{name}_sum{tail} {_number(h.sum)}\n")
     out.append(f"{name}_count{tail} {total}\n")
     return out
-
-
-def reference_registry(snapshot: Snapshot):
-    """The snapshot as prometheus_client metric families, for the library to render.
-
-    Not used to serve: it is the reference that tests compare render() with, and that
-    bench/bench_render.py measures it against.
-    """
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily
-
-    fams: dict = {}
-    for s in snapshot.samples:
-        m = registry.REGISTRY[s.metric]
-        values = dict(s.labels, **({"gpu": s.resource} if m.per_gpu else {}))
-        values = {k: str(values[k]) for k in m.labels}
-        if m.name not in fams:
-            unit = registry._UNIT_SUFFIX[m.unit]
-            if m.kind is registry.Kind.INFO:
-                fams[m.name] = InfoMetricFamily(m.prom_name[: -len("_info")], m.help)
-            elif m.kind is registry.Kind.COUNTER:
-                fams[m.name] = CounterMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
-            elif m.kind is registry.Kind.HISTOGRAM:
-                fams[m.name] = HistogramMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
-            else:
-                fams[m.name] = GaugeMetricFamily(m.prom_name, m.help, labels=m.labels, unit=unit)
-        if m.kind is registry.Kind.INFO:
-            fams[m.name].add_metric([], values)
-        elif m.kind is registry.Kind.HISTOGRAM:
-            cumulative = itertools.accumulate(s.histogram.counts)
-            fams[m.name].add_metric([values[k] for k in m.labels],
-                                    [(_le(b), n) for b, n in zip((*m.buckets, math.inf), cumulative)],
-                                    s.histogram.sum)
-        else:
-            fams[m.name].add_metric([values[k] for k in m.labels], s.value)
-
-    class _Collector:
-        def collect(self):
-            return list(fams.values())
-
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(_Collector())
-    return reg
 
 
 class _MetricsApp:
@@ -375,10 +331,7 @@ class _QuietHandler(WSGIRequestHandler):
         short plain-text body, and the connection closed."""
         if getattr(self, "request_version", None) == "HTTP/0.9":
             self.request_version = "HTTP/1.0"
-        try:
-            reason = self.responses[code][0]
-        except KeyError:
-            reason = "Error"
+        reason = self.responses.get(code, ("Error",))[0]
         body = f"{code} {reason}\n".encode()
         self.close_connection = True
         self.send_response(code, reason)

@@ -225,3 +225,12 @@ def bcrypt_hash(password: str, cost: int = 4) -> str:
     import bcrypt
 
     return bcrypt.hashpw(password.encode(), bcrypt.gensalt(cost)).decode()
+
+
+def replay_uuids(path: str, count: int = 1) -> list[str]:
+    """The UUIDs `count` GPUs replayed from a baseline recording have (probes/baseline/replay.py)."""
+    from gpuwatch.probes.baseline.replay import uuid_for
+
+    with open(path) as f:
+        first = next(r for r in json.load(f)["runs"] if "uuid" in r)
+    return [uuid_for(first["uuid"], i) for i in range(count)]

@@ -24,13 +24,6 @@ def uuid_for(uuid: str, gpu: int) -> str:
     return f"{head}-{(int(tail, 16) + gpu) % (1 << 48):012x}"
 
 
-def replay_uuids(path: str, count: int = 1) -> list[str]:
-    """The UUIDs `count` replayed GPUs have (the daemon's list of GPUs when it replays)."""
-    with open(path) as f:
-        first = next(r for r in json.load(f)["runs"] if "uuid" in r)
-    return [uuid_for(first["uuid"], i) for i in range(count)]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpuwatch.probes.baseline.replay")
     ap.add_argument("file")

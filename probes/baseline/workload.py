@@ -15,6 +15,7 @@ prints one JSON object; exit 0 ran, 3 skipped (the GPU has compute processes), 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -58,14 +59,12 @@ class Conditions(threading.Thread):
     def run(self) -> None:
         N, h = self.N, self.h
         while not self._done.is_set():
-            try:
+            with contextlib.suppress(N.NVMLError):  # a reading missed; the run's numbers do not depend on it
                 self.points.append((time.monotonic(), float(N.nvmlDeviceGetClockInfo(h, N.NVML_CLOCK_SM)),
                                     N.nvmlDeviceGetPowerUsage(h) / 1000.0,
                                     float(N.nvmlDeviceGetTemperature(h, N.NVML_TEMPERATURE_GPU)),
                                     int(N.nvmlDeviceGetCurrentClocksEventReasons(h)),
                                     int(N.nvmlDeviceGetPerformanceState(h))))
-            except N.NVMLError:
-                pass  # a reading missed; the run's numbers do not depend on it
             self._done.wait(self.period)
 
     def stop(self) -> None:

@@ -4,6 +4,7 @@ records kernel, copy and set activity and the allocator's bytes and reports them
 the daemon samples device-wide counters (achieved occupancy, cache hit ratios, DRAM throughput)
 through PM sampling in a supervised child process.
 """
+import contextlib
 import glob
 import os
 import re
@@ -74,14 +75,12 @@ def cupti_lib_dir() -> tuple[str, str] | None:
 
 def loaded_libcupti() -> str:
     """Path of the libcupti this process has mapped ("" before CUPTI is loaded)."""
-    try:
+    with contextlib.suppress(OSError):
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
                 path = line.rstrip("\n").split(None, 5)[-1] if line.count(" ") >= 5 else ""
                 if "/libcupti.so" in path:
                     return path.strip()
-    except OSError:
-        pass
     return ""
 
 

@@ -24,6 +24,7 @@ Values older than three rotation periods (group_seconds x groups) are not export
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import json
 import logging
@@ -116,8 +117,6 @@ START_CRASHES = 3  # crashes in a row before the first hello: the probe goes dow
 
 def crash_hint(summary: str) -> str:
     """What to do about a sampler that crashes while starting."""
-    import importlib.util
-
     if "Segmentation fault" in summary and importlib.util.find_spec("torch") is None:
         return ("; on the H200 (driver 580) PM sampling crashed like this unless the sampler's CUDA context was "
                 "made by PyTorch: install torch into the agent's Python, or set cupti.sampling = false "
@@ -281,10 +280,6 @@ class CuptiSamplerProbe(Probe):
             else:  # yielded to another profiler or backing off: as it was (the scan goes on meanwhile)
                 self._set_state(state, reason, holder)
 
-    @property
-    def paused(self) -> bool:
-        return bool(self._paused)
-
     def start(self) -> None:
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
@@ -294,10 +289,8 @@ class CuptiSamplerProbe(Probe):
             self._fatal = ""
         if self.custom_command is None:
             problem = cupti_python_problem()
-            if problem and not cupti_python_installed():
-                raise ProbeDisabled(problem)  # the optional extra is not installed: off, not down
-            if problem:
-                raise ProbeUnavailable(problem)
+            if problem:  # the optional extra not installed at all: off, not down
+                raise (ProbeUnavailable if cupti_python_installed() else ProbeDisabled)(problem)
         env = child_env(self.base_env)
         self._stop.clear()
         with self._lock:
@@ -502,10 +495,8 @@ def _signal_group(pid: int, sig: int) -> None:
     except ProcessLookupError:
         pass
     except PermissionError:
-        try:
+        with contextlib.suppress(OSError):
             os.kill(pid, sig)
-        except OSError:
-            pass
 
 
 class _Supervisor:
@@ -777,10 +768,8 @@ class _Supervisor:
             return
         if c.poll() is None:
             _signal_group(c.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 c.wait(self.p.stop_grace)
-            except subprocess.TimeoutExpired:
-                pass
         if c.poll() is not None:
             self.drain()  # its last lines ("bye": the counters are released)
         self.kill_child()
@@ -804,10 +793,8 @@ class _Supervisor:
         self.p._child_pid = None
         self.open_fds = []
         for f in (c.stdout, c.stderr):
-            try:
+            with contextlib.suppress(OSError):
                 f.close()
-            except OSError:
-                pass
 
     def reap(self) -> None:
         self.zombies = [z for z in self.zombies if z.poll() is None]

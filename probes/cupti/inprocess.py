@@ -25,6 +25,7 @@ torch.profiler it stops its activity, lets the profiler have CUPTI, and resumes 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import glob
 import json
@@ -51,10 +52,8 @@ SAME_OOM_S = 60.0  # an uncaught OutOfMemoryError this soon after the allocator 
 
 def _note(msg: str) -> None:
     if os.environ.get("GPUWATCH_RUN_QUIET", "") not in ("1", "true", "yes"):
-        try:
+        with contextlib.suppress(Exception):
             print(f"gpuwatch: {msg}", file=sys.stderr, flush=True)
-        except Exception:
-            pass
 
 
 @dataclass(frozen=True)
@@ -112,13 +111,11 @@ class Settings:
 
 def cuda_in_use(maps_path: str = "/proc/self/maps") -> bool:
     """Has this process loaded the CUDA driver library? (Then CUPTI has something to see.)"""
-    try:
+    with contextlib.suppress(OSError):
         with open(maps_path, "rb") as f:
             for line in f:
                 if b"libcuda.so" in line:
                     return True
-    except OSError:
-        pass
     return False
 
 
@@ -254,10 +251,8 @@ class InProcessAgent:
     def _failed(self, reason: str) -> None:
         self.state, self.reason = "failed", reason
         self._once(f"the in-process agent stopped CUPTI ({reason}); the program goes on")
-        try:
+        with contextlib.suppress(Exception):
             self._disable_all()
-        except Exception:
-            pass
 
     # -- the agent thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -329,10 +324,8 @@ class InProcessAgent:
         elif not on and self.kernels_on_since is not None:
             try:
                 for kind in self._kinds():
-                    try:
+                    with contextlib.suppress(Exception):
                         self.cupti.activity_disable(kind)
-                    except Exception:
-                        pass
             finally:
                 self.observed_ns += int((now - self.kernels_on_since) * 1e9)
                 self.kernels_on_since = None
@@ -379,11 +372,9 @@ class InProcessAgent:
             except Exception as e:
                 self._once(f"CUPTI flush failed: {e}")
             dropped = ctypes.c_size_t(0)
-            try:
+            with contextlib.suppress(Exception):
                 c.activity_get_num_dropped_records(0, 0, ctypes.addressof(dropped))
                 self.dropped += int(dropped.value)
-            except Exception:
-                pass
 
     # -- torch.profiler owns CUPTI while it runs -----------------------------------------------
     def _hook_torch_profiler(self) -> None:
@@ -480,14 +471,12 @@ class InProcessAgent:
         uuid = self._uuids.get(ordinal)
         if uuid is None:
             uuid = ""
-            try:
+            with contextlib.suppress(Exception):
                 if torch_knows:
                     uuid = "GPU-" + str(sys.modules["torch"].cuda.get_device_properties(ordinal).uuid)
                 else:
                     raw = self._driver.uuid(ordinal)
                     uuid = uuid_string(raw) if raw else ""
-            except Exception:
-                pass
             if uuid:  # "" is asked again next time (the driver may not have been initialised yet)
                 self._uuids[ordinal] = uuid
         return uuid
@@ -511,15 +500,13 @@ class InProcessAgent:
     def uncaught(self, exc: BaseException | None) -> None:
         """An exception nothing caught (the program's, or one of its threads'): an OOM when it is a
         framework's out-of-memory error or was raised from one."""
-        try:
+        with contextlib.suppress(Exception):
             if exc is None or id(exc) == self._uncaught_seen:
                 return
             self._uncaught_seen = id(exc)
             found = frameworks.oom_error(exc)
             if found is not None:
                 self.saw_oom(found[0], "uncaught", found[1], found[2])
-        except Exception:
-            pass
 
     def _hook_uncaught(self) -> None:
         """Chain sys.excepthook and threading.excepthook: ours looks, then theirs runs as before."""
@@ -546,10 +533,8 @@ class InProcessAgent:
         agent = self
 
         def observer(device, requested, device_allocated, device_free):
-            try:  # runs inside the allocator: never raise there
+            with contextlib.suppress(BaseException):  # runs inside the allocator: never raise there
                 agent.saw_oom("torch", "allocator", int(device), int(requested))
-            except BaseException:
-                pass
 
         try:
             frameworks.attach_torch_observer(torch, observer)
@@ -569,11 +554,9 @@ class InProcessAgent:
         dev = self._device(device)
         result = None
         if dev is not None:
-            try:
+            with contextlib.suppress(ValueError):
                 occ = occupancy.theoretical(dev, occupancy.Launch(threads, registers, static, dynamic, carveout))
                 result = (round(occ.ratio, 4), occ.limiter)
-            except ValueError:
-                pass
         self._occupancies[key] = result
         return result
 

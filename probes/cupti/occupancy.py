@@ -22,9 +22,6 @@ from typing import Mapping
 
 from gpuwatch.agent.api import GpuwatchError
 
-__all__ = ["Architecture", "Device", "Launch", "Occupancy", "UnsupportedDevice", "architecture",
-           "theoretical"]
-
 KB = 1024
 
 # Limiters, in the order a tie is reported: with equal bounds the first one named is the limiter
@@ -105,24 +102,6 @@ _ATTRIBUTE_FIELDS = {
     "reserved_shared_memory_per_block": "reserved_shared_memory_per_block",
 }
 
-# Documented limits per compute capability, for when the device cannot be asked:
-# (max threads/SM, max blocks/SM, shared memory/SM, opt-in max per block, reserved per block).
-_KNOWN_LIMITS: dict[tuple[int, int], tuple[int, int, int, int, int]] = {
-    (7, 0): (2048, 32, 96 * KB, 96 * KB, 0),
-    (7, 2): (2048, 32, 96 * KB, 96 * KB, 0),
-    (7, 5): (1024, 16, 64 * KB, 64 * KB, 0),
-    (8, 0): (2048, 32, 164 * KB, 163 * KB, KB),
-    (8, 6): (1536, 16, 100 * KB, 99 * KB, KB),
-    (8, 7): (1536, 16, 164 * KB, 163 * KB, KB),
-    (8, 9): (1536, 24, 100 * KB, 99 * KB, KB),
-    (9, 0): (2048, 32, 228 * KB, 227 * KB, KB),
-    (10, 0): (2048, 32, 228 * KB, 227 * KB, KB),
-    (10, 3): (2048, 32, 228 * KB, 227 * KB, KB),
-    (12, 0): (1536, 24, 100 * KB, 99 * KB, KB),
-    (12, 1): (1536, 24, 100 * KB, 99 * KB, KB),
-}
-
-
 @dataclass(frozen=True)
 class Device:
     """What occupancy depends on, as the device reports it (see from_attributes)."""
@@ -150,20 +129,6 @@ class Device:
         if missing:
             raise ValueError(f"device attributes missing: {', '.join(missing)}")
         return cls(**{field: int(attrs[name]) for name, field in _ATTRIBUTE_FIELDS.items()})
-
-    @classmethod
-    def for_compute_capability(cls, major: int, minor: int, sm_count: int = 0) -> "Device":
-        """A device with the documented limits of its compute capability (all SKUs of one
-        capability share them; only the SM count differs)."""
-        try:
-            threads, blocks, smem, optin, reserved = _KNOWN_LIMITS[(major, minor)]
-        except KeyError:
-            raise UnsupportedDevice(
-                f"no documented limits for compute capability {major}.{minor}") from None
-        return cls(major=major, minor=minor, sm_count=sm_count, warp_size=32,
-                   max_threads_per_sm=threads, max_blocks_per_sm=blocks, registers_per_sm=65536,
-                   max_registers_per_block=65536, shared_memory_per_sm=smem,
-                   shared_memory_per_block_optin=optin, reserved_shared_memory_per_block=reserved)
 
     @property
     def max_warps_per_sm(self) -> int:

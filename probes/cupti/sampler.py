@@ -30,6 +30,7 @@ only in main(), so the daemon can import the constants and helpers below cheaply
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -117,10 +118,8 @@ class Out:
 
     def __init__(self) -> None:
         self.fd = os.dup(1)
-        try:
+        with contextlib.suppress(OSError):
             os.dup2(2, 1)
-        except OSError:
-            pass
         self.last = 0.0
         self.lock = threading.Lock()
 
@@ -153,7 +152,7 @@ def set_title(title: str = TITLE) -> str:
     import ctypes
 
     done = ""
-    try:
+    with contextlib.suppress(Exception):  # a title is a nicety: never a reason not to sample
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(15, ctypes.c_char_p(title.encode()[:15]), 0, 0, 0) == 0:  # PR_SET_NAME
             done = "comm"
@@ -168,20 +167,16 @@ def set_title(title: str = TITLE) -> str:
                 and ctypes.string_at(start, size) == cmdline:
             ctypes.memmove(start, new + b"\0" * (size - len(new)), size)
             done += "+cmdline"
-    except Exception:  # a title is a nicety: never a reason not to sample
-        pass
     return done
 
 
 def _die_with_parent() -> None:
     """SIGTERM us when the thread that started us dies (the daemon killed hard)."""
-    try:
+    with contextlib.suppress(Exception):
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 def window_stats(values: list[float], scale: float = 0.01) -> dict:
@@ -367,15 +362,11 @@ class Sampler:
             if c is None:
                 continue
             if dev.running:
-                try:
+                with contextlib.suppress(Exception):
                     c.stop()
-                except Exception:
-                    pass
                 dev.running = False
-            try:
+            with contextlib.suppress(Exception):
                 c.disable()
-            except Exception:
-                pass
 
     # -- the rotation -------------------------------------------------------------------------
     def configure(self, pm_sampling, dev: Device) -> int | None:
@@ -491,10 +482,8 @@ class Sampler:
     def _drop_session(dev: Device) -> None:
         c, dev.collector = dev.collector, None
         if c is not None:
-            try:
+            with contextlib.suppress(Exception):
                 c.disable()
-            except Exception:
-                pass
 
     def run(self, pm_sampling) -> int:
         while not self.stop.is_set():

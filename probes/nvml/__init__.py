@@ -10,19 +10,11 @@ import os
 from typing import TYPE_CHECKING, Callable
 
 from gpuwatch.agent.registry import ProbeEntry
-from gpuwatch.probes.nvml.backend import (
-    Backend, GpuLost, LibraryUnavailable, NotSupported, NoValue, NvmlError, RealBackend,
-)
-from gpuwatch.probes.nvml.doctor import nvml_checks
-from gpuwatch.probes.nvml.probe import NvmlProbe, inventory
+from gpuwatch.probes.nvml.backend import Backend, RealBackend
+from gpuwatch.probes.nvml.probe import NvmlProbe
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.config import Config
-
-__all__ = [
-    "Backend", "GpuLost", "LibraryUnavailable", "NotSupported", "NoValue", "NvmlError", "RealBackend",
-    "NvmlProbe", "inventory", "nvml_checks", "backend_factory", "from_config", "PROBES",
-]
 
 
 def backend_factory(cfg: Config) -> Callable[[], Backend]:

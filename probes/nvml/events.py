@@ -7,6 +7,7 @@ Every NVML call goes through the backend like the probe's, so the thread records
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -61,10 +62,8 @@ class XidWatcher:
             if self._register(set_id):
                 self._wait_loop(set_id)
         finally:
-            try:
+            with contextlib.suppress(NvmlError):  # NVML is going away anyway
                 self._backend.call("events_free", None, set_id)
-            except NvmlError:
-                pass  # NVML is going away anyway
 
     def _register(self, set_id: int) -> bool:
         registered, refused = 0, []
@@ -119,8 +118,6 @@ class XidWatcher:
             return []
         pids: set[int] = set()
         for op in ("compute_processes", "graphics_processes"):
-            try:
+            with contextlib.suppress(NvmlError):  # a GPU that just raised an XID may well be lost: report what we have
                 pids.update(p["pid"] for p in self._backend.call(op, gpu))
-            except NvmlError:
-                pass  # a GPU that just raised an XID may well be lost: report what we have
         return sorted(pids)

@@ -154,10 +154,3 @@ def read_cuda_environment(pid: int, proc: str = "/proc") -> dict[str, str] | Non
     if not complete and len(out) < len(VARIABLES):
         return None
     return out
-
-
-def device_uuid(pid: int, ordinal: int, gpus: Sequence[NvmlGpu], proc: str = "/proc") -> str | None:
-    """NVML's UUID of CUDA ordinal `ordinal` in process `pid`, from its environment; None when it
-    cannot be named for sure."""
-    uuids = visible_uuids(read_cuda_environment(pid, proc), gpus)
-    return uuids[ordinal] if 0 <= ordinal < len(uuids) else None

@@ -34,11 +34,6 @@ class ProcessIdentity:
     comm: str  # sanitise_process_name(/proc/PID/comm)
     root: str  # where /proc/PID/root points ("/" outside containers; "" when it cannot be read)
 
-    @property
-    def root_path(self) -> str:
-        """The process's root directory as this process reaches it: its files by their own paths."""
-        return f"/proc/{self.pid}/root"
-
 
 @dataclass(frozen=True)
 class ProcStat:

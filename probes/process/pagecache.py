@@ -16,6 +16,7 @@ make the root agent show the path, size and residency of a file they may not rea
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -131,14 +132,12 @@ class OpenFile:
 def _opened_for_reading(handle: str) -> bool:
     """The fd /proc/PID/fd/N was opened O_RDONLY or O_RDWR, not O_PATH (a handle that reads nothing,
     which anyone may hold on a file they cannot read), by its flags in /proc/PID/fdinfo/N."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open(handle.replace("/fd/", "/fdinfo/", 1), "rb") as f:
             for line in f.read(4096).splitlines():
                 if line.startswith(b"flags:"):
                     flags = int(line.split()[1], 8)
                     return not flags & os.O_PATH and flags & _O_ACCMODE in (os.O_RDONLY, os.O_RDWR)
-    except (OSError, ValueError, IndexError):
-        pass
     return False
 
 
@@ -269,14 +268,12 @@ class NodeReaders:
 
 
 def _read_bytes(pid: int) -> int | None:
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open(f"/proc/{pid}/io", "rb") as f:
             for line in f.read(4096).splitlines():
                 if line.startswith(b"read_bytes:"):
                     v = int(line.split()[1])
                     return v if v >= 0 else None
-    except (OSError, ValueError, IndexError):
-        pass
     return None
 
 

@@ -11,7 +11,7 @@ from gpuwatch.agent.api import ProbeUnavailable
 from gpuwatch.agent.store import Store
 from gpuwatch.probes.baseline import probe as baseline_probe
 from gpuwatch.probes.baseline.probe import BaselineProbe
-from gpuwatch.probes.baseline.replay import replay_uuids
+from tests.conftest import replay_uuids
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "baseline-h200.json")
 

@@ -7,7 +7,7 @@ import pytest
 
 from gpuwatch.agent.api import Sample
 from gpuwatch.probes.process import cuda_devices
-from gpuwatch.probes.process.cuda_devices import (NvmlGpu, cuda_order, device_uuid, nvml_gpus,
+from gpuwatch.probes.process.cuda_devices import (NvmlGpu, cuda_order, nvml_gpus,
                                                   parse_visible_devices, read_cuda_environment, visible_uuids)
 
 # Two H200s, listed by NVML out of bus order on purpose: CUDA's PCI_BUS_ID order is the bus's.
@@ -138,6 +138,12 @@ def proc():
         p.kill()
         p.wait()
         p.stdout.close()
+
+
+def device_uuid(pid, ordinal, gpus):
+    """NVML's UUID of the process's CUDA ordinal, from its environment; None when not sure."""
+    uuids = visible_uuids(read_cuda_environment(pid), gpus)
+    return uuids[ordinal] if 0 <= ordinal < len(uuids) else None
 
 
 def test_the_environment_a_process_was_started_with(proc):

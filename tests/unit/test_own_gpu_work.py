@@ -22,13 +22,12 @@ from gpuwatch.agent.api import Sample
 from gpuwatch.agent.store import Store
 from gpuwatch.detectors.leak import LeakDetector
 from gpuwatch.probes.baseline.probe import BaselineProbe
-from gpuwatch.probes.baseline.replay import replay_uuids
 from gpuwatch.probes.cupti.arbitration import Arbiter
 from gpuwatch.probes.cupti.devicewide import CuptiSamplerProbe
 from gpuwatch.probes.cupti.reports import nvml_view
 from gpuwatch.probes.nvml.probe import NvmlProbe
 from gpuwatch.probes.nvml.replay import ReplayBackend
-from tests.conftest import FIXTURE, wait_for
+from tests.conftest import FIXTURE, replay_uuids, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = ROOT / "tests" / "fixtures" / "fake_cupti_sampler.py"

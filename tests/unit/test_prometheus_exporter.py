@@ -35,12 +35,12 @@ from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
 from gpuwatch.agent.wire import printable
 from gpuwatch.exporters.prometheus import (OPENMETRICS, TEXT, PrometheusExporter, _escape_value, _Family, _Guard,
-                                           _MetricsApp, _number, _QuietHandler, _Server, LOOPBACK, peer_of,
-                                           reference_registry, render)
+                                           _MetricsApp, _number, _QuietHandler, _Server, LOOPBACK, peer_of, render)
 from gpuwatch.exporters.webconfig import load_web_config
 from gpuwatch.probes.nvml.probe import NvmlProbe
 from gpuwatch.probes.nvml.replay import ReplayBackend
 from tests.conftest import bcrypt_hash
+from tests.prometheus_reference import reference_registry
 
 GPU = "GPU-8c2e6a2b-0000-1111-2222-333344445555"
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "nvml-h200.json"
