@@ -50,10 +50,6 @@ alive = identity.same_process
 pid_reused = identity.pid_reused
 
 
-def _privileged() -> bool:
-    return loader.has_privileges()
-
-
 def not_yours_message(pid: int, uid: int) -> str:
     """For a caller (uid) who does not own the process: to whom it belongs."""
     who = identity.identify(pid)
@@ -96,7 +92,7 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
     tgid = _tgid(pid, proc)
     if tgid is not None and tgid != pid:
         raise TraceError(f"PID {pid} is a thread of process {tgid} ({comm(tgid, proc)}): use --pid {tgid}")
-    if not (privileged or _privileged)():
+    if not (privileged or loader.has_privileges)():
         if not identity.owns(os.geteuid(), identity.identify(pid)):
             raise TraceError(not_yours_message(pid, os.geteuid()) + " (root can trace any)")
     return Target(pid, comm(pid, proc), st.start_time)
@@ -104,7 +100,6 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
 
 def maps_file(pid: int, path: str, proc: str = "/proc") -> bool:
     """Does the process map this file (compared by device and inode, through /proc/PID/root)?"""
-
     want = loader.file_id(path)
     return want is not None and any(loader.file_id(f"{proc}/{pid}/root{m}") == want
                                     for m in loader.mapped_files(pid, proc))

@@ -2,6 +2,7 @@
 is not a terminal (render_line), and the summary at the end (render_summary)."""
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from gpuwatch.agent.logs import fmt_bytes
@@ -302,15 +303,11 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     gpu = snapshot.get("gpu")
     mem_line = _live_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0))
     # Optional lines, most useful first, each taken only while it fits.
-    extra: list[str] = []
-    if graphs_text(snapshot.get("graphs")):
-        extra.append(graphs_text(snapshot.get("graphs")))
-    extra += nccl_text(snapshot.get("communicators"), 2).splitlines()
-    extra += [line for line in _stacks_text(snapshot.get("stacks") or []).splitlines()]
-    extra += [line for line in launch_stacks_text(ks).splitlines()]
+    extra = [line for text in (graphs_text(snapshot.get("graphs")), nccl_text(snapshot.get("communicators"), 2),
+                               _stacks_text(snapshot.get("stacks") or []), launch_stacks_text(ks))
+             for line in text.splitlines()]
     if gpu is not None:
         extra.append(_gpu_text(gpu))
-        from rich.markup import escape
         for k in (gpu.get("kernels") or [])[:TOP_STACKS]:
             extra.append(f"  {escape(str(k.get('display_name') or k.get('name', '')))} · {k.get('launches', 0)} "
                          f"launches · {fmt_seconds(k.get('gpu_seconds'))} on the GPU")
@@ -324,12 +321,8 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
         if kernel_rows == 1:
             kernel_rows = 0  # a header without a row says nothing
         left = room - api_rows - kernel_rows
-        taken = []
-        for line in extra:
-            if left <= 0:
-                break
-            taken.append(line)
-            left -= 1
+        taken = extra[:max(0, left)]
+        left -= len(taken)
         if len(taken) == 1 and taken[0].endswith(":"):
             taken, left = [], left + 1  # a section title without its lines
         extra = taken
@@ -396,12 +389,8 @@ def render_summary(summary: dict):
         parts.append(Text("no CUDA driver calls seen during the trace"))
     if summary["kernels"]:
         parts += [Text(""), _kernel_table(summary["kernels"], None, TOP_KERNELS)]
-    if graphs_text(summary.get("graphs")):
-        parts.append(Text.from_markup(graphs_text(summary.get("graphs"))))
-    if launch_stacks_text(summary["kernels"]):
-        parts.append(Text.from_markup(launch_stacks_text(summary["kernels"])))
-    if nccl_text(summary.get("communicators")):
-        parts.append(Text.from_markup(nccl_text(summary.get("communicators"))))
+    parts += [Text.from_markup(text) for text in (graphs_text(summary.get("graphs")),
+              launch_stacks_text(summary["kernels"]), nccl_text(summary.get("communicators"))) if text]
     parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
     if _stacks_text(summary.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(summary["stacks"])))
@@ -427,7 +416,6 @@ class LiveScreen:
 
     def size(self) -> tuple[int, int]:
         """(width, height) of the terminal now."""
-        import os
         try:
             size = os.get_terminal_size(self.fd)
             return size.columns, size.lines
@@ -435,7 +423,6 @@ class LiveScreen:
             return self.console.size.width, self.console.size.height
 
     def _write(self, text: str) -> None:
-        import os
         data = text.encode("utf-8", "replace")
         while data:  # one write() for a terminal; the loop only for a short one
             data = data[os.write(self.fd, data):]

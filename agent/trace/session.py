@@ -7,6 +7,7 @@ import inspect
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -15,9 +16,10 @@ from gpuwatch.agent.control import ControlError, call
 from gpuwatch.agent.wire import TraceGraphsResult, TraceSnapshotResult, TraceSummary, WireError
 from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path, write_summary
-from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
+from gpuwatch.agent.trace.pids import Target, alive, pid_reused, validate, wait_for_cuda
 from gpuwatch.agent.trace.render import LiveScreen, render_line, render_live, render_summary
 from gpuwatch.agent.trace.summary import LiveAllocations, since, summarize
+from gpuwatch.probes.ebpf import loader
 
 NOT_ROOT = "run as root, or start the gpuwatch daemon (systemctl start gpuwatch) to trace your own processes"
 
@@ -227,7 +229,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     validate_output_path(summary_json, "--summary-json")
     validate_output_path(output, "--output")
     target = validate(pid, library, wait)
-    agent = None if probe_factory is not None or _privileged() else \
+    agent = None if probe_factory is not None or loader.has_privileges() else \
         _agent_socket(pid, library, socket_path, config_path)
     if agent is not None and (output or otlp):
         raise TraceError(f"{'--output' if output else '--otlp'} needs root: it records every call in a ring buffer "
@@ -265,7 +267,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     # SIGTERM ends the trace like Ctrl-C does: summary printed, probes detached.
     def _term(signum, frame):
         raise _Stop()
-    main_thread = _main_thread()
+    main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {signal.SIGINT: signal.getsignal(signal.SIGINT),
                     signal.SIGTERM: signal.signal(signal.SIGTERM, _term) if main_thread else None}
     started = False
@@ -381,11 +383,6 @@ def _detach(probe, err, uprobes: int) -> None:
         probe.wait_detached()
     else:
         probe.shutdown()
-
-
-def _main_thread() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
 
 
 def _loop(probe, target: Target, duration: float | None, interval: float, out, live_tty: bool,
