@@ -22,13 +22,13 @@ library (checked again every `recheck` seconds).
 from __future__ import annotations
 
 import bisect
-import os
 import re
 import time
 from typing import Callable, Iterable
 
 # The pool table itself is in the core (config checks ebpf.pool_libraries, the leak detector names pools).
 from gpuwatch.agent.allocators import POOLS, Pool, names
+from gpuwatch.probes.ebpf.unwind import read_maps
 
 _LIBCUDA = re.compile(r"/libcuda\.so(\.[0-9.]+)?$")  # the hooked API's own frame: never a pool
 
@@ -38,18 +38,7 @@ class _Maps:
 
     def __init__(self, pid: int, proc: str, now: float) -> None:
         self.read_at = now
-        rows: list[tuple[int, int, str]] = []
-        try:
-            with open(f"{proc}/{pid}/maps", "rb") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) < 6 or b"x" not in parts[1] or not parts[5].startswith(b"/"):
-                        continue
-                    lo, _, hi = parts[0].partition(b"-")
-                    rows.append((int(lo, 16), int(hi, 16), os.fsdecode(parts[5].rstrip(b"\n"))))
-        except (OSError, ValueError):
-            pass
-        rows.sort()
+        rows = [(m.start, m.end, m.path) for m in read_maps(pid, proc)]
         self.starts = [r[0] for r in rows]
         self.rows = rows
         self.paths = {r[2] for r in rows}
