@@ -1016,7 +1016,7 @@ class EbpfCudaProbe(Probe):
         if key in self._driver_named:
             return self._driver_named[key]
         name = None
-        libs = _loader.libcuda_in(pid) or list(self.libraries)
+        libs = _loader.libraries_in(pid, _loader.LIBCUDA_RE) or list(self.libraries)
         fid = _loader.file_id(libs[0]) if libs else None
         if fid is not None:
             cal = self._calibration(fid, libs[0]).result()
