@@ -139,11 +139,9 @@ def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, 
         return None
     finally:
         if not keep:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(raw)
                 os.rmdir(os.path.dirname(raw))
-            except OSError:
-                pass
     lost = sent["failed"] + sent["dropped"]
     if lost and not sent["exported"]:
         return (f"--otlp: none of the {lost:.0f} spans reached the OTLP receiver at {endpoint} ({otlp.protocol}, "

@@ -2,6 +2,7 @@
 still runs under its PID (alive, pid_reused), and which libcuda files it maps (cuda_libraries)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import time
@@ -27,13 +28,11 @@ def comm(pid: int, proc: str = "/proc") -> str:
 
 
 def _tgid(pid: int, proc: str = "/proc") -> int | None:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with open(f"{proc}/{pid}/status") as f:
             for line in f:
                 if line.startswith("Tgid:"):
                     return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
     return None
 
 

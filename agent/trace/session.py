@@ -3,6 +3,7 @@ read through its control socket (AgentTrace), GPU-side kernels from the in-proce
 (GpuKernels), the refresh loop, and the detach."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import signal
@@ -502,8 +503,6 @@ class _Keys:
     def close(self) -> None:
         if self.fd is not None and self.saved is not None:
             import termios
-            try:
+            with contextlib.suppress(OSError, termios.error):
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
-            except (OSError, termios.error):
-                pass
             self.fd = None

@@ -11,6 +11,7 @@ verifier's log.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -327,7 +328,5 @@ class RingBuffer:
 
 def close_all(fds) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass

@@ -45,12 +45,10 @@ BCC_REMEDY = ("bcc is not importable: install Debian's python3-bpfcc (`apt-get i
 
 # ---- environment -------------------------------------------------------------------------------
 def _effective_caps() -> int | None:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:"):
                 return int(line.split()[1], 16)
-    except OSError:
-        pass
     return None
 
 
@@ -125,7 +123,7 @@ def _fields(ctype, *fields: tuple[str, str]) -> struct.Struct:
 def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
     """The files a process maps, once each, in its own mount namespace's paths (not deleted ones)."""
     found: dict[str, None] = {}
-    try:
+    with contextlib.suppress(OSError):
         with open(f"{proc}/{pid}/maps", "rb") as f:
             for line in f:
                 parts = line.split(None, 5)
@@ -139,8 +137,6 @@ def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
                 path = os.fsdecode(raw.replace(b"\\012", b"\n"))
                 if path.startswith("/"):
                     found[path] = None
-    except OSError:
-        pass
     return list(found)
 
 
@@ -497,10 +493,8 @@ class Loader:
         for fd in reversed(lib.fds):
             if self._stop.is_set():
                 return  # exiting: the kernel closes the rest
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         lib.fds.clear()
 
     @property
