@@ -97,7 +97,7 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterable
@@ -297,7 +297,7 @@ class EbpfCudaProbe(Probe):
         self._graphs: graphs_.GraphFollower | None = None
         self._python: dict[int, str | None] = {}  # pid -> why its Python frames are not read (None: they are)
         self._resolvers: dict[int, pyframes.Resolver] = {}
-        self._graph_retired = [0, {}]  # kernel launches and replays by content of processes that exited
+        self._graph_retired = [0, Counter()]  # kernel launches and replays by content of processes that exited
         self._pools = pools_.Classifier(pools, clock=clock)
         self._said_copies = False
         self._allocators: dict[int, set[str]] = {}  # pid -> allocators that held its live bytes
@@ -397,9 +397,7 @@ class EbpfCudaProbe(Probe):
         self._aligner.forget(dead, {c["id"] for c in comms})
         for (pid, api), values in list(stats.items()):
             if pid in dead:
-                acc = self._retired[api]
-                for i, v in enumerate(values):
-                    acc[i] += v
+                self._retired[api] = [a + v for a, v in zip(self._retired[api], values)]
                 del stats[(pid, api)]
         for pid in dead:
             live.pop(pid, None)
@@ -407,8 +405,7 @@ class EbpfCudaProbe(Probe):
         for pid in dead & set(graph_counts):
             kernels, by_content = graph_counts.pop(pid)
             self._graph_retired[0] += kernels
-            for c, n in by_content.items():
-                self._graph_retired[1][c] = self._graph_retired[1].get(c, 0) + n
+            self._graph_retired[1].update(by_content)
         self._graphs.read(lambda b: b.forget(dead))  # type: ignore[union-attr]
         self._oom_seen = {k: v for k, v in self._oom_seen.items() if k[0] not in dead}
 
@@ -429,9 +426,7 @@ class EbpfCudaProbe(Probe):
             if pid in kept:
                 samples += self._api_samples(str(pid), self._name(pid), api, values, wall)
             else:
-                acc = other.setdefault(api, [0, 0, 0, 0])
-                for i, v in enumerate(values):
-                    acc[i] += v
+                other[api] = [a + v for a, v in zip(other.get(api, (0, 0, 0, 0)), values)]
         for api, values in sorted(other.items()):
             samples += self._api_samples("other", "other", api, values, wall)
         samples += self._graph_samples(graph_counts, kept, wall)
@@ -462,12 +457,11 @@ class EbpfCudaProbe(Probe):
     def _graph_samples(self, counts: dict, kept: set[int], wall: float) -> list[Sample]:
         """Graph replays by content and the kernels they ran, per kept process and "other"."""
         out: list[Sample] = []
-        other_kernels, other = self._graph_retired[0], dict(self._graph_retired[1])
+        other_kernels, other = self._graph_retired[0], Counter(self._graph_retired[1])
         for pid, (kernels, by_content) in sorted(counts.items()):
             if pid not in kept:
                 other_kernels += kernels
-                for c, n in by_content.items():
-                    other[c] = other.get(c, 0) + n
+                other.update(by_content)
                 continue
             out += self._graph_series(str(pid), self._name(pid), kernels, by_content, wall)
         if other_kernels or other:
@@ -533,24 +527,21 @@ class EbpfCudaProbe(Probe):
     def _on_capture(self) -> None:
         """A graph capture began: its nodes are launches, so every launch is probed for a while
         (the duty cycle's off windows would leave the graph's content partial)."""
-        if not self._lock.acquire(timeout=1.0):
-            return  # a long start or shutdown: the next capture asks again
-        try:
-            ld = self._loader
-            if ld is not None and self.launch_sampling < 1 and ld.can_toggle_launches:
-                self._exact_launches(ld, CAPTURE_HOLD)
-        finally:
-            self._lock.release()
+        self._hold_launches(CAPTURE_HOLD)
 
     def _on_first_calls(self, pids: set[int]) -> None:
         """Processes that made their first CUDA call: every launch is probed for young_seconds (a
         server captures its graphs in its first minutes), at once, not at the next collection."""
-        if self.young_seconds <= 0 or not self._lock.acquire(timeout=1.0):
-            return
+        if self.young_seconds > 0:
+            self._hold_launches(self.young_seconds)
+
+    def _hold_launches(self, seconds: float) -> None:
+        if not self._lock.acquire(timeout=1.0):
+            return  # a long start or shutdown: the next event asks again
         try:
             ld = self._loader
             if ld is not None and self.launch_sampling < 1 and ld.can_toggle_launches:
-                self._exact_launches(ld, self.young_seconds)
+                self._exact_launches(ld, seconds)
         finally:
             self._lock.release()
 
