@@ -125,15 +125,11 @@ def no_cuda_message(target: Target, library: str | None) -> str:
             f"(use --wait to wait until it loads CUDA)")
 
 
-def validate_library(library: str | None) -> None:
-    if library is not None and not os.path.isfile(library):
-        raise TraceError(f"--library {library}: no such file")
-
-
 def validate(pid: int, library: str | None = None, wait: bool = False, proc: str = "/proc",
              privileged: Callable[[], bool] | None = None) -> Target:
     """All checks; with wait=False also that the process maps libcuda. Raises TraceError."""
-    validate_library(library)
+    if library is not None and not os.path.isfile(library):
+        raise TraceError(f"--library {library}: no such file")
     target = check_pid(pid, proc, privileged)
     if not wait:
         target.libraries = cuda_libraries(target, library, proc)

@@ -187,9 +187,6 @@ class Map:
                 return
             token_in.value, first = token_out.value, False
 
-    def values(self) -> list:
-        return [v for _k, v in self.items()]
-
 
 # ---- programs -----------------------------------------------------------------------------------
 def prog_load(insns: bytes, name: str, license: str = "GPL", prog_type: int = PROG_KPROBE,

@@ -38,11 +38,8 @@ class EventRecorder:
 
     def __init__(self, ring: tuple[int, int], path: "str | BinaryIO", max_events: int) -> None:
         """ring: the ring buffer map's fd and size in bytes (Loader.events_map); path: where to
-        write, or a binary file already open for it (then closed by stop())."""
-        if isinstance(path, str):
-            self._file: BinaryIO = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in stop)
-        else:
-            self._file = path
+        write, or a binary file already open for it; closed by stop() either way."""
+        self._file: BinaryIO = open(path, "wb", buffering=1 << 20) if isinstance(path, str) else path  # noqa: SIM115
         self.path = str(self._file.name)
         self.max_events = max_events
         self.recorded = 0

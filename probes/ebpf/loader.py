@@ -832,7 +832,7 @@ class Loader:
         return out
 
     def dropped(self) -> int:
-        return sum(v.value for v in self.maps["dropped"].values())
+        return sum(v.value for _k, v in self.maps["dropped"].items())
 
     def dropped_by_kind(self) -> dict[str, int]:
         """What was not recorded, by what (symbols.DROPPED_KINDS), where anything was."""

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 
 from gpuwatch.probes.ebpf import driver_names
+from gpuwatch.probes.ebpf.loader import file_id
 from gpuwatch.probes.ebpf.unwind import read_maps
 
 log = logging.getLogger("gpuwatch.ebpf")
@@ -235,11 +236,9 @@ _ELF_CACHE: dict[tuple[int, int], "tuple[int, int, int] | None"] = {}
 
 def _symbols(path: str) -> "tuple[int, int, int] | None":
     """(_PyRuntime, Py_Version, the first PT_LOAD's page) virtual addresses in an ELF file."""
-    try:
-        st = os.stat(path)
-    except OSError:
+    key = file_id(path)
+    if key is None:
         return None
-    key = (st.st_dev, st.st_ino)
     if key in _ELF_CACHE:
         return _ELF_CACHE[key]
     from elftools.common.exceptions import ELFError
