@@ -3,6 +3,7 @@ calls as a Chrome/Perfetto trace (--output) or as OTLP spans (--otlp)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from typing import Any
@@ -103,8 +104,6 @@ class TraceOutputs:
 def read_summary(path: str) -> dict:
     """A --summary-json document, checked against its wire type (wire.TraceSummary): for scripts
     and CI jobs that read one. TraceError naming the field when it is not one."""
-    import json
-
     from gpuwatch.agent.wire import TraceSummary, WireError
 
     try:
@@ -188,8 +187,6 @@ def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: di
 
 def write_summary(outputs: TraceOutputs, summary: dict, err) -> str | None:
     """--summary-json; the error to exit with when it could not be written, else None."""
-    import json
-
     path = outputs.summary.path
     try:
         outputs.summary.file.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")

@@ -287,8 +287,7 @@ class GraphBook:
         elif kind == S.GE_ADD:
             g = p.graphs.get(e.graph)
             if g is None:  # made before the probe attached: what else it holds is unknown
-                g = _Graph.new(p.meter, complete=False)
-                self._put_graph(p, e.graph, g)
+                self._put_graph(p, e.graph, _Graph.new(p.meter, complete=False))
                 g = p.graphs.get(e.graph)
                 if g is None:
                     return

@@ -1111,13 +1111,12 @@ class EbpfCudaProbe(Probe):
         for pid in dead:
             self._python.pop(pid, None)
             self._resolvers.pop(pid, None)  # its frames' charges go back with loader.forget
+            self._allocators.pop(pid, None)
         if dead and self._driver_named:
             self._driver_named = {k: v for k, v in self._driver_named.items() if k[0] not in dead}
         if dead:
             self._loader.forget(dead)  # type: ignore[union-attr]
             self._pools.forget(dead)
-            for pid in dead:
-                self._allocators.pop(pid, None)
         return dead
 
     def _name(self, pid: int) -> str:
@@ -1165,10 +1164,8 @@ class EbpfCudaProbe(Probe):
                         Sample("gpuwatch.nccl.communicator.bytes", float(nbytes), "", labels, wall),
                         Sample("gpuwatch.nccl.communicator.collectives", float(seq), "", labels, wall)]
         al = self._aligner
-        for cid, n in sorted(al.compared.items()):
-            if cid not in shown:
-                continue
-            out.append(Sample("gpuwatch.nccl.collectives.compared", float(n), "", {"comm": f"{cid:016x}"}, wall))
+        out += [Sample("gpuwatch.nccl.collectives.compared", float(n), "", {"comm": f"{cid:016x}"}, wall)
+                for cid, n in sorted(al.compared.items()) if cid in shown]
         for (cid, pid, rank), counts in sorted(al.ranks.items()):
             if cid not in shown:
                 continue
