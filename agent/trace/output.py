@@ -158,10 +158,8 @@ def _kernel_stacks(final: dict) -> dict[int, list[str]]:
         stacks = k.get("stacks") if isinstance(k, dict) else None
         if stacks and isinstance(stacks[0], dict):
             frames = [str(f) for f in (stacks[0].get("python") or [])] + [str(f) for f in stacks[0].get("frames") or []]
-            try:
+            with contextlib.suppress(ValueError):
                 out[int(str(k.get("handle")), 16)] = frames
-            except ValueError:
-                continue
     return out
 
 

@@ -476,14 +476,12 @@ class _Keys:
         import tty
         self.fd: int | None = None
         self.saved = None
-        try:
+        with contextlib.suppress(OSError, ValueError, termios.error):
             fd = sys.stdin.fileno()
             if os.isatty(fd):
                 self.saved = termios.tcgetattr(fd)
                 tty.setcbreak(fd)
                 self.fd = fd
-        except (OSError, ValueError, termios.error):
-            self.fd = None
 
     def wait_for_q(self, timeout: float, also: int | None = None) -> bool:
         """Wait up to `timeout` seconds, or until `also` is readable; True when q (or Q) was typed meanwhile."""
