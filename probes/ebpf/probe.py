@@ -269,8 +269,7 @@ class EbpfCudaProbe(Probe):
         self.events_path = events_path
         self.max_events = max_events
         self._recorder: events_.EventRecorder | None = None
-        launch_latency = launch_latency or events_path is not None
-        self.launch_latency = launch_latency
+        self.launch_latency = launch_latency = launch_latency or events_path is not None
         self.untimed = frozenset(h.name for h in HOOKS if not symbols.timed(h, launch_latency))
         self.libraries = tuple(str(p) for p in libraries)
         self.pid = pid
@@ -689,13 +688,9 @@ class EbpfCudaProbe(Probe):
             names = ld.names(pid)
             kernels = []
             for f in sorted({n[0] for x in out["execs"] for n in x["nodes"]}):
-                raw, truncated = names.get((pid, NAME_FUNCTION, f)) or names.get((pid, NAME_KERNEL, f)) or (None, False)
-                if (raw is None or truncated) and self.driver_names:
-                    full = self._driver_name(pid, f)
-                    if full is not None and (raw is None or full.startswith(raw)):
-                        raw, truncated = full, False
-                if raw is not None:
-                    kernels.append({"handle": f, "symbol": _name_text(raw, truncated)})
+                symbol, _source = self._kernel_symbol(names, pid, f)
+                if symbol is not None:
+                    kernels.append({"handle": f, "symbol": symbol})
             out["kernels"] = kernels
             return out
 
@@ -870,14 +865,7 @@ class EbpfCudaProbe(Probe):
                 direct[key] = {**g, "launches": 0, "degenerate_launches": 0, "stream": 0}
         for (p, handle), k in direct.items():
             g = through_graphs.get((p, handle), {"launches": 0, "degenerate_launches": 0})
-            raw, truncated = names.get((p, NAME_FUNCTION, handle)) or names.get((p, NAME_KERNEL, handle)) \
-                or (None, False)
-            source = "hook" if raw is not None else None
-            if (raw is None or truncated) and self.driver_names:
-                full = self._driver_name(p, handle)
-                if full is not None and (raw is None or full.startswith(raw)):
-                    raw, truncated, source = full, False, "driver"
-            symbol = _name_text(raw, truncated) if raw is not None else None
+            symbol, source = self._kernel_symbol(names, p, handle)
             if symbol is None and (p, handle) in self._agent_names:  # told by the agent (preload_graphs)
                 symbol, source = self._agent_names[(p, handle)], "agent"
             entry = {"handle": hex(handle), "name": symbol, "symbol": symbol, "name_source": source,
@@ -902,6 +890,17 @@ class EbpfCudaProbe(Probe):
             for e in top:
                 e["stacks"] = stacks.get(int(e["handle"], 16), [])
         return out
+
+    def _kernel_symbol(self, names: dict, pid: int, handle: int) -> tuple[str | None, str | None]:
+        """A kernel's name as text (_name_text) and where it came from: the hooks ("hook"), else the
+        driver's memory ("driver") where theirs is missing or truncated; (None, None): unnamed."""
+        raw, truncated = names.get((pid, NAME_FUNCTION, handle)) or names.get((pid, NAME_KERNEL, handle)) or (None, False)
+        source = "hook" if raw is not None else None
+        if (raw is None or truncated) and self.driver_names:
+            full = self._driver_name(pid, handle)
+            if full is not None and (raw is None or full.startswith(raw)):
+                raw, truncated, source = full, False, "driver"
+        return (_name_text(raw, truncated), source) if raw is not None else (None, None)
 
     def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None,
                     allocator: str | None = None) -> list[dict]:
