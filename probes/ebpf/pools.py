@@ -70,19 +70,18 @@ class Classifier:
                 (p for p in self.pools if p.matches(path)), None)
         return self._file[path]
 
-    def _process_maps(self, pid: int, fresh: bool = False) -> _Maps:
+    def _process_maps(self, pid: int, max_age: float = float("inf")) -> _Maps:
+        """The process's mappings, read again when older than max_age seconds."""
         m = self._maps.get(pid)
         now = self._clock()
-        if m is None or (fresh and now - m.read_at >= 1.0):
+        if m is None or now - m.read_at >= max_age:
             m = self._maps[pid] = _Maps(pid, self._proc, now)
         return m
 
     def maps_pool(self, pid: int) -> bool:
         """Does the process map a pool library? (Its mappings re-read every `recheck` seconds: a
         framework may be imported after the first allocation.)"""
-        m = self._maps.get(pid)
-        if m is None or self._clock() - m.read_at >= self._recheck:
-            m = self._maps[pid] = _Maps(pid, self._proc, self._clock())
+        m = self._process_maps(pid, self._recheck)
         return any(self.file_pool(path) is not None for path in m.paths)
 
     def pool_of(self, pid: int, stack_id: int, caller: int, addresses: Callable[[], list[int]],
@@ -97,7 +96,7 @@ class Classifier:
         for addr in addresses():
             path = m.path(addr)
             if path is None:  # a library loaded since the mappings were read?
-                m = self._process_maps(pid, fresh=True)
+                m = self._process_maps(pid, max_age=1.0)
                 path = m.path(addr)
             if path is not None and (pool := self.file_pool(path)) is not None:
                 break
