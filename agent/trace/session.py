@@ -6,13 +6,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import select
 import signal
 import sys
+import tempfile
+import termios
 import threading
 import time
+import tty
 from collections.abc import Callable
 from typing import Any
 
+from gpuwatch.agent.api import ProbeUnavailable
+from gpuwatch.agent.config import ConfigError, load
 from gpuwatch.agent.control import ControlError, call
 from gpuwatch.agent.wire import TraceGraphsResult, TraceSnapshotResult, TraceSummary, WireError
 from gpuwatch.agent.trace.errors import TraceError
@@ -37,7 +43,6 @@ def _agent_socket(pid: int, library: str | None, socket_path: str | None, config
         raise TraceError("--library needs root: through the gpuwatch agent, trace reads the libcuda files "
                          "the agent attached to itself (leave --library out, or run as root)")
     if not socket_path:
-        from gpuwatch.agent.config import ConfigError, load
         try:
             socket_path = load(config_path).control.socket
         except ConfigError as e:
@@ -197,7 +202,6 @@ def preload_graphs(probe: Any, pid: int, socket_path: str | None) -> str:
 def _control_socket(socket_path: str | None, config_path: str | None) -> str | None:
     if socket_path:
         return socket_path
-    from gpuwatch.agent.config import ConfigError, load
     try:
         return load(config_path).control.socket
     except ConfigError:
@@ -225,8 +229,6 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     its control socket: socket_path, else control.socket from the configuration (config_path).
     With otlp (the config's [otlp] section), every recorded call is sent as a span when the trace ends.
     Raises TraceError for everything that stops the trace from starting."""
-    from gpuwatch.agent.api import ProbeUnavailable
-
     validate_output_path(summary_json, "--summary-json")
     validate_output_path(output, "--output")
     target = validate(pid, library, wait)
@@ -239,8 +241,6 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     if output:
         raw_events = f"{output}.events"  # opened by TraceOutputs below
     elif otlp is not None:
-        import tempfile
-
         raw_events = os.path.join(tempfile.mkdtemp(prefix="gpuwatch-trace-"), "calls.events")
     out, err = _console(), _console(stderr=True)
     live_tty = sys.stdout.isatty()
@@ -463,7 +463,6 @@ def _wait_readable(fd: int | None, timeout: float) -> None:
     if fd is None:
         time.sleep(timeout)
         return
-    import select
     select.select([fd], [], [], timeout)
 
 
@@ -472,8 +471,6 @@ class _Keys:
     Ctrl-C still raises SIGINT), put back as it was by close(). Nothing when stdin is no terminal."""
 
     def __init__(self) -> None:
-        import termios
-        import tty
         self.fd: int | None = None
         self.saved = None
         with contextlib.suppress(OSError, ValueError, termios.error):
@@ -488,7 +485,6 @@ class _Keys:
         if self.fd is None:
             _wait_readable(also, timeout)
             return False
-        import select
         ready, _, _ = select.select([self.fd] + ([also] if also is not None else []), [], [], timeout)
         if self.fd not in ready:
             return False
@@ -500,7 +496,6 @@ class _Keys:
 
     def close(self) -> None:
         if self.fd is not None and self.saved is not None:
-            import termios
             with contextlib.suppress(OSError, termios.error):
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
             self.fd = None
