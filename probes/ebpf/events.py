@@ -15,11 +15,9 @@ import json
 import logging
 import struct
 import threading
-from typing import TYPE_CHECKING, BinaryIO, Mapping
+from typing import BinaryIO, Mapping
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from gpuwatch.agent.safefile import AtomicFile
-
+from gpuwatch.agent import safefile
 from gpuwatch.probes.ebpf import bpfsys
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, result_name
 
@@ -98,7 +96,7 @@ def read_records(path: "str | int"):
             yield from RECORD.iter_unpack(chunk[:usable])
 
 
-def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
+def write_chrome_trace(raw_path: "str | int", out_path: "str | safefile.AtomicFile", *,
                        kernel_names: Mapping[int, str] | None = None, processes: Mapping[int, str] | None = None,
                        kernel_stacks: Mapping[int, list[str]] | None = None) -> int:
     """Write the Chrome trace event format (JSON; Perfetto and chrome://tracing open it): one
@@ -110,8 +108,6 @@ def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
 
     out_path: the output's path, or a safefile.AtomicFile opened for it (gpuwatch trace opens
     its outputs before tracing); either way the file appears complete or not at all."""
-    from gpuwatch.agent import safefile
-
     kernel_names = kernel_names or {}
     quoted: dict[int, str] = {}  # handle -> JSON string of its name, made once per kernel
     api_names = [json.dumps(a) for a in API_NAMES]
