@@ -136,12 +136,10 @@ class GpuKernels:
         return getattr(self.probe, name)
 
     def _fetch(self, pid: int) -> dict | None:
-        if not self.socket_path:
-            return None
-        try:
-            return call(self.socket_path, "cupti.process", {"pid": pid}, timeout=2.0)
-        except ControlError:
-            return None
+        if self.socket_path:
+            with contextlib.suppress(ControlError):
+                return call(self.socket_path, "cupti.process", {"pid": pid}, timeout=2.0)
+        return None
 
     def _key(self, k: dict) -> tuple:
         return tuple(tuple(v) if isinstance(v, list) else v for v in (k.get(f) for f in self.KEY))
