@@ -24,22 +24,3 @@ Latency percentiles come from the probe's log2 histogram: slot s counts calls th
 [2**(s-1), 2**s) ns, so p50/p99 are reported as the upper edge of a power-of-two bucket; the true
 value lies between half of it and it.
 """
-from __future__ import annotations
-
-# What tests and scripts use as `trace.NAME`; gpuwatch's own modules import from the submodules.
-from gpuwatch.agent.trace.errors import TraceError
-from gpuwatch.agent.trace.pids import (
-    Target, alive, check_pid, no_cuda_message, not_yours_message, pid_max, pid_reused, validate, wait_for_cuda,
-)
-from gpuwatch.agent.trace.render import render_line, render_live, render_summary
-from gpuwatch.agent.trace.session import NOT_ROOT, AgentTrace, GpuKernels, run_trace
-from gpuwatch.agent.trace.summary import (
-    RESTARTED, has_latency, kernel_rates, percentile, rates, since, summarize, totals,
-)
-
-__all__ = [
-    "TraceError", "Target", "alive", "check_pid", "no_cuda_message", "not_yours_message", "pid_max", "pid_reused",
-    "validate", "wait_for_cuda", "render_line", "render_live", "render_summary", "NOT_ROOT", "AgentTrace",
-    "GpuKernels", "run_trace", "RESTARTED", "has_latency", "kernel_rates", "percentile", "rates", "since",
-    "summarize", "totals",
-]

@@ -3,6 +3,7 @@ calls as a Chrome/Perfetto trace (--output) or as OTLP spans (--otlp)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from typing import Any
@@ -103,8 +104,6 @@ class TraceOutputs:
 def read_summary(path: str) -> dict:
     """A --summary-json document, checked against its wire type (wire.TraceSummary): for scripts
     and CI jobs that read one. TraceError naming the field when it is not one."""
-    import json
-
     from gpuwatch.agent.wire import TraceSummary, WireError
 
     try:
@@ -139,11 +138,9 @@ def _send_spans(raw: str, otlp: Any, final: dict, target: Target, events: dict, 
         return None
     finally:
         if not keep:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(raw)
                 os.rmdir(os.path.dirname(raw))
-            except OSError:
-                pass
     lost = sent["failed"] + sent["dropped"]
     if lost and not sent["exported"]:
         return (f"--otlp: none of the {lost:.0f} spans reached the OTLP receiver at {endpoint} ({otlp.protocol}, "
@@ -161,10 +158,8 @@ def _kernel_stacks(final: dict) -> dict[int, list[str]]:
         stacks = k.get("stacks") if isinstance(k, dict) else None
         if stacks and isinstance(stacks[0], dict):
             frames = [str(f) for f in (stacks[0].get("python") or [])] + [str(f) for f in stacks[0].get("frames") or []]
-            try:
+            with contextlib.suppress(ValueError):
                 out[int(str(k.get("handle")), 16)] = frames
-            except ValueError:
-                continue
     return out
 
 
@@ -190,8 +185,6 @@ def _write_output(outputs: TraceOutputs, final: dict, target: Target, events: di
 
 def write_summary(outputs: TraceOutputs, summary: dict, err) -> str | None:
     """--summary-json; the error to exit with when it could not be written, else None."""
-    import json
-
     path = outputs.summary.path
     try:
         outputs.summary.file.write(json.dumps(summary, indent=2, sort_keys=True) + "\n")

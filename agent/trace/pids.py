@@ -2,6 +2,7 @@
 still runs under its PID (alive, pid_reused), and which libcuda files it maps (cuda_libraries)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import time
@@ -27,13 +28,11 @@ def comm(pid: int, proc: str = "/proc") -> str:
 
 
 def _tgid(pid: int, proc: str = "/proc") -> int | None:
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with open(f"{proc}/{pid}/status") as f:
             for line in f:
                 if line.startswith("Tgid:"):
                     return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
     return None
 
 
@@ -48,10 +47,6 @@ def pid_max(proc: str = "/proc") -> int:
 # The same process still runs / another one has the PID now: pid and start time (identity).
 alive = identity.same_process
 pid_reused = identity.pid_reused
-
-
-def _privileged() -> bool:
-    return loader.has_privileges()
 
 
 def not_yours_message(pid: int, uid: int) -> str:
@@ -96,7 +91,7 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
     tgid = _tgid(pid, proc)
     if tgid is not None and tgid != pid:
         raise TraceError(f"PID {pid} is a thread of process {tgid} ({comm(tgid, proc)}): use --pid {tgid}")
-    if not (privileged or _privileged)():
+    if not (privileged or loader.has_privileges)():
         if not identity.owns(os.geteuid(), identity.identify(pid)):
             raise TraceError(not_yours_message(pid, os.geteuid()) + " (root can trace any)")
     return Target(pid, comm(pid, proc), st.start_time)
@@ -104,7 +99,6 @@ def check_pid(pid: int, proc: str = "/proc", privileged: Callable[[], bool] | No
 
 def maps_file(pid: int, path: str, proc: str = "/proc") -> bool:
     """Does the process map this file (compared by device and inode, through /proc/PID/root)?"""
-
     want = loader.file_id(path)
     return want is not None and any(loader.file_id(f"{proc}/{pid}/root{m}") == want
                                     for m in loader.mapped_files(pid, proc))
@@ -131,15 +125,11 @@ def no_cuda_message(target: Target, library: str | None) -> str:
             f"(use --wait to wait until it loads CUDA)")
 
 
-def validate_library(library: str | None) -> None:
-    if library is not None and not os.path.isfile(library):
-        raise TraceError(f"--library {library}: no such file")
-
-
 def validate(pid: int, library: str | None = None, wait: bool = False, proc: str = "/proc",
              privileged: Callable[[], bool] | None = None) -> Target:
     """All checks; with wait=False also that the process maps libcuda. Raises TraceError."""
-    validate_library(library)
+    if library is not None and not os.path.isfile(library):
+        raise TraceError(f"--library {library}: no such file")
     target = check_pid(pid, proc, privileged)
     if not wait:
         target.libraries = cuda_libraries(target, library, proc)

@@ -2,7 +2,15 @@
 is not a terminal (render_line), and the summary at the end (render_summary)."""
 from __future__ import annotations
 
+import io
+import os
 from typing import Any
+
+from rich.cells import cell_len
+from rich.console import Console, Group
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 
 from gpuwatch.agent.logs import fmt_bytes
 from gpuwatch.agent.trace.summary import TOP_STACKS, _kernels, has_latency, kernel_rates, percentile, rates, totals
@@ -85,9 +93,7 @@ def errors_cell(a: dict) -> str:
 
 
 def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
-    from rich.table import Table
     t = Table(box=None, pad_edge=False, header_style="bold")
-    from rich.text import Text
     cols = ["kernel"] + (["launches/s"] if kr is not None else []) + \
         ["launches", "in graphs", "grid", "block", "shared mem", "1-block launches"]
     for c in cols:
@@ -111,8 +117,6 @@ def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
 
 def _gpu_table(gpu: dict, limit: int):
     """GPU-side kernel times from the in-process agent (CUPTI), busiest first."""
-    from rich.table import Table
-    from rich.text import Text
     t = Table(box=None, pad_edge=False, header_style="bold")
     cols = ["GPU kernel (CUPTI)", "launches", "GPU time", "mean", "min", "max", "grid", "block", "regs",
             "shared mem", "occupancy"]
@@ -153,7 +157,6 @@ GPU_HINT = ("GPU-side kernel times: start the program with `gpuwatch run -- CMD`
 
 def _stacks_text(stacks: list[dict]) -> str:
     """The allocation stacks holding the most live bytes: bytes, allocations, innermost frames."""
-    from rich.markup import escape
     lines = []
     for s in stacks[:TOP_STACKS]:
         frames = " ← ".join(escape(f) for f in s.get("frames", [])[1:4]) or "(no stack)"
@@ -164,7 +167,6 @@ def _stacks_text(stacks: list[dict]) -> str:
 def launch_stacks_text(kernels: list[dict], top: int = 3) -> str:
     """Where the busiest kernels are launched from: per kernel its most sampled launch stack, the
     Python frames (innermost first) then the native ones past the driver."""
-    from rich.markup import escape
     lines = []
     for k in kernels[:top]:
         stacks = k.get("stacks") or []
@@ -197,7 +199,6 @@ def nccl_text(comms: list[dict] | None, limit: int = 4) -> str:
     how often it entered a collective last of the node's ranks; "" for none."""
     if not comms:
         return ""
-    from rich.markup import escape
     lines = []
     for c in sorted(comms, key=lambda c: (-c.get("collectives", 0), str(c.get("comm"))))[:limit]:
         who = f"rank {c['rank']}" + (f" of {c['size']}" if c.get("size") else "") if c.get("rank") is not None \
@@ -232,7 +233,6 @@ def _live_memory_text(mem: dict, dropped: int) -> str:
 
 def _fit(markup: str, **style) -> Any:
     """One line that never wraps: cut with "…" at the terminal's edge."""
-    from rich.text import Text
     t = Text.from_markup(markup, **style)
     t.no_wrap, t.overflow = True, "ellipsis"
     return t
@@ -241,9 +241,6 @@ def _fit(markup: str, **style) -> Any:
 def _live_table(first: str, cols: tuple[str, ...], rows: list[list], more: int, width: int | None):
     """A live-view table: one line a row. The numbers keep their width; the first column (a name)
     gets what is left of `width` and is cut with "…"; "… N more" closes it when rows were left out."""
-    from rich.cells import cell_len
-    from rich.table import Table
-    from rich.text import Text
     t = Table(box=None, pad_edge=False, header_style="bold", expand=False)
     widths = [max([cell_len(c)] + [cell_len(Text.from_markup(r[i + 1]).plain) for r in rows])
               for i, c in enumerate(cols)]
@@ -290,10 +287,8 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     lines (the terminal's; None: no limit): the header, the
     busiest APIs and kernels, the memory line, then what room is left for stacks and the GPU
     side, and one footer line."""
-    from rich.console import Group
     calls, errors = totals(snapshot)
     of = f"/{duration:g}" if duration else ""
-    from rich.markup import escape
     name = process if len(process) <= 16 else process[:15] + "…"  # the counts after it stay in view
     head = (f"[bold]trace PID {pid}[/bold] ({escape(name)}) · {elapsed:.0f}{of} s · {calls} calls, "
             f"{errors} errors · {uprobes} uprobes")
@@ -302,15 +297,11 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     gpu = snapshot.get("gpu")
     mem_line = _live_memory_text(snapshot.get("memory", {}), snapshot.get("dropped_events", 0))
     # Optional lines, most useful first, each taken only while it fits.
-    extra: list[str] = []
-    if graphs_text(snapshot.get("graphs")):
-        extra.append(graphs_text(snapshot.get("graphs")))
-    extra += nccl_text(snapshot.get("communicators"), 2).splitlines()
-    extra += [line for line in _stacks_text(snapshot.get("stacks") or []).splitlines()]
-    extra += [line for line in launch_stacks_text(ks).splitlines()]
+    extra = [line for text in (graphs_text(snapshot.get("graphs")), nccl_text(snapshot.get("communicators"), 2),
+                               _stacks_text(snapshot.get("stacks") or []), launch_stacks_text(ks))
+             for line in text.splitlines()]
     if gpu is not None:
         extra.append(_gpu_text(gpu))
-        from rich.markup import escape
         for k in (gpu.get("kernels") or [])[:TOP_STACKS]:
             extra.append(f"  {escape(str(k.get('display_name') or k.get('name', '')))} · {k.get('launches', 0)} "
                          f"launches · {fmt_seconds(k.get('gpu_seconds'))} on the GPU")
@@ -324,12 +315,8 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
         if kernel_rows == 1:
             kernel_rows = 0  # a header without a row says nothing
         left = room - api_rows - kernel_rows
-        taken = []
-        for line in extra:
-            if left <= 0:
-                break
-            taken.append(line)
-            left -= 1
+        taken = extra[:max(0, left)]
+        left -= len(taken)
         if len(taken) == 1 and taken[0].endswith(":"):
             taken, left = [], left + 1  # a section title without its lines
         extra = taken
@@ -353,7 +340,6 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
 
 
 def _gpu_parts(gpu: dict | None) -> list:
-    from rich.text import Text
     if gpu is None:
         return [Text(""), Text(GPU_HINT, style="dim")]
     parts: list[Any] = [Text(""), Text.from_markup(_gpu_text(gpu))]
@@ -373,9 +359,6 @@ def ended_text(summary: dict) -> str:
 
 def render_summary(summary: dict):
     """The rich renderable printed when the trace ends."""
-    from rich.console import Group
-    from rich.markup import escape
-    from rich.text import Text
     snap = {"apis": {name: dict(a, histogram={}, seconds=a.get("mean_latency_s") or 0.0)
                      for name, a in summary["apis"].items()}}
     calls, errors = totals(snap)
@@ -383,7 +366,6 @@ def render_summary(summary: dict):
             f"{ended_text(summary)}[/bold] · {calls} calls, {errors} errors")
     parts: list[Any] = [Text.from_markup(head), Text("")]
     if summary["apis"]:
-        from rich.table import Table
         t = Table(box=None, pad_edge=False, header_style="bold")
         for c in ("API", "calls", "errors", "bytes", "mean", "p50", "p99"):
             t.add_column(c, justify="left" if c == "API" else "right", no_wrap=c == "API", overflow="ellipsis")
@@ -396,12 +378,8 @@ def render_summary(summary: dict):
         parts.append(Text("no CUDA driver calls seen during the trace"))
     if summary["kernels"]:
         parts += [Text(""), _kernel_table(summary["kernels"], None, TOP_KERNELS)]
-    if graphs_text(summary.get("graphs")):
-        parts.append(Text.from_markup(graphs_text(summary.get("graphs"))))
-    if launch_stacks_text(summary["kernels"]):
-        parts.append(Text.from_markup(launch_stacks_text(summary["kernels"])))
-    if nccl_text(summary.get("communicators")):
-        parts.append(Text.from_markup(nccl_text(summary.get("communicators"))))
+    parts += [Text.from_markup(text) for text in (graphs_text(summary.get("graphs")),
+              launch_stacks_text(summary["kernels"]), nccl_text(summary.get("communicators"))) if text]
     parts += [Text(""), Text.from_markup(_memory_text(summary["memory"], summary["dropped_events"]))]
     if _stacks_text(summary.get("stacks") or []):
         parts.append(Text.from_markup(_stacks_text(summary["stacks"])))
@@ -427,7 +405,6 @@ class LiveScreen:
 
     def size(self) -> tuple[int, int]:
         """(width, height) of the terminal now."""
-        import os
         try:
             size = os.get_terminal_size(self.fd)
             return size.columns, size.lines
@@ -435,7 +412,6 @@ class LiveScreen:
             return self.console.size.width, self.console.size.height
 
     def _write(self, text: str) -> None:
-        import os
         data = text.encode("utf-8", "replace")
         while data:  # one write() for a terminal; the loop only for a short one
             data = data[os.write(self.fd, data):]
@@ -448,9 +424,6 @@ class LiveScreen:
 
     def frame(self, renderable, width: int, height: int) -> str:
         """The escape sequences that draw `renderable` as a whole frame of width x height."""
-        import io
-
-        from rich.console import Console
         c = self.console
         buf = io.StringIO()
         Console(file=buf, width=width, height=height, color_system=c.color_system, force_terminal=True,

@@ -3,21 +3,30 @@ read through its control socket (AgentTrace), GPU-side kernels from the in-proce
 (GpuKernels), the refresh loop, and the detach."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import select
 import signal
 import sys
+import tempfile
+import termios
+import threading
 import time
+import tty
 from collections.abc import Callable
 from typing import Any
 
+from gpuwatch.agent.api import ProbeUnavailable
+from gpuwatch.agent.config import ConfigError, load
 from gpuwatch.agent.control import ControlError, call
 from gpuwatch.agent.wire import TraceGraphsResult, TraceSnapshotResult, TraceSummary, WireError
 from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path, write_summary
-from gpuwatch.agent.trace.pids import Target, _privileged, alive, pid_reused, validate, wait_for_cuda
+from gpuwatch.agent.trace.pids import Target, alive, pid_reused, validate, wait_for_cuda
 from gpuwatch.agent.trace.render import LiveScreen, render_line, render_live, render_summary
 from gpuwatch.agent.trace.summary import LiveAllocations, since, summarize
+from gpuwatch.probes.ebpf import loader
 
 NOT_ROOT = "run as root, or start the gpuwatch daemon (systemctl start gpuwatch) to trace your own processes"
 
@@ -34,7 +43,6 @@ def _agent_socket(pid: int, library: str | None, socket_path: str | None, config
         raise TraceError("--library needs root: through the gpuwatch agent, trace reads the libcuda files "
                          "the agent attached to itself (leave --library out, or run as root)")
     if not socket_path:
-        from gpuwatch.agent.config import ConfigError, load
         try:
             socket_path = load(config_path).control.socket
         except ConfigError as e:
@@ -128,12 +136,10 @@ class GpuKernels:
         return getattr(self.probe, name)
 
     def _fetch(self, pid: int) -> dict | None:
-        if not self.socket_path:
-            return None
-        try:
-            return call(self.socket_path, "cupti.process", {"pid": pid}, timeout=2.0)
-        except ControlError:
-            return None
+        if self.socket_path:
+            with contextlib.suppress(ControlError):
+                return call(self.socket_path, "cupti.process", {"pid": pid}, timeout=2.0)
+        return None
 
     def _key(self, k: dict) -> tuple:
         return tuple(tuple(v) if isinstance(v, list) else v for v in (k.get(f) for f in self.KEY))
@@ -194,7 +200,6 @@ def preload_graphs(probe: Any, pid: int, socket_path: str | None) -> str:
 def _control_socket(socket_path: str | None, config_path: str | None) -> str | None:
     if socket_path:
         return socket_path
-    from gpuwatch.agent.config import ConfigError, load
     try:
         return load(config_path).control.socket
     except ConfigError:
@@ -222,12 +227,10 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     its control socket: socket_path, else control.socket from the configuration (config_path).
     With otlp (the config's [otlp] section), every recorded call is sent as a span when the trace ends.
     Raises TraceError for everything that stops the trace from starting."""
-    from gpuwatch.agent.api import ProbeUnavailable
-
     validate_output_path(summary_json, "--summary-json")
     validate_output_path(output, "--output")
     target = validate(pid, library, wait)
-    agent = None if probe_factory is not None or _privileged() else \
+    agent = None if probe_factory is not None or loader.has_privileges() else \
         _agent_socket(pid, library, socket_path, config_path)
     if agent is not None and (output or otlp):
         raise TraceError(f"{'--output' if output else '--otlp'} needs root: it records every call in a ring buffer "
@@ -236,8 +239,6 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     if output:
         raw_events = f"{output}.events"  # opened by TraceOutputs below
     elif otlp is not None:
-        import tempfile
-
         raw_events = os.path.join(tempfile.mkdtemp(prefix="gpuwatch-trace-"), "calls.events")
     out, err = _console(), _console(stderr=True)
     live_tty = sys.stdout.isatty()
@@ -265,7 +266,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     # SIGTERM ends the trace like Ctrl-C does: summary printed, probes detached.
     def _term(signum, frame):
         raise _Stop()
-    main_thread = _main_thread()
+    main_thread = threading.current_thread() is threading.main_thread()
     old_handlers = {signal.SIGINT: signal.getsignal(signal.SIGINT),
                     signal.SIGTERM: signal.signal(signal.SIGTERM, _term) if main_thread else None}
     started = False
@@ -383,11 +384,6 @@ def _detach(probe, err, uprobes: int) -> None:
         probe.shutdown()
 
 
-def _main_thread() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
-
-
 def _loop(probe, target: Target, duration: float | None, interval: float, out, live_tty: bool,
           uprobes: int, live_allocations: LiveAllocations | None = None) -> tuple[str, float, dict | None]:
     """Refresh until the duration is up, Ctrl-C/SIGTERM, or the process is gone. Every refresh
@@ -465,7 +461,6 @@ def _wait_readable(fd: int | None, timeout: float) -> None:
     if fd is None:
         time.sleep(timeout)
         return
-    import select
     select.select([fd], [], [], timeout)
 
 
@@ -474,25 +469,20 @@ class _Keys:
     Ctrl-C still raises SIGINT), put back as it was by close(). Nothing when stdin is no terminal."""
 
     def __init__(self) -> None:
-        import termios
-        import tty
         self.fd: int | None = None
         self.saved = None
-        try:
+        with contextlib.suppress(OSError, ValueError, termios.error):
             fd = sys.stdin.fileno()
             if os.isatty(fd):
                 self.saved = termios.tcgetattr(fd)
                 tty.setcbreak(fd)
                 self.fd = fd
-        except (OSError, ValueError, termios.error):
-            self.fd = None
 
     def wait_for_q(self, timeout: float, also: int | None = None) -> bool:
         """Wait up to `timeout` seconds, or until `also` is readable; True when q (or Q) was typed meanwhile."""
         if self.fd is None:
             _wait_readable(also, timeout)
             return False
-        import select
         ready, _, _ = select.select([self.fd] + ([also] if also is not None else []), [], [], timeout)
         if self.fd not in ready:
             return False
@@ -504,9 +494,6 @@ class _Keys:
 
     def close(self) -> None:
         if self.fd is not None and self.saved is not None:
-            import termios
-            try:
+            with contextlib.suppress(OSError, termios.error):
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
-            except (OSError, termios.error):
-                pass
             self.fd = None

@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING
 from gpuwatch.agent.registry import Context, ProbeEntry
 from gpuwatch.agent.allocators import pool_table
 from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
-from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, Hook
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.config import Config
 
-__all__ = ["EbpfCudaProbe", "API_NAMES", "HOOKS", "Hook", "from_config", "PROBES"]
+__all__ = ["EbpfCudaProbe", "from_config", "PROBES"]
 
 
 def from_config(cfg: Config) -> EbpfCudaProbe | None:

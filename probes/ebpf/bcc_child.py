@@ -14,6 +14,7 @@ import time
 
 from gpuwatch.probes.ebpf import bpfsys, symbols
 from gpuwatch.probes.ebpf.compiler import FORMAT, LD_IMM64, MAP_NAMES, PSEUDO_MAP_FD
+from gpuwatch.probes.ebpf.loader import BCC_REMEDY, kernel_headers
 
 
 def _import_bcc():
@@ -32,7 +33,6 @@ def _compile(text: bytes) -> dict:
     try:
         b = bcc.BPF(text=text, cflags=["-Wno-macro-redefined", "-Wno-unused-function"])
     except Exception as e:
-        from gpuwatch.probes.ebpf.loader import kernel_headers
         _fail(f"bcc could not compile the probe ({e}); the kernel headers used are {kernel_headers()}: "
               f"install linux-headers for the running kernel (`gpuwatch doctor` says what is missing)")
     seconds = time.perf_counter() - t0
@@ -93,7 +93,6 @@ def main(argv: list[str]) -> None:
     try:
         _import_bcc()
     except ImportError:
-        from gpuwatch.probes.ebpf.loader import BCC_REMEDY
         _fail(BCC_REMEDY)
     data = sys.stdin.buffer.read()
     if argv[:1] == ["compile"]:

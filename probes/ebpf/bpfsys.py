@@ -11,6 +11,7 @@ verifier's log.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -98,15 +99,19 @@ class Map:
         self.fd, self.name, self.key_type, self.value_type = fd, name, key_type, value_type
         self._batch_ok = True
 
+    def _call(self, cmd: int, what: str, buf: ctypes.Array) -> bool:
+        """False for ENOENT (no such key, or no key after it)."""
+        if _syscall(SYS_BPF, cmd, buf, len(buf)) >= 0:
+            return True
+        err = ctypes.get_errno()
+        if err == 2:  # ENOENT
+            return False
+        raise OSError(err, f"bpf({what} {self.name}): {os.strerror(err)}")
+
     def lookup(self, key):
         value = self.value_type()
         buf = _attr((0, "I", self.fd), (8, "Q", _addr(key)), (16, "Q", _addr(value)))
-        if _syscall(SYS_BPF, MAP_LOOKUP_ELEM, buf, len(buf)) < 0:
-            err = ctypes.get_errno()
-            if err == 2:  # ENOENT
-                return None
-            raise OSError(err, f"bpf(MAP_LOOKUP_ELEM {self.name}): {os.strerror(err)}")
-        return value
+        return value if self._call(MAP_LOOKUP_ELEM, "MAP_LOOKUP_ELEM", buf) else None
 
     def update(self, key, value, flags: int = 0) -> None:
         _bpf(MAP_UPDATE_ELEM, _attr((0, "I", self.fd), (8, "Q", _addr(key)), (16, "Q", _addr(value)),
@@ -114,24 +119,15 @@ class Map:
 
     def delete(self, key) -> bool:
         """True when the key was there."""
-        buf = _attr((0, "I", self.fd), (8, "Q", _addr(key)))
-        if _syscall(SYS_BPF, MAP_DELETE_ELEM, buf, len(buf)) < 0:
-            err = ctypes.get_errno()
-            if err == 2:
-                return False
-            raise OSError(err, f"bpf(MAP_DELETE_ELEM {self.name}): {os.strerror(err)}")
-        return True
+        return self._call(MAP_DELETE_ELEM, "MAP_DELETE_ELEM", _attr((0, "I", self.fd), (8, "Q", _addr(key))))
 
     def keys(self) -> list:
         out = []
         prev, key = None, self.key_type()
         while True:
             buf = _attr((0, "I", self.fd), (8, "Q", _addr(prev)), (16, "Q", _addr(key)))
-            if _syscall(SYS_BPF, MAP_GET_NEXT_KEY, buf, len(buf)) < 0:
-                err = ctypes.get_errno()
-                if err == 2:
-                    return out
-                raise OSError(err, f"bpf(MAP_GET_NEXT_KEY {self.name}): {os.strerror(err)}")
+            if not self._call(MAP_GET_NEXT_KEY, "MAP_GET_NEXT_KEY", buf):
+                return out
             out.append(key)
             prev, key = key, self.key_type()
 
@@ -190,9 +186,6 @@ class Map:
             if r < 0:
                 return
             token_in.value, first = token_out.value, False
-
-    def values(self) -> list:
-        return [v for _k, v in self.items()]
 
 
 # ---- programs -----------------------------------------------------------------------------------
@@ -332,7 +325,5 @@ class RingBuffer:
 
 def close_all(fds) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass

@@ -65,11 +65,9 @@ def cache_dir() -> str | None:
 
 def bcc_version() -> str:
     """bcc's version without importing it (the import is what this module keeps out of the agent)."""
-    try:
+    with contextlib.suppress(Exception):
         from importlib.metadata import version
         return version("bcc")
-    except Exception:
-        pass
     import importlib.util
     spec = importlib.util.find_spec("bcc")
     if spec is None or not spec.origin:

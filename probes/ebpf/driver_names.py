@@ -18,6 +18,7 @@ libcuda, with a timeout.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -214,13 +215,11 @@ def calibrate_cached(libcuda: str) -> Calibration:
     name = "names-" + hashlib.sha256(ident.encode()).hexdigest()[:24] + ".json"
     raw = compiler.read_cache(name)
     if raw is not None:
-        try:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
             data = json.loads(raw)
             chains = {k: tuple(_chain(c) for c in data[k]) for k in ("function", "kernel")}
             if data.get("ident") == ident and all(len(v) <= MAX_CHAINS for v in chains.values()):
                 return Calibration(**chains)
-        except (ValueError, KeyError, TypeError):
-            pass
     cal = calibrate(libcuda)
     if not cal.error:
         compiler.write_cache(name, json.dumps({"ident": ident, "function": [list(c) for c in cal.function],

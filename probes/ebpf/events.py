@@ -15,11 +15,9 @@ import json
 import logging
 import struct
 import threading
-from typing import TYPE_CHECKING, BinaryIO, Mapping
+from typing import BinaryIO, Mapping
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from gpuwatch.agent.safefile import AtomicFile
-
+from gpuwatch.agent import safefile
 from gpuwatch.probes.ebpf import bpfsys
 from gpuwatch.probes.ebpf.symbols import API_NAMES, HOOKS, result_name
 
@@ -38,11 +36,8 @@ class EventRecorder:
 
     def __init__(self, ring: tuple[int, int], path: "str | BinaryIO", max_events: int) -> None:
         """ring: the ring buffer map's fd and size in bytes (Loader.events_map); path: where to
-        write, or a binary file already open for it (then closed by stop())."""
-        if isinstance(path, str):
-            self._file: BinaryIO = open(path, "wb", buffering=1 << 20)  # noqa: SIM115 (closed in stop)
-        else:
-            self._file = path
+        write, or a binary file already open for it; closed by stop() either way."""
+        self._file: BinaryIO = open(path, "wb", buffering=1 << 20) if isinstance(path, str) else path  # noqa: SIM115
         self.path = str(self._file.name)
         self.max_events = max_events
         self.recorded = 0
@@ -101,7 +96,7 @@ def read_records(path: "str | int"):
             yield from RECORD.iter_unpack(chunk[:usable])
 
 
-def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
+def write_chrome_trace(raw_path: "str | int", out_path: "str | safefile.AtomicFile", *,
                        kernel_names: Mapping[int, str] | None = None, processes: Mapping[int, str] | None = None,
                        kernel_stacks: Mapping[int, list[str]] | None = None) -> int:
     """Write the Chrome trace event format (JSON; Perfetto and chrome://tracing open it): one
@@ -113,8 +108,6 @@ def write_chrome_trace(raw_path: "str | int", out_path: "str | AtomicFile", *,
 
     out_path: the output's path, or a safefile.AtomicFile opened for it (gpuwatch trace opens
     its outputs before tracing); either way the file appears complete or not at all."""
-    from gpuwatch.agent import safefile
-
     kernel_names = kernel_names or {}
     quoted: dict[int, str] = {}  # handle -> JSON string of its name, made once per kernel
     api_names = [json.dumps(a) for a in API_NAMES]

@@ -287,8 +287,7 @@ class GraphBook:
         elif kind == S.GE_ADD:
             g = p.graphs.get(e.graph)
             if g is None:  # made before the probe attached: what else it holds is unknown
-                g = _Graph.new(p.meter, complete=False)
-                self._put_graph(p, e.graph, g)
+                self._put_graph(p, e.graph, _Graph.new(p.meter, complete=False))
                 g = p.graphs.get(e.graph)
                 if g is None:
                     return
@@ -448,23 +447,17 @@ class GraphBook:
     def kernels(self, pid: int | None = None) -> dict[tuple[int, int], dict]:
         """(pid, kernel handle) -> {"launches", "degenerate_launches", "grid", "block",
         "shared_mem_bytes"}: the kernels graph replays ran (grid and block of one of its nodes)."""
-        out = {}
-        for p_id, p in self._procs.items():
-            if pid is not None and p_id != pid:
-                continue
-            for f, (n, degenerate, spec) in p.kernels.items():
-                out[(p_id, f)] = {"launches": n, "degenerate_launches": degenerate, "grid": list(spec[1:4]),
-                                  "block": list(spec[4:7]), "shared_mem_bytes": spec[7]}
-        return out
+        return {(p_id, f): {"launches": n, "degenerate_launches": degenerate, "grid": list(spec[1:4]),
+                            "block": list(spec[4:7]), "shared_mem_bytes": spec[7]}
+                for p_id, p in self._procs.items() if pid is None or p_id == pid
+                for f, (n, degenerate, spec) in p.kernels.items()}
 
     def summary(self, pid: int | None = None) -> dict:
         """Graph replays by what is known of their content, the kernels they ran, and the graphs
         and executable graphs known now."""
         launches: Counter = Counter()
         kernels = graphs = execs = capturing = 0
-        for p_id, p in self._procs.items():
-            if pid is not None and p_id != pid:
-                continue
+        for p in (p for p_id, p in self._procs.items() if pid is None or p_id == pid):
             launches.update(p.launches)
             kernels += sum(k[0] for k in p.kernels.values())
             graphs += len(p.graphs)

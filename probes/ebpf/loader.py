@@ -45,12 +45,10 @@ BCC_REMEDY = ("bcc is not importable: install Debian's python3-bpfcc (`apt-get i
 
 # ---- environment -------------------------------------------------------------------------------
 def _effective_caps() -> int | None:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("CapEff:"):
                 return int(line.split()[1], 16)
-    except OSError:
-        pass
     return None
 
 
@@ -125,7 +123,7 @@ def _fields(ctype, *fields: tuple[str, str]) -> struct.Struct:
 def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
     """The files a process maps, once each, in its own mount namespace's paths (not deleted ones)."""
     found: dict[str, None] = {}
-    try:
+    with contextlib.suppress(OSError):
         with open(f"{proc}/{pid}/maps", "rb") as f:
             for line in f:
                 parts = line.split(None, 5)
@@ -139,8 +137,6 @@ def mapped_files(pid: int, proc: str = "/proc") -> list[str]:
                 path = os.fsdecode(raw.replace(b"\\012", b"\n"))
                 if path.startswith("/"):
                     found[path] = None
-    except OSError:
-        pass
     return list(found)
 
 
@@ -148,11 +144,6 @@ def libraries_in(pid: int, *patterns: re.Pattern) -> list[str]:
     """The files a process maps whose path matches one of patterns, as paths reachable from here
     (through /proc/PID/root)."""
     return [f"/proc/{pid}/root{path}" for path in mapped_files(pid) if any(p.search(path) for p in patterns)]
-
-
-def libcuda_in(pid: int) -> list[str]:
-    """The libcuda files mapped by a process, as paths reachable from here (through /proc/PID/root)."""
-    return libraries_in(pid, LIBCUDA_RE)
 
 
 def file_id(path: str) -> tuple[int, int] | None:
@@ -231,6 +222,17 @@ SYMBOL_BYTES = 192  # a symbolised frame kept, beside its text: its key and dict
 UNWOUND_BYTES, UNWOUND_FRAME_BYTES = 1400, 44
 
 
+# The maps with entries per process, removed when it exits (Loader.forget)
+PROCESS_MAPS = ("stats", "hist", "errors", "live", "live_bytes", "inflight", "kernels", "names", "capture_streams",
+                "capture_events", "captures", "execs", "launch_stacks", "py_procs", "py_seen", "comms", "ustack_seen",
+                "ustack_copies", "ustack_count", "procs")
+
+
+def _pid_of(name: str, key) -> int:
+    """The process of a key of map `name`: a u32 key is the pid, inflight's the thread's pid_tgid."""
+    return key.pid_tgid >> 32 if name == "inflight" else key.value if symbols.HASH_MAPS[name][0] == "u32" else key.pid
+
+
 class NotAdmitted(Exception):
     """attach(admit=...) refused the library: its uprobes would take its user past their budget."""
 
@@ -255,18 +257,13 @@ def _close_at_once(fds: list[int], threads: int = 16) -> None:
     """Close every link at once: each close waits for an RCU grace period (~25 ms on 6.18), and
     waits that overlap end together (one after another: 3 links took 75 ms). Entry before return
     no longer matters here: the maps are not read after close()."""
-    def close(part: list[int]) -> None:
-        for fd in part:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
     parts = [fds[i::threads] for i in range(min(threads, len(fds)))]
-    workers = [threading.Thread(target=close, args=(p,), name="gpuwatch-ebpf-detach", daemon=True) for p in parts[1:]]
+    workers = [threading.Thread(target=bpfsys.close_all, args=(p,), name="gpuwatch-ebpf-detach", daemon=True)
+               for p in parts[1:]]
     for w in workers:
         w.start()
     if parts:
-        close(parts[0])
+        bpfsys.close_all(parts[0])
     for w in workers:
         w.join()
 
@@ -496,10 +493,8 @@ class Loader:
         for fd in reversed(lib.fds):
             if self._stop.is_set():
                 return  # exiting: the kernel closes the rest
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         lib.fds.clear()
 
     @property
@@ -837,7 +832,7 @@ class Loader:
         return out
 
     def dropped(self) -> int:
-        return sum(v.value for v in self.maps["dropped"].values())
+        return sum(v.value for _k, v in self.maps["dropped"].items())
 
     def dropped_by_kind(self) -> dict[str, int]:
         """What was not recorded, by what (symbols.DROPPED_KINDS), where anything was."""
@@ -848,18 +843,10 @@ class Loader:
         """Remove every map entry of these processes (they exited)."""
         if not pids:
             return
-        for name, pid_of in (("stats", lambda k: k.pid), ("hist", lambda k: k.pid), ("errors", lambda k: k.pid),
-                             ("live", lambda k: k.pid), ("live_bytes", lambda k: k.value), ("inflight", lambda k: k.pid_tgid >> 32),
-                             ("kernels", lambda k: k.pid), ("names", lambda k: k.pid),
-                             ("capture_streams", lambda k: k.pid), ("capture_events", lambda k: k.pid),
-                             ("captures", lambda k: k.pid), ("execs", lambda k: k.pid),
-                             ("launch_stacks", lambda k: k.pid), ("py_procs", lambda k: k.value),
-                             ("py_seen", lambda k: k.value), ("comms", lambda k: k.pid),
-                             ("ustack_seen", lambda k: k.pid), ("ustack_copies", lambda k: k.pid),
-                             ("ustack_count", lambda k: k.value), ("procs", lambda k: k.value)):
+        for name in PROCESS_MAPS:
             table = self.maps[name]
             for k in table.keys():
-                if pid_of(k) in pids:
+                if _pid_of(name, k) in pids:
                     table.delete(k)
         if self._symbols:
             self._symbols = {k: v for k, v in self._symbols.items() if k[0] not in pids}
@@ -871,11 +858,5 @@ class Loader:
 
     def pids(self) -> set[int]:
         """Every process with an entry in any map."""
-        pids = {k.pid for k in self.maps["stats"].keys()}
-        pids.update(k.value for k in self.maps["live_bytes"].keys())
-        pids.update(k.pid_tgid >> 32 for k in self.maps["inflight"].keys())
-        pids.update(k.pid for k in self.maps["kernels"].keys())
-        pids.update(k.pid for k in self.maps["names"].keys())
-        pids.update(k.pid for k in self.maps["execs"].keys())
-        pids.update(k.pid for k in self.maps["comms"].keys())
-        return pids
+        return {_pid_of(name, k) for name in ("stats", "live_bytes", "inflight", "kernels", "names", "execs", "comms")
+                for k in self.maps[name].keys()}

@@ -20,8 +20,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-NS = 1e-9
-
 
 def comm_label(comm: dict) -> str:
     """The communicator's label: its id in hex (the same in every rank's process), or, when its

@@ -22,13 +22,13 @@ library (checked again every `recheck` seconds).
 from __future__ import annotations
 
 import bisect
-import os
 import re
 import time
 from typing import Callable, Iterable
 
 # The pool table itself is in the core (config checks ebpf.pool_libraries, the leak detector names pools).
 from gpuwatch.agent.allocators import POOLS, Pool, names
+from gpuwatch.probes.ebpf.unwind import read_maps
 
 _LIBCUDA = re.compile(r"/libcuda\.so(\.[0-9.]+)?$")  # the hooked API's own frame: never a pool
 
@@ -38,18 +38,7 @@ class _Maps:
 
     def __init__(self, pid: int, proc: str, now: float) -> None:
         self.read_at = now
-        rows: list[tuple[int, int, str]] = []
-        try:
-            with open(f"{proc}/{pid}/maps", "rb") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) < 6 or b"x" not in parts[1] or not parts[5].startswith(b"/"):
-                        continue
-                    lo, _, hi = parts[0].partition(b"-")
-                    rows.append((int(lo, 16), int(hi, 16), os.fsdecode(parts[5].rstrip(b"\n"))))
-        except (OSError, ValueError):
-            pass
-        rows.sort()
+        rows = [(m.start, m.end, m.path) for m in read_maps(pid, proc)]
         self.starts = [r[0] for r in rows]
         self.rows = rows
         self.paths = {r[2] for r in rows}
@@ -81,19 +70,18 @@ class Classifier:
                 (p for p in self.pools if p.matches(path)), None)
         return self._file[path]
 
-    def _process_maps(self, pid: int, fresh: bool = False) -> _Maps:
+    def _process_maps(self, pid: int, max_age: float = float("inf")) -> _Maps:
+        """The process's mappings, read again when older than max_age seconds."""
         m = self._maps.get(pid)
         now = self._clock()
-        if m is None or (fresh and now - m.read_at >= 1.0):
+        if m is None or now - m.read_at >= max_age:
             m = self._maps[pid] = _Maps(pid, self._proc, now)
         return m
 
     def maps_pool(self, pid: int) -> bool:
         """Does the process map a pool library? (Its mappings re-read every `recheck` seconds: a
         framework may be imported after the first allocation.)"""
-        m = self._maps.get(pid)
-        if m is None or self._clock() - m.read_at >= self._recheck:
-            m = self._maps[pid] = _Maps(pid, self._proc, self._clock())
+        m = self._process_maps(pid, self._recheck)
         return any(self.file_pool(path) is not None for path in m.paths)
 
     def pool_of(self, pid: int, stack_id: int, caller: int, addresses: Callable[[], list[int]],
@@ -108,7 +96,7 @@ class Classifier:
         for addr in addresses():
             path = m.path(addr)
             if path is None:  # a library loaded since the mappings were read?
-                m = self._process_maps(pid, fresh=True)
+                m = self._process_maps(pid, max_age=1.0)
                 path = m.path(addr)
             if path is not None and (pool := self.file_pool(path)) is not None:
                 break

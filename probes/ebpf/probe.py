@@ -97,7 +97,7 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import BinaryIO, Callable, Iterable
@@ -269,8 +269,7 @@ class EbpfCudaProbe(Probe):
         self.events_path = events_path
         self.max_events = max_events
         self._recorder: events_.EventRecorder | None = None
-        launch_latency = launch_latency or events_path is not None
-        self.launch_latency = launch_latency
+        self.launch_latency = launch_latency = launch_latency or events_path is not None
         self.untimed = frozenset(h.name for h in HOOKS if not symbols.timed(h, launch_latency))
         self.libraries = tuple(str(p) for p in libraries)
         self.pid = pid
@@ -297,7 +296,7 @@ class EbpfCudaProbe(Probe):
         self._graphs: graphs_.GraphFollower | None = None
         self._python: dict[int, str | None] = {}  # pid -> why its Python frames are not read (None: they are)
         self._resolvers: dict[int, pyframes.Resolver] = {}
-        self._graph_retired = [0, {}]  # kernel launches and replays by content of processes that exited
+        self._graph_retired = [0, Counter()]  # kernel launches and replays by content of processes that exited
         self._pools = pools_.Classifier(pools, clock=clock)
         self._said_copies = False
         self._allocators: dict[int, set[str]] = {}  # pid -> allocators that held its live bytes
@@ -397,9 +396,7 @@ class EbpfCudaProbe(Probe):
         self._aligner.forget(dead, {c["id"] for c in comms})
         for (pid, api), values in list(stats.items()):
             if pid in dead:
-                acc = self._retired[api]
-                for i, v in enumerate(values):
-                    acc[i] += v
+                self._retired[api] = [a + v for a, v in zip(self._retired[api], values)]
                 del stats[(pid, api)]
         for pid in dead:
             live.pop(pid, None)
@@ -407,8 +404,7 @@ class EbpfCudaProbe(Probe):
         for pid in dead & set(graph_counts):
             kernels, by_content = graph_counts.pop(pid)
             self._graph_retired[0] += kernels
-            for c, n in by_content.items():
-                self._graph_retired[1][c] = self._graph_retired[1].get(c, 0) + n
+            self._graph_retired[1].update(by_content)
         self._graphs.read(lambda b: b.forget(dead))  # type: ignore[union-attr]
         self._oom_seen = {k: v for k, v in self._oom_seen.items() if k[0] not in dead}
 
@@ -429,9 +425,7 @@ class EbpfCudaProbe(Probe):
             if pid in kept:
                 samples += self._api_samples(str(pid), self._name(pid), api, values, wall)
             else:
-                acc = other.setdefault(api, [0, 0, 0, 0])
-                for i, v in enumerate(values):
-                    acc[i] += v
+                other[api] = [a + v for a, v in zip(other.get(api, (0, 0, 0, 0)), values)]
         for api, values in sorted(other.items()):
             samples += self._api_samples("other", "other", api, values, wall)
         samples += self._graph_samples(graph_counts, kept, wall)
@@ -462,12 +456,11 @@ class EbpfCudaProbe(Probe):
     def _graph_samples(self, counts: dict, kept: set[int], wall: float) -> list[Sample]:
         """Graph replays by content and the kernels they ran, per kept process and "other"."""
         out: list[Sample] = []
-        other_kernels, other = self._graph_retired[0], dict(self._graph_retired[1])
+        other_kernels, other = self._graph_retired[0], Counter(self._graph_retired[1])
         for pid, (kernels, by_content) in sorted(counts.items()):
             if pid not in kept:
                 other_kernels += kernels
-                for c, n in by_content.items():
-                    other[c] = other.get(c, 0) + n
+                other.update(by_content)
                 continue
             out += self._graph_series(str(pid), self._name(pid), kernels, by_content, wall)
         if other_kernels or other:
@@ -533,24 +526,21 @@ class EbpfCudaProbe(Probe):
     def _on_capture(self) -> None:
         """A graph capture began: its nodes are launches, so every launch is probed for a while
         (the duty cycle's off windows would leave the graph's content partial)."""
-        if not self._lock.acquire(timeout=1.0):
-            return  # a long start or shutdown: the next capture asks again
-        try:
-            ld = self._loader
-            if ld is not None and self.launch_sampling < 1 and ld.can_toggle_launches:
-                self._exact_launches(ld, CAPTURE_HOLD)
-        finally:
-            self._lock.release()
+        self._hold_launches(CAPTURE_HOLD)
 
     def _on_first_calls(self, pids: set[int]) -> None:
         """Processes that made their first CUDA call: every launch is probed for young_seconds (a
         server captures its graphs in its first minutes), at once, not at the next collection."""
-        if self.young_seconds <= 0 or not self._lock.acquire(timeout=1.0):
-            return
+        if self.young_seconds > 0:
+            self._hold_launches(self.young_seconds)
+
+    def _hold_launches(self, seconds: float) -> None:
+        if not self._lock.acquire(timeout=1.0):
+            return  # a long start or shutdown: the next event asks again
         try:
             ld = self._loader
             if ld is not None and self.launch_sampling < 1 and ld.can_toggle_launches:
-                self._exact_launches(ld, self.young_seconds)
+                self._exact_launches(ld, seconds)
         finally:
             self._lock.release()
 
@@ -698,13 +688,9 @@ class EbpfCudaProbe(Probe):
             names = ld.names(pid)
             kernels = []
             for f in sorted({n[0] for x in out["execs"] for n in x["nodes"]}):
-                raw, truncated = names.get((pid, NAME_FUNCTION, f)) or names.get((pid, NAME_KERNEL, f)) or (None, False)
-                if (raw is None or truncated) and self.driver_names:
-                    full = self._driver_name(pid, f)
-                    if full is not None and (raw is None or full.startswith(raw)):
-                        raw, truncated = full, False
-                if raw is not None:
-                    kernels.append({"handle": f, "symbol": _name_text(raw, truncated)})
+                symbol, _source = self._kernel_symbol(names, pid, f)
+                if symbol is not None:
+                    kernels.append({"handle": f, "symbol": symbol})
             out["kernels"] = kernels
             return out
 
@@ -879,14 +865,7 @@ class EbpfCudaProbe(Probe):
                 direct[key] = {**g, "launches": 0, "degenerate_launches": 0, "stream": 0}
         for (p, handle), k in direct.items():
             g = through_graphs.get((p, handle), {"launches": 0, "degenerate_launches": 0})
-            raw, truncated = names.get((p, NAME_FUNCTION, handle)) or names.get((p, NAME_KERNEL, handle)) \
-                or (None, False)
-            source = "hook" if raw is not None else None
-            if (raw is None or truncated) and self.driver_names:
-                full = self._driver_name(p, handle)
-                if full is not None and (raw is None or full.startswith(raw)):
-                    raw, truncated, source = full, False, "driver"
-            symbol = _name_text(raw, truncated) if raw is not None else None
+            symbol, source = self._kernel_symbol(names, p, handle)
             if symbol is None and (p, handle) in self._agent_names:  # told by the agent (preload_graphs)
                 symbol, source = self._agent_names[(p, handle)], "agent"
             entry = {"handle": hex(handle), "name": symbol, "symbol": symbol, "name_source": source,
@@ -911,6 +890,17 @@ class EbpfCudaProbe(Probe):
             for e in top:
                 e["stacks"] = stacks.get(int(e["handle"], 16), [])
         return out
+
+    def _kernel_symbol(self, names: dict, pid: int, handle: int) -> tuple[str | None, str | None]:
+        """A kernel's name as text (_name_text) and where it came from: the hooks ("hook"), else the
+        driver's memory ("driver") where theirs is missing or truncated; (None, None): unnamed."""
+        raw, truncated = names.get((pid, NAME_FUNCTION, handle)) or names.get((pid, NAME_KERNEL, handle)) or (None, False)
+        source = "hook" if raw is not None else None
+        if (raw is None or truncated) and self.driver_names:
+            full = self._driver_name(pid, handle)
+            if full is not None and (raw is None or full.startswith(raw)):
+                raw, truncated, source = full, False, "driver"
+        return (_name_text(raw, truncated), source) if raw is not None else (None, None)
 
     def live_stacks(self, pid: int, top: int = 3, timeout: float | None = None,
                     allocator: str | None = None) -> list[dict]:
@@ -1016,7 +1006,7 @@ class EbpfCudaProbe(Probe):
         if key in self._driver_named:
             return self._driver_named[key]
         name = None
-        libs = _loader.libcuda_in(pid) or list(self.libraries)
+        libs = _loader.libraries_in(pid, _loader.LIBCUDA_RE) or list(self.libraries)
         fid = _loader.file_id(libs[0]) if libs else None
         if fid is not None:
             cal = self._calibration(fid, libs[0]).result()
@@ -1120,13 +1110,12 @@ class EbpfCudaProbe(Probe):
         for pid in dead:
             self._python.pop(pid, None)
             self._resolvers.pop(pid, None)  # its frames' charges go back with loader.forget
+            self._allocators.pop(pid, None)
         if dead and self._driver_named:
             self._driver_named = {k: v for k, v in self._driver_named.items() if k[0] not in dead}
         if dead:
             self._loader.forget(dead)  # type: ignore[union-attr]
             self._pools.forget(dead)
-            for pid in dead:
-                self._allocators.pop(pid, None)
         return dead
 
     def _name(self, pid: int) -> str:
@@ -1174,10 +1163,8 @@ class EbpfCudaProbe(Probe):
                         Sample("gpuwatch.nccl.communicator.bytes", float(nbytes), "", labels, wall),
                         Sample("gpuwatch.nccl.communicator.collectives", float(seq), "", labels, wall)]
         al = self._aligner
-        for cid, n in sorted(al.compared.items()):
-            if cid not in shown:
-                continue
-            out.append(Sample("gpuwatch.nccl.collectives.compared", float(n), "", {"comm": f"{cid:016x}"}, wall))
+        out += [Sample("gpuwatch.nccl.collectives.compared", float(n), "", {"comm": f"{cid:016x}"}, wall)
+                for cid, n in sorted(al.compared.items()) if cid in shown]
         for (cid, pid, rank), counts in sorted(al.ranks.items()):
             if cid not in shown:
                 continue

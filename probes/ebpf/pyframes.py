@@ -26,12 +26,13 @@ import threading
 from dataclasses import dataclass
 
 from gpuwatch.probes.ebpf import driver_names
+from gpuwatch.probes.ebpf.loader import file_id
+from gpuwatch.probes.ebpf.unwind import read_maps
 
 log = logging.getLogger("gpuwatch.ebpf")
 
 PY_DEPTH = 16  # Python frames kept per sampled launch
 NONE = 0xFFFFFFFF  # an offset that does not apply (no _PyCFrame: current_frame is in the thread state)
-PTR = 8
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,6 @@ class Offsets:
         return {"threads_head": self.threads_head, "next": self.next, "native_thread_id": self.native_thread_id,
                 "cframe": self.cframe, "current_frame": self.current_frame, "code": self.code,
                 "previous": self.previous, "instr": self.instr}
-
-
-def _u64(mem: driver_names.Memory, addr: int) -> int | None:
-    b = mem.read(addr, 8)
-    return int.from_bytes(b, "little") if b and len(b) == 8 else None
 
 
 def _find(mem: driver_names.Memory, base: int, size: int, value: int, width: int = 8) -> list[int]:
@@ -149,20 +145,20 @@ def _calibrate(mem: driver_names.Memory) -> Offsets:
                 return False
             if p == iframe_now:
                 return True
-            p = _u64(mem, p + previous)
+            p = mem.u64(p + previous)
         return False
 
     cframe, current = NONE, None
     for o in range(0, 512, 8):
-        if reaches(_u64(mem, tstate + o)):
+        if reaches(mem.u64(tstate + o)):
             current = o
             break
     else:
         for o in range(0, 512, 8):
-            q = _u64(mem, tstate + o)
-            if q and q > 4096 and any(reaches(_u64(mem, q + k)) for k in (0, 8, 16)):
+            q = mem.u64(tstate + o)
+            if q and q > 4096 and any(reaches(mem.u64(q + k)) for k in (0, 8, 16)):
                 cframe = o
-                current = next(k for k in (0, 8, 16) if reaches(_u64(mem, q + k)))
+                current = next(k for k in (0, 8, 16) if reaches(mem.u64(q + k)))
                 break
     if current is None:
         raise LookupError("the current frame in the thread state not found")
@@ -188,7 +184,7 @@ def _calibrate(mem: driver_names.Memory) -> Offsets:
     # the instruction pointer: a frame field pointing into its code's bytecode
     instr = None
     for o in range(0, 96, 8):
-        p = _u64(mem, iframe_now + o)
+        p = mem.u64(iframe_now + o)
         code_now = sys._getframe().f_code
         start = id(code_now) + adaptive
         if p and start <= p < start + len(code_now.co_code):
@@ -204,7 +200,7 @@ def _iframe_of(mem: driver_names.Memory, frame) -> tuple[int | None, int | None]
     """A frame object's _PyInterpreterFrame (the pointer in the PyFrameObject to memory that
     holds the frame's code object), and the code object's offset in it; (None, None) if not found."""
     for o in range(16, 64, 8):
-        q = _u64(mem, id(frame) + o)
+        q = mem.u64(id(frame) + o)
         if q:
             hits = _find(mem, q, 96, id(frame.f_code))
             if hits:
@@ -240,11 +236,9 @@ _ELF_CACHE: dict[tuple[int, int], "tuple[int, int, int] | None"] = {}
 
 def _symbols(path: str) -> "tuple[int, int, int] | None":
     """(_PyRuntime, Py_Version, the first PT_LOAD's page) virtual addresses in an ELF file."""
-    try:
-        st = os.stat(path)
-    except OSError:
+    key = file_id(path)
+    if key is None:
         return None
-    key = (st.st_dev, st.st_ino)
     if key in _ELF_CACHE:
         return _ELF_CACHE[key]
     from elftools.common.exceptions import ELFError
@@ -272,37 +266,22 @@ def _symbols(path: str) -> "tuple[int, int, int] | None":
     return found
 
 
-def _mappings(pid: int) -> list[tuple[int, int, str]]:
-    """(start, file offset, path) of each file mapping of a process."""
-    out = []
-    try:
-        with open(f"/proc/{pid}/maps", "rb") as f:
-            for line in f:
-                parts = line.split(None, 5)
-                if len(parts) == 6 and parts[5].startswith(b"/"):
-                    out.append((int(parts[0].split(b"-")[0], 16), int(parts[2], 16),
-                                os.fsdecode(parts[5].rstrip(b"\n"))))
-    except (OSError, ValueError):
-        pass
-    return out
-
-
 def runtime_of(pid: int, offsets: Offsets) -> "int | str":
     """The address of the interpreter pointer (in _PyRuntime) of a CPython process of our version,
     or why its Python frames cannot be read."""
     seen = set()
-    for start, file_off, path in _mappings(pid):
-        if file_off != 0 or path in seen or not _PYTHON_FILE.search(path):
+    for m in read_maps(pid, executable=False):
+        if m.offset != 0 or m.path in seen or not _PYTHON_FILE.search(m.path):
             continue
-        seen.add(path)
-        syms = _symbols(f"/proc/{pid}/root{path}")
+        seen.add(m.path)
+        syms = _symbols(f"/proc/{pid}/root{m.path}")
         if syms is None:
             continue
         runtime, version, first = syms
-        bias = start - first
+        bias = m.start - first
         try:
             with driver_names.Memory(pid) as mem:
-                v = _u64(mem, bias + version)
+                v = mem.u64(bias + version)
         except OSError as e:
             return f"cannot read process {pid}'s memory: {e.strerror or e}"
         if v is None:
@@ -376,7 +355,7 @@ class Resolver:
     def _str(self, mem: driver_names.Memory, addr: int | None, limit: int = 256) -> str | None:
         if not addr:
             return None
-        n = _u64(mem, addr + 16)  # PyASCIIObject.length (after the object header)
+        n = mem.u64(addr + 16)  # PyASCIIObject.length (after the object header)
         if n is None or not 0 < n <= limit:
             return None
         raw = mem.read(addr + self.off.ascii_data, n)
@@ -394,11 +373,11 @@ class Resolver:
         try:
             with driver_names.Memory(self.pid) as mem:
                 o = self.off
-                filename = self._str(mem, _u64(mem, code + o.filename), 1024)
-                name = self._str(mem, _u64(mem, code + o.qualname))
+                filename = self._str(mem, mem.u64(code + o.filename), 1024)
+                name = self._str(mem, mem.u64(code + o.qualname))
                 first = mem.read(code + o.firstlineno, 4)
-                table_obj = _u64(mem, code + o.linetable)
-                size = _u64(mem, table_obj + 16) if table_obj else None
+                table_obj = mem.u64(code + o.linetable)
+                size = mem.u64(table_obj + 16) if table_obj else None
                 table = mem.read(table_obj + o.bytes_data, size) if table_obj and size and size <= 1 << 16 else b""
                 if filename and name and first:
                     firstlineno = int.from_bytes(first, "little", signed=True)

@@ -23,6 +23,7 @@ in at most MAX_BINARIES binaries keyed by (device, inode, build-id); the least r
 """
 from __future__ import annotations
 
+import contextlib
 import bisect
 import collections
 import io
@@ -207,21 +208,20 @@ class Mapping:
     path: str
 
 
-def read_maps(pid: int, proc: str = "/proc") -> list[Mapping]:
-    """A process's executable file mappings, sorted by start address."""
+def read_maps(pid: int, proc: str = "/proc", executable: bool = True) -> list[Mapping]:
+    """A process's executable (or, executable=False, all) file mappings, sorted by start address;
+    those before a line that does not parse."""
     out = []
-    try:
+    with contextlib.suppress(OSError, ValueError):
         with open(f"{proc}/{pid}/maps", "rb") as f:
             for line in f:
                 parts = line.split(None, 5)
-                if len(parts) < 6 or b"x" not in parts[1] or not parts[5].startswith(b"/"):
+                if len(parts) < 6 or (executable and b"x" not in parts[1]) or not parts[5].startswith(b"/"):
                     continue
                 lo, _, hi = parts[0].partition(b"-")
                 major, _, minor = parts[3].partition(b":")
                 out.append(Mapping(int(lo, 16), int(hi, 16), int(parts[2], 16), (int(major, 16), int(minor, 16)),
                                    int(parts[4]), os.fsdecode(parts[5].rstrip(b"\n"))))
-    except (OSError, ValueError):
-        pass
     return sorted(out, key=lambda m: m.start)
 
 

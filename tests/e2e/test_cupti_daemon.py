@@ -136,12 +136,14 @@ def test_reports_are_the_callers_own_and_bad_ones_are_refused(agent):
 def test_trace_shows_gpu_kernel_times_counted_from_its_start(agent):
     from rich.console import Console
 
-    from gpuwatch.agent import trace
+    from gpuwatch.agent.trace.render import render_summary
+    from gpuwatch.agent.trace.session import GpuKernels
+    from gpuwatch.agent.trace.summary import summarize
 
     me = os.getpid()
     first = h200_report(me)
     control.call(str(agent.socket), "cupti.report", first)
-    gpu = trace.GpuKernels(None, str(agent.socket))
+    gpu = GpuKernels(None, str(agent.socket))
     time.sleep(MIN_REPORT_INTERVAL)  # a report sooner than this after the last is dropped
     assert gpu.gpu(me)["kernels"] == []  # the trace counts from here
     # The agent's counts grow (cumulative): the same records again, as if the job ran them twice.
@@ -161,11 +163,11 @@ def test_trace_shows_gpu_kernel_times_counted_from_its_start(agent):
                                           "at::native::CUDAFunctorOnSelf_add<float>")
     # Both views render it; without a report they say how to get one.
     console = Console(width=200, record=True)
-    console.print(trace.render_summary(trace.summarize({"gpu": got}, pid=me, process="python3", duration=1.0,
+    console.print(render_summary(summarize({"gpu": got}, pid=me, process="python3", duration=1.0,
                                                         ended="duration")))
     text = console.export_text()
     assert "GPU kernel (CUPTI)" in text and "CUPTI on, kernel activity continuous" in text
-    console.print(trace.render_summary(trace.summarize({}, pid=me, process="python3", duration=1.0,
+    console.print(render_summary(summarize({}, pid=me, process="python3", duration=1.0,
                                                         ended="duration")))
     assert "gpuwatch run -- CMD" in console.export_text()
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from gpuwatch.agent import trace as trace_mod
+from gpuwatch.agent.trace.pids import pid_max
 
 NOBODY = 65534
 
@@ -36,7 +36,7 @@ def trace(*args: str, as_nobody: bool = False, timeout: float = 30) -> subproces
 
 
 def _free_pid() -> int:
-    pid = trace_mod.pid_max() - 1
+    pid = pid_max() - 1
     while os.path.exists(f"/proc/{pid}"):
         pid -= 1
     return pid
@@ -64,7 +64,7 @@ CASES = [
 def _value(pid: str) -> str:
     if pid == "2" and not _kthreadd():
         pytest.skip("PID 2 is not kthreadd here (a PID namespace without kernel threads)")
-    return {"pid_max+1": str(trace_mod.pid_max() + 1), "2**40": str(2**40),
+    return {"pid_max+1": str(pid_max() + 1), "2**40": str(2**40),
             "free": str(_free_pid())}.get(pid, pid)
 
 

@@ -17,7 +17,10 @@ import time
 
 import pytest
 
-from gpuwatch.agent import trace as trace_mod
+from gpuwatch.agent.trace.errors import TraceError
+from gpuwatch.agent.trace.pids import alive, pid_max, validate, wait_for_cuda
+from gpuwatch.agent.trace.render import render_line, render_summary
+from gpuwatch.agent.trace.summary import percentile, summarize
 from gpuwatch.probes.process import identity
 from gpuwatch.agent.trace.output import read_summary
 from . import test_ebpf_cuda as _base
@@ -183,7 +186,7 @@ def test_ctrl_c_ends_trace_with_summary(fake_cuda, drivers, tmp_path):
 
 
 def _free_pid() -> int:
-    pid = trace_mod.pid_max() - 1
+    pid = pid_max() - 1
     while os.path.exists(f"/proc/{pid}"):
         pid -= 1
     return pid
@@ -216,7 +219,7 @@ def sleeper():
 def test_invalid_pid_exits_1_with_message(pid, message, sleeper):
     if pid == "2" and not _is_kthreadd():
         pytest.skip("PID 2 is not kthreadd here")
-    value = {"pid_max+1": str(trace_mod.pid_max() + 1), "free": str(_free_pid()),
+    value = {"pid_max+1": str(pid_max() + 1), "free": str(_free_pid()),
              "sleep": str(sleeper.pid)}.get(pid, pid)
     r = _run("--pid", value)
     assert r.returncode == 1, r
@@ -254,16 +257,16 @@ def test_wait_returns_once_libcuda_is_mapped(fake_cuda):
     p = subprocess.Popen([sys.executable, "-c", code])
     try:
         time.sleep(0.1)
-        target = trace_mod.validate(p.pid, None, wait=True)
+        target = validate(p.pid, None, wait=True)
         assert target.libraries == []
-        with pytest.raises(trace_mod.TraceError, match="does not use CUDA"):
-            trace_mod.validate(p.pid, None)
+        with pytest.raises(TraceError, match="does not use CUDA"):
+            validate(p.pid, None)
         t0 = time.monotonic()
-        trace_mod.wait_for_cuda(target, None, poll=0.05)
+        wait_for_cuda(target, None, poll=0.05)
         assert time.monotonic() - t0 < 10
         assert len(target.libraries) == 1 and target.libraries[0].endswith(fake_cuda["lib"])
         assert target.libraries[0].startswith(f"/proc/{p.pid}/root/")
-        assert trace_mod.validate(p.pid, fake_cuda["lib"]).libraries == [fake_cuda["lib"]]
+        assert validate(p.pid, fake_cuda["lib"]).libraries == [fake_cuda["lib"]]
     finally:
         p.kill()
         p.wait()
@@ -271,11 +274,11 @@ def test_wait_returns_once_libcuda_is_mapped(fake_cuda):
 
 def test_pid_reuse_or_exit_is_told_by_start_time(sleeper):
     st = identity.read_stat(sleeper.pid)
-    assert trace_mod.alive(sleeper.pid, st.start_time)
-    assert not trace_mod.alive(sleeper.pid, st.start_time + 1)  # same PID, another process
+    assert alive(sleeper.pid, st.start_time)
+    assert not alive(sleeper.pid, st.start_time + 1)  # same PID, another process
     sleeper.kill()
     sleeper.wait()
-    assert not trace_mod.alive(sleeper.pid, st.start_time)
+    assert not alive(sleeper.pid, st.start_time)
 
 
 def test_not_root_checks_the_process_before_asking_the_agent(sleeper):
@@ -302,11 +305,11 @@ def test_not_root_checks_the_process_before_asking_the_agent(sleeper):
 def test_percentiles_from_log2_histogram():
     # slot s holds [2**(s-1), 2**s) ns: the answer is the slot's upper edge
     hist = {10: 50, 11: 49, 20: 1}
-    assert trace_mod.percentile(hist, 0.5) == 2 ** 10 * 1e-9
-    assert trace_mod.percentile(hist, 0.99) == 2 ** 11 * 1e-9
-    assert trace_mod.percentile(hist, 1.0) == 2 ** 20 * 1e-9
-    assert trace_mod.percentile({}, 0.5) is None
-    assert trace_mod.percentile({0: 3}, 0.99) == 0.0
+    assert percentile(hist, 0.5) == 2 ** 10 * 1e-9
+    assert percentile(hist, 0.99) == 2 ** 11 * 1e-9
+    assert percentile(hist, 1.0) == 2 ** 20 * 1e-9
+    assert percentile({}, 0.5) is None
+    assert percentile({0: 3}, 0.99) == 0.0
 
 
 def test_summary_from_snapshot_without_kernels():
@@ -316,18 +319,18 @@ def test_summary_from_snapshot_without_kernels():
                                                   "mean_latency_s": 0.0, "histogram": {}}},
             "memory": {"live_bytes": 20, "live_allocations": 2, "allocations": 2, "frees": 0},
             "dropped_events": 4}
-    s = trace_mod.summarize(snap, pid=7, process="x", duration=1.23456, ended="interrupted")
+    s = summarize(snap, pid=7, process="x", duration=1.23456, ended="interrupted")
     assert s["kernels"] == [] and s["dropped_events"] == 4 and s["duration_seconds"] == 1.235
     assert s["apis"]["cuLaunchKernel"]["mean_latency_s"] is None  # entry-only: no latency measured
     assert s["apis"]["cuMemAlloc_v2"] == {"calls": 3, "errors": 1, "errors_by_code": {}, "bytes": 30, "mean_latency_s": 1e-6,
                                           "p50_latency_s": 2 ** 10 * 1e-9, "p99_latency_s": 2 ** 10 * 1e-9}
-    line = trace_mod.render_line(snap, None, 1.0, 1.0)
+    line = render_line(snap, None, 1.0, 1.0)
     assert "calls 8" in line and "errors 1" in line and "dropped 4" in line
     import io
 
     from rich.console import Console
     c = Console(width=200, record=True, file=io.StringIO())
-    c.print(trace_mod.render_summary(s))
+    c.print(render_summary(s))
     text = c.export_text()
     assert "ended: interrupted (Ctrl-C or SIGTERM) after 1.2 s" in text and "cuMemAlloc_v2" in text and "≤1.02 µs" in text
 

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpuwatch.agent import trace as trace_mod
+from gpuwatch.agent.trace.pids import pid_max
 from gpuwatch.agent.control import ControlError, call
 from gpuwatch.agent.trace.output import read_summary
 from tests.conftest import Agent
@@ -192,7 +192,7 @@ def test_another_users_process_is_refused(agent, sleeper):
 def test_agent_answers_what_is_wrong(agent, sleeper):
     sock = str(agent.socket)
     for params, message in [({"pid": "1"}, "trace.snapshot refused: pid: must be an integer from 1 to 4194304, got '1'"),
-                            ({"pid": trace_mod.pid_max() + 1}, "is above this system's largest PID"),
+                            ({"pid": pid_max() + 1}, "is above this system's largest PID"),
                             ({"pid": sleeper.pid}, f"process {sleeper.pid} (sleep) does not use CUDA")]:
         with pytest.raises(ControlError) as e:
             call(sock, "trace.snapshot", params)

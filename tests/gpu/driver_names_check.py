@@ -48,7 +48,7 @@ def main() -> int:
     child = subprocess.Popen([sys.executable, src.name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = child.stdout.readline().split()
     pid, handle, name = int(line[1]), int(line[2]), line[3]
-    libs = loader.libcuda_in(pid)
+    libs = loader.libraries_in(pid, loader.LIBCUDA_RE)
     print("libcuda:", libs)
     t0 = time.perf_counter()
     cal = driver_names.calibrate(libs[0])

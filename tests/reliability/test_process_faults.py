@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuwatch.agent import trace as trace_mod
+from gpuwatch.agent.trace.pids import alive, check_pid
 from gpuwatch.agent.snapshot import Snapshot
 from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.cupti.arbitration import Arbiter
@@ -44,8 +44,8 @@ def root_only():
 def test_a_reused_pid_is_not_the_traced_process(root_only):
     old = subprocess.Popen(["sleep", "30"])
     pid = old.pid
-    target = trace_mod.check_pid(pid)
-    assert trace_mod.alive(pid, target.start_time)
+    target = check_pid(pid)
+    assert alive(pid, target.start_time)
     old.kill()
     old.wait()
     time.sleep(0.02)  # start times are in clock ticks (10 ms): the new process must get another
@@ -53,9 +53,9 @@ def test_a_reused_pid_is_not_the_traced_process(root_only):
     try:
         assert os.path.exists(f"/proc/{pid}") and new.pid == pid
         # same PID, same command name, another process: the trace of the old one has ended
-        assert not trace_mod.alive(pid, target.start_time)
-        again = trace_mod.check_pid(pid)
-        assert again.start_time != target.start_time and trace_mod.alive(pid, again.start_time)
+        assert not alive(pid, target.start_time)
+        again = check_pid(pid)
+        assert again.start_time != target.start_time and alive(pid, again.start_time)
     finally:
         new.kill()
         new.wait()
@@ -115,11 +115,11 @@ def test_start_time_check_on_a_fake_proc_tree(tmp_path):
     proc = tmp_path / "proc"
     _fake_proc(proc, 4242, 1000)
     assert identity.read_stat(4242, str(proc)).start_time == 1000
-    assert trace_mod.alive(4242, 1000, str(proc))
+    assert alive(4242, 1000, str(proc))
     _fake_proc(proc, 4242, 1234)  # the PID reused
-    assert not trace_mod.alive(4242, 1000, str(proc))
+    assert not alive(4242, 1000, str(proc))
     shutil.rmtree(proc / "4242")
-    assert not trace_mod.alive(4242, 1000, str(proc))
+    assert not alive(4242, 1000, str(proc))
 
 
 # ---- 16. profiling counters held by another tool -----------------------------------------------------

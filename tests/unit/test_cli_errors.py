@@ -13,7 +13,7 @@ from gpuwatch.agent.control import ControlError
 from gpuwatch.agent.daemon import DaemonError
 from gpuwatch.agent.run import RunError
 from gpuwatch.agent.store import StoreError
-from gpuwatch.agent.trace import TraceError
+from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.probes.cupti.occupancy import UnsupportedDevice
 from gpuwatch.probes.nvml.backend import LibraryUnavailable, NvmlError
 

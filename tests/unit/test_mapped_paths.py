@@ -41,7 +41,7 @@ def test_hostile_paths_are_found_exactly_and_deleted_ones_skipped(tmp_path):
         found = loader.mapped_files(child.pid)
         ours = [os.fsencode(p) for p in found if os.fsencode(p).startswith(base)]
         assert sorted(ours) == sorted(paths)
-        cuda = loader.libcuda_in(child.pid)
+        cuda = loader.libraries_in(child.pid, loader.LIBCUDA_RE)
         assert len(cuda) == 5
         for p in cuda:
             assert os.path.exists(p), p  # reachable through /proc/PID/root, bytes intact

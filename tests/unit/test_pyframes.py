@@ -20,7 +20,7 @@ def walk(pid: int, tid: int, off: pyframes.Offsets) -> list[str | None]:
     where = pyframes.runtime_of(pid, off)
     assert isinstance(where, int), where
     with driver_names.Memory(pid) as mem:
-        u = lambda a: pyframes._u64(mem, a)  # noqa: E731
+        u = mem.u64
         ts = u(u(where) + off.threads_head)
         for _ in range(64):
             if u(ts + off.native_thread_id) & 0xFFFFFFFF == tid:

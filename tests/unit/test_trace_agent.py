@@ -17,8 +17,9 @@ import pytest
 from gpuwatch.agent import config as config_mod
 from gpuwatch.agent import daemon as daemon_mod
 from gpuwatch.agent import handlers as handlers_mod
-from gpuwatch.agent import trace
 from gpuwatch.agent.trace import session, summary
+from gpuwatch.agent.trace.errors import TraceError
+from gpuwatch.agent.trace.pids import Target, pid_max
 from gpuwatch.agent.api import Probe, ProbeNotRunning
 from gpuwatch.agent.registry import ProbeEntry
 from gpuwatch.agent.control import ControlError, ControlServer, PeerCred, parse_params
@@ -63,7 +64,7 @@ NOW = {
 
 # ---- since(): counted from the start of the trace -------------------------------------------------
 def test_since_subtracts_counts_and_keeps_state():
-    d = trace.since(NOW, START)
+    d = summary.since(NOW, START)
     alloc = d["apis"]["cuMemAlloc_v2"]
     assert (alloc["calls"], alloc["errors"], alloc["bytes"]) == (5, 1, 500)
     assert alloc["seconds"] == pytest.approx(3000e-9) and alloc["mean_latency_s"] == pytest.approx(600e-9)
@@ -82,13 +83,13 @@ def test_since_subtracts_counts_and_keeps_state():
 
 
 def test_since_itself_is_nothing_and_summarizes_like_a_fresh_probe():
-    d = trace.since(NOW, NOW)
+    d = summary.since(NOW, NOW)
     assert d["apis"] == {} and d["kernels"] == [] and d["dropped_events"] == 0
     assert (d["memory"]["allocations"], d["memory"]["frees"]) == (0, 0)
-    s = trace.summarize(trace.since(NOW, START), pid=7, process="x", duration=1.0, ended="duration")
+    s = summary.summarize(summary.since(NOW, START), pid=7, process="x", duration=1.0, ended="duration")
     assert s["apis"]["cuMemAlloc_v2"]["p50_latency_s"] == 2 ** 10 * 1e-9
     assert s["apis"]["cuMemAlloc_v2"]["p99_latency_s"] == 2 ** 13 * 1e-9
-    assert trace.totals(trace.since(NOW, START)) == (8, 1)
+    assert summary.totals(summary.since(NOW, START)) == (8, 1)
 
 
 @pytest.mark.parametrize("now", [
@@ -97,8 +98,8 @@ def test_since_itself_is_nothing_and_summarizes_like_a_fresh_probe():
     dict(START, kernels=[dict(START["kernels"][0], launches=3)]),
 ])
 def test_since_counts_going_down_mean_the_agents_probe_restarted(now):
-    with pytest.raises(trace.TraceError, match="restarted during the trace"):
-        trace.since(now, START)
+    with pytest.raises(TraceError, match="restarted during the trace"):
+        summary.since(now, START)
 
 
 @pytest.mark.parametrize("now,start,apis", [
@@ -120,29 +121,29 @@ def test_since_counts_going_down_mean_the_agents_probe_restarted(now):
      {"b": {"calls": 2, "seconds": 3e-6, "mean_latency_s": 1.5e-6}}),
 ])
 def test_since_per_api_counts_by_key(now, start, apis):
-    assert trace.since(now, start)["apis"] == apis
+    assert summary.since(now, start)["apis"] == apis
 
 
 def test_since_kernels_new_unchanged_and_from_a_start_without_any():
     a = {"handle": "0xa", "launches": 4, "degenerate_launches": 1}
     now = {"kernels": [a, {"handle": "0xb", "launches": 2}]}
     # 0xa did not launch during the trace: left out, not an error; 0xb is new and counts from zero
-    assert trace.since(now, {"kernels": [a]})["kernels"] == [{"handle": "0xb", "launches": 2}]
-    assert trace.since(now, {"kernels": None})["kernels"] == now["kernels"]
-    assert trace.since({"kernels": [{"handle": "0xc"}]}, {})["kernels"] == []  # no launch count: no launches
-    with pytest.raises(trace.TraceError) as e:
-        trace.since({"kernels": [dict(a, launches=3)]}, {"kernels": [a]})
-    assert str(e.value) == trace.RESTARTED
+    assert summary.since(now, {"kernels": [a]})["kernels"] == [{"handle": "0xb", "launches": 2}]
+    assert summary.since(now, {"kernels": None})["kernels"] == now["kernels"]
+    assert summary.since({"kernels": [{"handle": "0xc"}]}, {})["kernels"] == []  # no launch count: no launches
+    with pytest.raises(TraceError) as e:
+        summary.since({"kernels": [dict(a, launches=3)]}, {"kernels": [a]})
+    assert str(e.value) == summary.RESTARTED
 
 
 def test_since_dropped_events_and_memory_when_keys_are_missing():
-    assert trace.since({}, {}) == {"apis": {}, "kernels": [], "dropped_events": 0}  # no memory key made up
-    d = trace.since({"dropped_events": 5, "memory": {"live_bytes": 9, "allocations": 3, "frees": 1}}, {})
+    assert summary.since({}, {}) == {"apis": {}, "kernels": [], "dropped_events": 0}  # no memory key made up
+    d = summary.since({"dropped_events": 5, "memory": {"live_bytes": 9, "allocations": 3, "frees": 1}}, {})
     assert d["dropped_events"] == 5 and d["memory"] == {"live_bytes": 9, "allocations": 3, "frees": 1}
-    assert trace.since({"dropped_events": 5}, {"dropped_events": 2})["dropped_events"] == 3
+    assert summary.since({"dropped_events": 5}, {"dropped_events": 2})["dropped_events"] == 3
     # memory by key is state, like live_bytes: kept as it is, only allocations and frees are subtracted
     mem = {"live_bytes_by_device": {"0": 800}, "allocations": 4}
-    assert trace.since({"memory": mem}, {"memory": {"live_bytes_by_device": {"0": 600}, "allocations": 1}})[
+    assert summary.since({"memory": mem}, {"memory": {"live_bytes_by_device": {"0": 600}, "allocations": 1}})[
         "memory"] == {"live_bytes_by_device": {"0": 800}, "allocations": 3}
 
 
@@ -150,9 +151,9 @@ def test_since_drops_by_kind_count_from_the_start_of_the_trace():
     # the probe's drops are node-wide and run from its start; a trace through the agent reports its own
     now = {"dropped_by_kind": {"stats": 7, "live_allocations": 2, "ring_buffer": 0}}
     start = {"dropped_by_kind": {"stats": 5, "live_allocations": 2}}
-    assert trace.since(now, start)["dropped_by_kind"] == {"stats": 2, "live_allocations": 0, "ring_buffer": 0}
-    assert trace.since(now, {})["dropped_by_kind"] == now["dropped_by_kind"]
-    assert "dropped_by_kind" not in trace.since({}, start)
+    assert summary.since(now, start)["dropped_by_kind"] == {"stats": 2, "live_allocations": 0, "ring_buffer": 0}
+    assert summary.since(now, {})["dropped_by_kind"] == now["dropped_by_kind"]
+    assert "dropped_by_kind" not in summary.since({}, start)
 
 
 def test_int_keys_turns_only_integer_text_into_integers():
@@ -165,19 +166,19 @@ NS = 1e-9
 
 
 def test_percentile_of_an_empty_histogram_is_none():
-    assert trace.percentile({}, 0.5) is None
-    assert trace.percentile({"5": 0, 6: 0}, 0.99) is None  # empty buckets are no calls
+    assert summary.percentile({}, 0.5) is None
+    assert summary.percentile({"5": 0, 6: 0}, 0.99) is None  # empty buckets are no calls
 
 
 @pytest.mark.parametrize("q", [0.0, 0.5, 0.99, 1.0])
 def test_percentile_of_one_call_is_its_bucket_at_every_rank(q):
-    assert trace.percentile({"7": 1, "9": 0}, q) == 2.0 ** 7 * NS
+    assert summary.percentile({"7": 1, "9": 0}, q) == 2.0 ** 7 * NS
 
 
 def test_percentile_slot_zero_is_zero_seconds_and_slot_one_two_ns():
     h = {"0": 2, "1": 1}  # 3 calls: p50 is rank ceil(1.5) = 2 (slot 0), p99 rank ceil(2.97) = 3 (slot 1)
-    assert trace.percentile(h, 0.5) == 0.0
-    assert trace.percentile(h, 0.99) == 2.0 * NS
+    assert summary.percentile(h, 0.5) == 0.0
+    assert summary.percentile(h, 0.99) == 2.0 * NS
 
 
 @pytest.mark.parametrize("q,slot", [
@@ -190,18 +191,18 @@ def test_percentile_slot_zero_is_zero_seconds_and_slot_one_two_ns():
 ])
 def test_percentile_rank_rounds_up_and_slots_sort_as_numbers(q, slot):
     h = {"10": 1, "9": 1, 11: 1, "12": 0}  # as text "10" < "9": the slots must be compared as numbers
-    assert trace.percentile(h, q) == 2.0 ** slot * NS
+    assert summary.percentile(h, q) == 2.0 ** slot * NS
 
 
 def test_percentile_at_the_p99_bucket_edge():
     # 100 calls: p99 is rank 99; with 99 calls in slot 3 it is slot 3, with 98 the 99th call is in slot 5
-    assert trace.percentile({"3": 99, "5": 1}, 0.99) == 8 * NS
-    assert trace.percentile({"3": 98, "5": 2}, 0.99) == 32 * NS
-    assert trace.percentile({"3": 98, "5": 1, "7": 1}, 0.99) == 32 * NS
+    assert summary.percentile({"3": 99, "5": 1}, 0.99) == 8 * NS
+    assert summary.percentile({"3": 98, "5": 2}, 0.99) == 32 * NS
+    assert summary.percentile({"3": 98, "5": 1, "7": 1}, 0.99) == 32 * NS
 
 
 def test_has_latency_from_histogram_or_seconds():
-    assert [trace.has_latency(a) for a in ({}, {"histogram": {}, "seconds": 0.0}, {"histogram": {"3": 1}},
+    assert [summary.has_latency(a) for a in ({}, {"histogram": {}, "seconds": 0.0}, {"histogram": {"3": 1}},
                                            {"seconds": 1e-6})] == [False, False, True, True]
 
 
@@ -209,30 +210,30 @@ def test_rates_per_second_since_the_previous_snapshot():
     snap = {"apis": {"a": {"calls": 30}, "b": {"calls": 7}, "c": {}}}
     prev = {"apis": {"a": {"calls": 10}, "c": {"calls": 0}}}
     # (30 - 10) / 0.5, b new since the previous one: 7 / 0.5, c has no calls at all
-    assert trace.rates(snap, prev, 0.5) == {"a": 40.0, "b": 14.0, "c": 0.0}
-    assert trace.rates(snap, prev, 2.0) == {"a": 10.0, "b": 3.5, "c": 0.0}
-    assert trace.rates(snap, {}, 0.5) == {"a": 60.0, "b": 14.0, "c": 0.0}  # a previous one with no APIs
+    assert summary.rates(snap, prev, 0.5) == {"a": 40.0, "b": 14.0, "c": 0.0}
+    assert summary.rates(snap, prev, 2.0) == {"a": 10.0, "b": 3.5, "c": 0.0}
+    assert summary.rates(snap, {}, 0.5) == {"a": 60.0, "b": 14.0, "c": 0.0}  # a previous one with no APIs
     # no previous snapshot, or no time between them: no rates (not a division by zero)
-    assert trace.rates(snap, None, 0.5) == {} and trace.rates(snap, prev, 0.0) == {}
-    assert trace.rates(snap, prev, -1.0) == {}
-    assert trace.rates({}, prev, 0.5) == {}
+    assert summary.rates(snap, None, 0.5) == {} and summary.rates(snap, prev, 0.0) == {}
+    assert summary.rates(snap, prev, -1.0) == {}
+    assert summary.rates({}, prev, 0.5) == {}
 
 
 def test_kernel_rates_per_second_since_the_previous_snapshot():
     snap = {"kernels": [{"handle": 1, "launches": 9}, {"handle": 2, "launches": 4}, {"handle": 3}]}
     prev = {"kernels": [{"handle": 1, "launches": 3}, {"handle": 3}]}
     # (9 - 3) / 0.5; kernel 2 is new: 4 / 0.5; kernel 3 never launched
-    assert trace.kernel_rates(snap, prev, 0.5) == {1: 12.0, 2: 8.0, 3: 0.0}
-    assert trace.kernel_rates(snap, prev, 2.0) == {1: 3.0, 2: 2.0, 3: 0.0}
-    assert trace.kernel_rates(snap, {"kernels": None}, 0.5) == {1: 18.0, 2: 8.0, 3: 0.0}
-    assert trace.kernel_rates({"kernels": None}, prev, 0.5) == {}
-    assert trace.kernel_rates(snap, None, 0.5) == {} and trace.kernel_rates(snap, prev, 0.0) == {}
-    assert trace.kernel_rates(snap, prev, -1.0) == {}
+    assert summary.kernel_rates(snap, prev, 0.5) == {1: 12.0, 2: 8.0, 3: 0.0}
+    assert summary.kernel_rates(snap, prev, 2.0) == {1: 3.0, 2: 2.0, 3: 0.0}
+    assert summary.kernel_rates(snap, {"kernels": None}, 0.5) == {1: 18.0, 2: 8.0, 3: 0.0}
+    assert summary.kernel_rates({"kernels": None}, prev, 0.5) == {}
+    assert summary.kernel_rates(snap, None, 0.5) == {} and summary.kernel_rates(snap, prev, 0.0) == {}
+    assert summary.kernel_rates(snap, prev, -1.0) == {}
 
 
 def test_totals_sum_calls_and_errors_of_every_api():
-    assert trace.totals({"apis": {"a": {"calls": 3, "errors": 1}, "b": {"calls": 2}, "c": {"errors": 4}}}) == (5, 5)
-    assert trace.totals({}) == (0, 0)
+    assert summary.totals({"apis": {"a": {"calls": 3, "errors": 1}, "b": {"calls": 2}, "c": {"errors": 4}}}) == (5, 5)
+    assert summary.totals({}) == (0, 0)
 
 
 def test_summarize_exact_document():
@@ -253,7 +254,7 @@ def test_summarize_exact_document():
         "dropped_events": 2,
         "gpu": {"index": 0},
     }
-    s = trace.summarize(snap, pid=42, process="train", duration=12.3456, ended="exited")
+    s = summary.summarize(snap, pid=42, process="train", duration=12.3456, ended="exited")
     assert list(s["apis"]) == ["cuCtxSynchronize", "cuLaunchKernel", "cuMemAlloc_v2", "cuMemcpyHtoD_v2"]
     assert s == {
         "pid": 42,
@@ -290,28 +291,28 @@ def test_summaries_are_their_wire_type_and_read_back_checked(tmp_path):
     from gpuwatch.agent.trace.output import read_summary
     from gpuwatch.agent.wire import TraceSummary
 
-    doc = trace.summarize(START, pid=42, process="train", duration=1.5, ended="exited")
+    doc = summary.summarize(START, pid=42, process="train", duration=1.5, ended="exited")
     TraceSummary.parse(doc)
-    TraceSummary.parse(trace.summarize({}, pid=1, process="?", duration=0.0, ended="Ctrl-C"))
+    TraceSummary.parse(summary.summarize({}, pid=1, process="?", duration=0.0, ended="Ctrl-C"))
     path = tmp_path / "run.json"
     path.write_text(json.dumps(doc))
     assert read_summary(str(path)) == doc
     for bad, field in ((dict(doc, pid=0), "pid"), (dict(doc, dropped_events=-1), "dropped_events"),
                        ({k: v for k, v in doc.items() if k != "apis"}, "apis: is required")):
         path.write_text(json.dumps(bad))
-        with pytest.raises(trace.TraceError, match=f"is not a gpuwatch trace summary: {field}"):
+        with pytest.raises(TraceError, match=f"is not a gpuwatch trace summary: {field}"):
             read_summary(str(path))
     path.write_text("{")
-    with pytest.raises(trace.TraceError, match="is not a gpuwatch trace summary"):
+    with pytest.raises(TraceError, match="is not a gpuwatch trace summary"):
         read_summary(str(path))
 
 
 def test_summarize_of_an_empty_snapshot():
-    s = trace.summarize({"kernels": None, "stacks": None}, pid=1, process="p", duration=0.0004, ended="interrupted")
+    s = summary.summarize({"kernels": None, "stacks": None}, pid=1, process="p", duration=0.0004, ended="interrupted")
     assert (s["apis"], s["kernels"], s["stacks"], s["dropped_events"], s["gpu"], s["duration_seconds"]) == (
         {}, [], [], 0, None, 0.0)
     assert s["memory"] == {"live_bytes": 0, "live_allocations": 0, "allocations": 0, "frees": 0}
-    assert trace.summarize({}, pid=1, process="p", duration=1.0, ended="x")["kernels"] == []
+    assert summary.summarize({}, pid=1, process="p", duration=1.0, ended="x")["kernels"] == []
 
 
 # ---- AgentTrace: the client, against a scripted agent ----------------------------------------------
@@ -342,26 +343,26 @@ def scripted(tmp_path):
     server.stop()
 
 
-def _target(p) -> trace.Target:
-    return trace.Target(p.pid, "sleep", identity.read_stat(p.pid).start_time)
+def _target(p) -> Target:
+    return Target(p.pid, "sleep", identity.read_stat(p.pid).start_time)
 
 
 def test_agent_trace_counts_from_start(scripted, sleeper):
     scripted.answers[:] = [START, NOW]
-    t = trace.AgentTrace(scripted.path, _target(sleeper))
+    t = session.AgentTrace(scripted.path, _target(sleeper))
     t.start()
     assert t.attached() == START["libraries"]
     snap = t.snapshot(sleeper.pid)
-    assert snap == trace.since(NOW, START)
+    assert snap == summary.since(NOW, START)
     assert scripted.asked == [PidParams(pid=sleeper.pid)] * 2
 
 
 def test_agent_trace_after_the_process_exits_keeps_the_last_counts(scripted, sleeper):
     scripted.answers[:] = [START, NOW, ControlError(f"no such process: PID {sleeper.pid}")]
-    t = trace.AgentTrace(scripted.path, _target(sleeper))
+    t = session.AgentTrace(scripted.path, _target(sleeper))
     t.start()
     last = t.snapshot(sleeper.pid)
-    with pytest.raises(trace.TraceError, match="no such process"):  # while it runs, an error is an error
+    with pytest.raises(TraceError, match="no such process"):  # while it runs, an error is an error
         t.snapshot(sleeper.pid)
     sleeper.kill()
     sleeper.wait()
@@ -373,31 +374,31 @@ def test_agent_trace_refuses_a_reply_outside_its_wire_type(scripted, sleeper):
     # counts no real probe can have are an error naming the field, never arithmetic on them.
     hostile = dict(START, apis={"cuMemAlloc_v2": dict(_api(1), calls=10**400)})
     scripted.answers[:] = [hostile]
-    with pytest.raises(trace.TraceError, match=r"unexpected reply to 'trace.snapshot'.*"
+    with pytest.raises(TraceError, match=r"unexpected reply to 'trace.snapshot'.*"
                                                r"apis\['cuMemAlloc_v2'\].calls: must be an integer"):
-        trace.AgentTrace(scripted.path, _target(sleeper)).start()
+        session.AgentTrace(scripted.path, _target(sleeper)).start()
 
 
 def test_agent_trace_waits_for_the_agent_to_attach_only_with_wait(scripted, sleeper, monkeypatch):
     monkeypatch.setattr(session, "AGENT_ATTACH_POLL_S", 0.01)
     pending = dict(START, libraries=[])
     scripted.answers[:] = [pending]
-    with pytest.raises(trace.TraceError, match=r"has not attached to the libcuda of process \d+ \(sleep\) yet.*--wait"):
-        trace.AgentTrace(scripted.path, _target(sleeper)).start()
+    with pytest.raises(TraceError, match=r"has not attached to the libcuda of process \d+ \(sleep\) yet.*--wait"):
+        session.AgentTrace(scripted.path, _target(sleeper)).start()
     scripted.answers[:] = [pending, pending, START, NOW]
-    t = trace.AgentTrace(scripted.path, _target(sleeper), wait=True)
+    t = session.AgentTrace(scripted.path, _target(sleeper), wait=True)
     t.start()
-    assert t.attached() == START["libraries"] and t.snapshot(sleeper.pid) == trace.since(NOW, START)
+    assert t.attached() == START["libraries"] and t.snapshot(sleeper.pid) == summary.since(NOW, START)
 
 
 def test_unreachable_agent_and_library_say_what_to_do(tmp_path):
-    with pytest.raises(trace.TraceError) as e:
+    with pytest.raises(TraceError) as e:
         session._agent_socket(4242, None, str(tmp_path / "none.sock"), None)
     assert str(e.value) == (f"attaching eBPF uprobes to process 4242 needs root, and the gpuwatch agent cannot be "
                             f"asked instead (no gpuwatch agent is listening on {tmp_path}/none.sock (is `gpuwatch "
-                            f"agent` / the gpuwatch service running?)): {trace.NOT_ROOT}")
-    assert "start the gpuwatch daemon (systemctl start gpuwatch)" in trace.NOT_ROOT
-    with pytest.raises(trace.TraceError, match="--library needs root"):
+                            f"agent` / the gpuwatch service running?)): {session.NOT_ROOT}")
+    assert "start the gpuwatch daemon (systemctl start gpuwatch)" in session.NOT_ROOT
+    with pytest.raises(TraceError, match="--library needs root"):
         session._agent_socket(4242, "/x/libcuda.so.1", str(tmp_path / "none.sock"), None)
 
 
@@ -488,7 +489,7 @@ def test_snapshot_errors_say_why(agent, sleeper):
     for params, message in [({}, "trace.snapshot refused: pid: is required"),
                             ({"pid": True}, "got True"),
                             ({"pid": 0}, "pid: must be an integer from 1 to 4194304, got 0"),
-                            ({"pid": trace.pid_max() + 1}, "is above this system's largest PID"),
+                            ({"pid": pid_max() + 1}, "is above this system's largest PID"),
                             ({"pid": sleeper.pid}, f"process {sleeper.pid} (sleep) does not use CUDA")]:
         with pytest.raises(ControlError, match=message.replace("(", r"\(").replace(")", r"\)")):
             d._trace_snapshot(parse_params("trace.snapshot", params), ME)
