@@ -2,15 +2,8 @@
 is not a terminal (render_line), and the summary at the end (render_summary)."""
 from __future__ import annotations
 
-import io
 import os
 from typing import Any
-
-from rich.cells import cell_len
-from rich.console import Console, Group
-from rich.markup import escape
-from rich.table import Table
-from rich.text import Text
 
 from gpuwatch.agent.logs import fmt_bytes
 from gpuwatch.agent.trace.summary import TOP_STACKS, _kernels, has_latency, kernel_rates, percentile, rates, totals
@@ -93,7 +86,9 @@ def errors_cell(a: dict) -> str:
 
 
 def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
+    from rich.table import Table
     t = Table(box=None, pad_edge=False, header_style="bold")
+    from rich.text import Text
     cols = ["kernel"] + (["launches/s"] if kr is not None else []) + \
         ["launches", "in graphs", "grid", "block", "shared mem", "1-block launches"]
     for c in cols:
@@ -117,6 +112,8 @@ def _kernel_table(kernels: list[dict], kr: dict | None, limit: int):
 
 def _gpu_table(gpu: dict, limit: int):
     """GPU-side kernel times from the in-process agent (CUPTI), busiest first."""
+    from rich.table import Table
+    from rich.text import Text
     t = Table(box=None, pad_edge=False, header_style="bold")
     cols = ["GPU kernel (CUPTI)", "launches", "GPU time", "mean", "min", "max", "grid", "block", "regs",
             "shared mem", "occupancy"]
@@ -157,6 +154,7 @@ GPU_HINT = ("GPU-side kernel times: start the program with `gpuwatch run -- CMD`
 
 def _stacks_text(stacks: list[dict]) -> str:
     """The allocation stacks holding the most live bytes: bytes, allocations, innermost frames."""
+    from rich.markup import escape
     lines = []
     for s in stacks[:TOP_STACKS]:
         frames = " ← ".join(escape(f) for f in s.get("frames", [])[1:4]) or "(no stack)"
@@ -167,6 +165,7 @@ def _stacks_text(stacks: list[dict]) -> str:
 def launch_stacks_text(kernels: list[dict], top: int = 3) -> str:
     """Where the busiest kernels are launched from: per kernel its most sampled launch stack, the
     Python frames (innermost first) then the native ones past the driver."""
+    from rich.markup import escape
     lines = []
     for k in kernels[:top]:
         stacks = k.get("stacks") or []
@@ -199,6 +198,7 @@ def nccl_text(comms: list[dict] | None, limit: int = 4) -> str:
     how often it entered a collective last of the node's ranks; "" for none."""
     if not comms:
         return ""
+    from rich.markup import escape
     lines = []
     for c in sorted(comms, key=lambda c: (-c.get("collectives", 0), str(c.get("comm"))))[:limit]:
         who = f"rank {c['rank']}" + (f" of {c['size']}" if c.get("size") else "") if c.get("rank") is not None \
@@ -233,6 +233,7 @@ def _live_memory_text(mem: dict, dropped: int) -> str:
 
 def _fit(markup: str, **style) -> Any:
     """One line that never wraps: cut with "…" at the terminal's edge."""
+    from rich.text import Text
     t = Text.from_markup(markup, **style)
     t.no_wrap, t.overflow = True, "ellipsis"
     return t
@@ -241,6 +242,9 @@ def _fit(markup: str, **style) -> Any:
 def _live_table(first: str, cols: tuple[str, ...], rows: list[list], more: int, width: int | None):
     """A live-view table: one line a row. The numbers keep their width; the first column (a name)
     gets what is left of `width` and is cut with "…"; "… N more" closes it when rows were left out."""
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
     t = Table(box=None, pad_edge=False, header_style="bold", expand=False)
     widths = [max([cell_len(c)] + [cell_len(Text.from_markup(r[i + 1]).plain) for r in rows])
               for i, c in enumerate(cols)]
@@ -287,8 +291,10 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
     lines (the terminal's; None: no limit): the header, the
     busiest APIs and kernels, the memory line, then what room is left for stacks and the GPU
     side, and one footer line."""
+    from rich.console import Group
     calls, errors = totals(snapshot)
     of = f"/{duration:g}" if duration else ""
+    from rich.markup import escape
     name = process if len(process) <= 16 else process[:15] + "…"  # the counts after it stay in view
     head = (f"[bold]trace PID {pid}[/bold] ({escape(name)}) · {elapsed:.0f}{of} s · {calls} calls, "
             f"{errors} errors · {uprobes} uprobes")
@@ -340,6 +346,7 @@ def render_live(snapshot: dict, previous: dict | None, dt: float, elapsed: float
 
 
 def _gpu_parts(gpu: dict | None) -> list:
+    from rich.text import Text
     if gpu is None:
         return [Text(""), Text(GPU_HINT, style="dim")]
     parts: list[Any] = [Text(""), Text.from_markup(_gpu_text(gpu))]
@@ -359,6 +366,9 @@ def ended_text(summary: dict) -> str:
 
 def render_summary(summary: dict):
     """The rich renderable printed when the trace ends."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.text import Text
     snap = {"apis": {name: dict(a, histogram={}, seconds=a.get("mean_latency_s") or 0.0)
                      for name, a in summary["apis"].items()}}
     calls, errors = totals(snap)
@@ -366,6 +376,7 @@ def render_summary(summary: dict):
             f"{ended_text(summary)}[/bold] · {calls} calls, {errors} errors")
     parts: list[Any] = [Text.from_markup(head), Text("")]
     if summary["apis"]:
+        from rich.table import Table
         t = Table(box=None, pad_edge=False, header_style="bold")
         for c in ("API", "calls", "errors", "bytes", "mean", "p50", "p99"):
             t.add_column(c, justify="left" if c == "API" else "right", no_wrap=c == "API", overflow="ellipsis")
@@ -424,6 +435,9 @@ class LiveScreen:
 
     def frame(self, renderable, width: int, height: int) -> str:
         """The escape sequences that draw `renderable` as a whole frame of width x height."""
+        import io
+
+        from rich.console import Console
         c = self.console
         buf = io.StringIO()
         Console(file=buf, width=width, height=height, color_system=c.color_system, force_terminal=True,

@@ -149,6 +149,10 @@ CURESULT_NAMES = {
 }
 
 
+def curesult_name(code: int) -> str:
+    return CURESULT_NAMES.get(code, f"CUresult {code}")
+
+
 @dataclass(frozen=True)
 class Hook:
     """One exported libcuda function.
@@ -339,7 +343,7 @@ def result_name(api: str, code: int) -> str:
     """The name of a hooked call's return code: a CUresult, or an ncclResult_t for NCCL's."""
     if api in NCCL_APIS:
         return NCCL_RESULT_NAMES.get(code, f"ncclResult_t {code}")
-    return CURESULT_NAMES.get(code, f"CUresult {code}")
+    return curesult_name(code)
 
 PY_DEPTH = 16  # Python frames kept per sampled launch (pyframes.PY_DEPTH)
 PY_THREADS = 64  # thread states looked through for the launching thread's
