@@ -61,14 +61,6 @@ def _positive(v: float) -> float:
     return v
 
 
-def _at_least(n: int) -> Callable[[int], int]:
-    def check(v: int) -> int:
-        if v < n:
-            raise ValueError
-        return v
-    return check
-
-
 def _at_least_float(n: float) -> Callable[[float], float]:
     def check(v: float) -> float:
         if not (v >= n and math.isfinite(v)):
@@ -77,12 +69,16 @@ def _at_least_float(n: float) -> Callable[[float], float]:
     return check
 
 
-def _from_to(lo: int, hi: int) -> Callable[[int], int]:
+def _from_to(lo: int, hi: float) -> Callable[[int], int]:
     def check(v: int) -> int:
         if not lo <= v <= hi:
             raise ValueError
         return v
     return check
+
+
+def _at_least(n: int) -> Callable[[int], int]:
+    return _from_to(n, math.inf)
 
 
 def _fraction(v: float) -> float:
@@ -520,15 +516,9 @@ def changed_settings(old: Any, new: Any) -> list[str]:
 # -- loading -----------------------------------------------------------------------------------
 
 def _describe(v: Any) -> str:
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, bool):
-        return "true" if v else "false"
     if isinstance(v, dict):
         return "a table"
-    if isinstance(v, list):
-        return "a list"
-    return repr(v)
+    return "a list" if isinstance(v, list) else _toml_value(v)
 
 
 def _typed(s: Setting, v: Any, from_text: bool) -> Any:
