@@ -6,6 +6,7 @@ precedence is flag > environment > file > default.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -170,10 +171,8 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
     except KeyboardInterrupt:
         return
     finally:
-        try:
+        with contextlib.suppress(Exception):
             backend.close()
-        except Exception:
-            pass
 
 
 def _print_gpus(rows: list[dict], processes: list[dict] | None = None) -> None:
