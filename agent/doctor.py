@@ -188,12 +188,8 @@ def _headers_remedy(release: str) -> str:
 
 def _tracefs_mounts(mounts_text: str | None = None) -> list[str]:
     text = mounts_text if mounts_text is not None else _read("/proc/self/mounts")
-    points = []
-    for line in (text or "").splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and fields[2] == "tracefs":
-            points.append(fields[1])
-    return points
+    return [fields[1] for fields in map(str.split, (text or "").splitlines())
+            if len(fields) >= 3 and fields[2] == "tracefs"]
 
 
 UPROBE_PMU = "/sys/bus/event_source/devices/uprobe/type"
@@ -242,12 +238,9 @@ def check_bpf_caps(status_text: str | None = None) -> Check:
 
 def missing_capabilities(mask: int) -> list[tuple[str, str, str]]:
     """(what, the capabilities it needs, what is off) for each need in CAPABILITY_NEEDS not met by mask."""
-    out = []
-    for what, alternatives, effect in CAPABILITY_NEEDS:
-        if not any(all(has_cap(mask, c) for c in caps) for caps in alternatives):
-            needs = " or ".join("+".join(CAP_NAMES[c] for c in caps) for caps in alternatives)
-            out.append((what, needs, effect))
-    return out
+    return [(what, " or ".join("+".join(CAP_NAMES[c] for c in caps) for caps in alternatives), effect)
+            for what, alternatives, effect in CAPABILITY_NEEDS
+            if not any(all(has_cap(mask, c) for c in caps) for caps in alternatives)]
 
 
 def check_capabilities(status_text: str | None = None) -> Check:
