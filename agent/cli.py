@@ -130,14 +130,12 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
     if socket_path and not replay:  # the agent's GPUs (a demo agent's replayed ones), not this machine's
         while True:
             view = _ask(config_path, socket_path, "top", {})
-            if as_json:
-                click.echo(json.dumps(view["gpus"], sort_keys=True) if watch else
-                           json.dumps(view["gpus"], indent=2, sort_keys=True))
+            if as_json:  # watching: one JSON document a line
+                click.echo(json.dumps(view["gpus"], indent=None if watch else 2, sort_keys=True))
+            elif not view["gpus"] and view.get("no_gpus_reason"):
+                click.echo(f"No GPUs: {view['no_gpus_reason']}")
             else:
-                if not view["gpus"] and view.get("no_gpus_reason"):
-                    click.echo(f"No GPUs: {view['no_gpus_reason']}")
-                else:
-                    _print_gpus(view["gpus"], view["processes"])
+                _print_gpus(view["gpus"], view["processes"])
             if not watch:
                 return
             try:
@@ -154,8 +152,7 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
         while True:
             rows = inventory(backend)
             if as_json:  # watching: one JSON document a line
-                click.echo(json.dumps(rows, sort_keys=True, default=str) if watch else
-                           json.dumps(rows, indent=2, sort_keys=True, default=str))
+                click.echo(json.dumps(rows, indent=None if watch else 2, sort_keys=True, default=str))
             else:
                 if watch:
                     click.echo(time.strftime("%Y-%m-%d %H:%M:%S"))
