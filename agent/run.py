@@ -29,8 +29,7 @@ from typing import Mapping, NoReturn, Sequence
 import gpuwatch.probes.cupti as _cupti_pkg
 from gpuwatch.agent import package_dirs
 from gpuwatch.agent.api import GpuwatchError
-from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
-from gpuwatch.probes.cupti import cupti_lib_dir as _newest_cupti
+from gpuwatch.probes.cupti import MIN_CUPTI, cupti_lib_dir, version_tuple
 
 KERNEL_MODES = ("sampled", "continuous", "off")
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(_cupti_pkg.__file__)), "bootstrap")
@@ -86,17 +85,11 @@ def build_env(environ: Mapping[str, str], *, socket: str, report_dir: str | None
     # PyTorch links its profiler against libcupti: the one the dynamic linker finds first is the
     # one the process gets, and the agent needs ≥ 13.4 (older ones decode ~80x slower). When
     # gpuwatch's own environment has nvidia-cuda-cupti ≥ 13.4, its library goes first.
-    lib = cupti_lib_dir()
-    if lib:
-        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != lib]
-        env["LD_LIBRARY_PATH"] = os.pathsep.join([lib, *paths])
+    found = cupti_lib_dir()  # (version, lib directory) of the newest nvidia-cuda-cupti here
+    if found and version_tuple(found[0])[:2] >= MIN_CUPTI:
+        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != found[1]]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([found[1], *paths])
     return env
-
-
-def cupti_lib_dir() -> str:
-    """The lib directory of nvidia-cuda-cupti ≥ 13.4 in this Python's environment, or ""."""
-    found = _newest_cupti()
-    return found[1] if found and version_tuple(found[0])[:2] >= MIN_CUPTI else ""
 
 
 def _restore_signals() -> None:
