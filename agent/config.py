@@ -495,11 +495,9 @@ def _dataclass(name: str, fields: list) -> type:
     return cls
 
 
-def _section_type(section: str) -> type:
-    return _dataclass(f"{section.capitalize()}Config", [(s.key, s.type) for s in SETTINGS if s.section == section])
-
-
-_SECTION_TYPES: dict[str, type] = {sec: _section_type(sec) for sec in _SECTIONS}
+_SECTION_TYPES: dict[str, type] = {
+    sec: _dataclass(f"{sec.capitalize()}Config", [(s.key, s.type) for s in SETTINGS if s.section == sec])
+    for sec in _SECTIONS}
 # The names for imports and type annotations: AgentConfig, ControlConfig (socket: always a path,
 # the default filled in from agent.runtime_dir), PrometheusConfig, NvmlConfig, ...
 globals().update({cls.__name__: cls for cls in _SECTION_TYPES.values()})

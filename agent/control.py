@@ -94,10 +94,6 @@ class PeerCred:
             return not _readable(self.pidfd, 0)
         return ident.is_alive(self.identity)
 
-    def gone_message(self) -> str:
-        return (f"the process that opened this connection (pid {self.pid}) has exited; "
-                f"a connection speaks only for the process that opened it")
-
 
 def _readable(fd: int, timeout_ms: int) -> bool:
     p = select.poll()
@@ -428,7 +424,8 @@ class ControlServer:
             self._release_slot(cred.uid)
 
     def _gone(self, conn: socket.socket, peer: PeerCred, method: str) -> None:
-        text = peer.gone_message()
+        text = (f"the process that opened this connection (pid {peer.pid}) has exited; "
+                f"a connection speaks only for the process that opened it")
         self._refused(method, "gone", peer.uid, "gone", text)
         _send_error(conn, text)
 

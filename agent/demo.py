@@ -50,11 +50,6 @@ while True:
 """
 
 
-def start_processes() -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", _PROCESS, name, str(duty)], stdin=subprocess.DEVNULL)
-            for name, _gpu, _mem, duty in PROCESSES]
-
-
 def build_recording(path: Path, gpus: int, pids: list[int]) -> int:
     """The H200 recording as `gpus` distinct GPUs (UUIDs, bus ids, load, power, temperature) with the
     demo's processes on the first two, the trainer's memory growing until its GPU is full. Returns
@@ -174,7 +169,8 @@ def run(directory: Path, gpus: int, listen: str, say) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    local = start_processes()
+    local = [subprocess.Popen([sys.executable, "-c", _PROCESS, name, str(duty)], stdin=subprocess.DEVNULL)
+             for name, _gpu, _mem, duty in PROCESSES]
     recording = directory / "demo-nvml.json"
     full = build_recording(recording, gpus, [p.pid for p in local])
     # The agent's log goes to our stderr; our own lines to stdout, so `2>/dev/null` leaves the how-to.
