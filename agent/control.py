@@ -609,10 +609,9 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
             raise ControlError(f"cannot connect to {path}: {e.strerror or e}") from None
         buf = b""
         try:
-            try:
+            # the agent may have answered (busy) and closed before reading: read that
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(request)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the agent may have answered (busy) and closed before reading: read that
             while b"\n" not in buf:
                 chunk = sock.recv(65536)
                 if not chunk:

@@ -151,15 +151,12 @@ def port_holder(port: int) -> str:
     that this user may read; a plain description where it cannot tell."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(f"socket:[{fields[9]}]")
-        except (OSError, ValueError, IndexError):
-            continue
+        with contextlib.suppress(OSError, ValueError, IndexError), open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
     if not inodes:
         return "another process"
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -168,12 +165,10 @@ def port_holder(port: int) -> str:
         except OSError:
             continue
         for fd in fds:
-            try:
+            with contextlib.suppress(OSError):
                 if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
                     with open(f"/proc/{pid}/comm") as f:
                         return f"pid {pid} ({f.read().strip()})"
-            except OSError:
-                continue
     return "a process this user cannot see (run as root to find it: ss -ltnp)"
 
 
