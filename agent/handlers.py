@@ -244,7 +244,6 @@ class Handlers:
         """baseline.run {"gpu": N?, "force": bool?}: run the reference workload now on GPU N (each GPU
         without one), judged and stored; the results. Root only: it takes the GPU for a second or two,
         and force runs it beside other processes."""
-        force = params.force
         if not peer.is_root:
             raise ControlError("only root may run the reference workload (it takes the GPU for a while)")
         gpu = None if params.gpu is None else self._gpu_ref(params.gpu)[0]
@@ -253,18 +252,17 @@ class Handlers:
             why = f" (probe nvml {st.state}: {st.reason})" if st is not None and st.reason else ""
             raise ControlError(f"NVML sees no GPUs now{why}: no GPU to run the reference workload on")
         try:
-            return self._baseline_probe().run_now(gpu, force)
+            return self._baseline_probe().run_now(gpu, params.force)
         except TimeoutError as e:
             raise ControlError(str(e)) from None
 
     def _baseline_show(self, params: wire.BaselineShowParams, peer: PeerCred) -> dict:
         """baseline.show {"gpu": UUID?, "limit": N?}: stored runs, oldest first, with their verdicts."""
-        limit = params.limit
         gpu = None if params.gpu is None else self._gpu_ref(params.gpu, known_only=False)[1]
         if self.store is None:
             raise ControlError(f"the agent runs without its store ({self.store_error}): no runs are kept")
         try:
-            return {"runs": self.store.baseline_runs(gpu, limit)}
+            return {"runs": self.store.baseline_runs(gpu, params.limit)}
         except StoreError as e:
             raise ControlError(str(e)) from None
 
