@@ -88,8 +88,5 @@ class Snapshot:
     def __post_init__(self) -> None:
         object.__setattr__(self, "inventory", Inventory(self.samples))
 
-    def by_metric(self, metric: str) -> list[Sample]:
-        return [s for s in self.samples if s.metric == metric]
-
 
 EMPTY = Snapshot(ts=0.0)
