@@ -587,10 +587,9 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
     if len(request) > MAX_REQUEST:
         raise ControlError(f"request too large for the control socket ({len(request)} bytes, "
                            f"the limit is {MAX_REQUEST})")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    deadline = time.monotonic() + timeout
-    try:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
         try:
             _connect(sock, path, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
@@ -623,8 +622,6 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
         except OSError as e:
             raise ControlError(f"lost the connection to the gpuwatch agent on {path}: "
                                f"{e.strerror or e}") from None
-    finally:
-        sock.close()
     if not buf.strip():
         raise ControlError(f"the gpuwatch agent on {path} closed the connection without answering")
     try:
