@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import json
+import math
 import os
 import sys
+import time
 from typing import Any
 
 import click
@@ -18,7 +21,6 @@ import click
 from gpuwatch.agent import __version__
 from gpuwatch.agent import config as config_mod
 from gpuwatch.agent.api import GpuwatchError
-from gpuwatch.agent.config import ConfigError
 from gpuwatch.agent.top import SORTS
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -49,7 +51,7 @@ class _GpuwatchGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except ConfigError as e:  # its text names the file and key, not that it is the configuration
+        except config_mod.ConfigError as e:  # its text names the file and key, not that it is the configuration
             raise click.ClickException(f"bad configuration: {e}") from None
         except GpuwatchError as e:
             raise click.ClickException(str(e)) from None
@@ -95,8 +97,6 @@ def agent(config_path: str | None, **params: Any) -> None:
     from gpuwatch.agent.daemon import Daemon, detach_from_terminal
     from gpuwatch.agent.logs import setup_logging
 
-    import faulthandler
-
     interactive = detach_from_terminal()  # first thing: a ^Z must not stop a service while it starts
 
     # NVML runs in this process: should libnvidia-ml crash it, the Python stack of every thread
@@ -124,8 +124,6 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
     from gpuwatch.probes.nvml import backend as nvml_backend
     from gpuwatch.probes.nvml import backend_factory
     from gpuwatch.probes.nvml.probe import inventory
-
-    import time
 
     if socket_path and not replay:  # the agent's GPUs (a demo agent's replayed ones), not this machine's
         while True:
@@ -294,8 +292,8 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     st = _ask(config_path, socket_path, "status", {}, result_type=StatusResult).to_json()
     if as_json:
         _echo_json(st)
-        return
-    _print_status(st)
+    else:
+        _print_status(st)
 
 
 def _client_config(config_path: str | None):
@@ -316,8 +314,6 @@ def _ask(config_path: str | None, socket_path: str | None, method: str, params: 
 
 
 def _when(ts: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
@@ -595,8 +591,6 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
 
 
 def _run_finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    import math
-
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a number")
     return value

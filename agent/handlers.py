@@ -6,6 +6,7 @@ Mixed into the Daemon (agent/daemon.py), whose runner, store, probes and reports
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import time
@@ -273,8 +274,6 @@ class Handlers:
         kind = params.kind
         known = sorted({k for det in self.runner.detectors for k in det.kinds} | {"oom"})
         if kind is not None and kind not in known:
-            import difflib
-
             close = difflib.get_close_matches(kind, known, n=1)
             raise ControlError(f"no finding kind {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
                                + f"; the kinds are {', '.join(known)}")
