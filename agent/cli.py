@@ -14,6 +14,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -744,8 +745,6 @@ def demo(directory: str, gpus: int, listen: str) -> None:
 
     NVML and the reference workload are replayed from tests/fixtures (a clone of the repository),
     eBPF is off. Prints how to point the CLI, Prometheus and Grafana at it; Ctrl-C stops it."""
-    from pathlib import Path
-
     from gpuwatch.agent import demo as demo_mod
 
     sys.exit(demo_mod.run(Path(directory).absolute(), gpus, listen, lambda line: click.echo(line)))

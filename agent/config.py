@@ -22,6 +22,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
+from urllib.parse import unquote, urlsplit
 
 from gpuwatch.agent.allocators import parse_pool_libraries
 from gpuwatch.agent.api import GpuwatchError
@@ -121,8 +122,6 @@ def _optional_abs_path(v: str) -> str:
 def parse_headers(text: str) -> dict[str, str]:
     """"key=value,key2=value2" (OTEL_EXPORTER_OTLP_HEADERS' format, values URL-encoded) -> dict.
     ValueError says what is wrong."""
-    from urllib.parse import unquote
-
     out: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
@@ -134,8 +133,6 @@ def parse_headers(text: str) -> dict[str, str]:
 
 def check_endpoint(url: str) -> str:
     """An OTLP endpoint URL: http(s)://host:port[/path]. ValueError otherwise."""
-    from urllib.parse import urlsplit
-
     if not url:
         return url
     parts = urlsplit(url)
