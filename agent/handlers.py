@@ -12,7 +12,7 @@ import os
 import time
 from typing import Callable
 
-from gpuwatch.agent import __version__, wire
+from gpuwatch.agent import __version__, top, wire
 from gpuwatch.agent.api import ProbeBusy, ProbeNotRunning
 from gpuwatch.agent.control import ControlError, Handler, PeerCred
 from gpuwatch.agent.runner import finding_attrs
@@ -55,8 +55,6 @@ class Handlers:
     def _top_view(self) -> dict:
         """The GPUs, their processes and the open findings of the runner's latest snapshot
         (agent/top.py build()): `top`, and the GPU and process rows of `status`."""
-        from gpuwatch.agent import top
-
         snap = self.runner.snapshot
         return top.build(snap.samples, snap.findings, self.runner.history,
                          self.baseline.verdicts() if self.baseline is not None else None,
@@ -77,8 +75,6 @@ class Handlers:
         return kernels
 
     def _top(self, params: wire.NoParams, peer: PeerCred) -> dict:
-        from gpuwatch.agent import top
-
         view = self._top_view()
         if not view["gpus"]:
             view["no_gpus_reason"] = top.why_no_gpus(
