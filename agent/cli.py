@@ -21,8 +21,8 @@ import click
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent import config as config_mod
+from gpuwatch.agent import top as top_mod
 from gpuwatch.agent.api import GpuwatchError
-from gpuwatch.agent.top import SORTS
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -672,7 +672,7 @@ def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, int
                                                  "by the driver's count only; no calls/s, kernels or findings).")
 @click.option("--nvml-replay", "replay", metavar="FILE", type=click.Path(dir_okay=False),
               help="Standalone, on a recorded NVML file instead of this machine's GPUs (as `gpus`).")
-@click.option("--sort", type=click.Choice(SORTS, case_sensitive=False), default="memory", show_default=True,
+@click.option("--sort", type=click.Choice(top_mod.SORTS, case_sensitive=False), default="memory", show_default=True,
               help="Order of the processes (in the live view: keys m, c, p, n).")
 @click.option("--filter", "text", metavar="TEXT", help="Only processes whose command or user contains TEXT.")
 @click.option("-p", "--pid", "pids", type=click.IntRange(1), multiple=True, metavar="PID",
@@ -695,7 +695,6 @@ def top(config_path: str | None, socket_path: str | None, standalone: bool, repl
     Keys: q quits; h or ? shows the keys; m, c, p, n sort by GPU memory, CPU, pid, calls/s; / filters
     the processes as you type (Enter keeps the filter, Esc clears it).
     """
-    from gpuwatch.agent import top as top_mod
     from gpuwatch.agent.control import ControlError
 
     if replay or standalone:

@@ -322,11 +322,9 @@ class Handlers:
 
 
 def _exporter_info(exp) -> dict:
-    port = getattr(exp, "port", None)
-    host = getattr(exp, "host", None)
-    if port is None:
+    if getattr(exp, "port", None) is None:
         return {}
-    info = {"listen": f"{host}:{port}"}
+    info = {"listen": f"{getattr(exp, 'host', None)}:{exp.port}"}
     web = getattr(exp, "web", None)
     if web is not None:
         info["scheme"], info["web_config"] = exp.scheme, web.path
