@@ -381,11 +381,6 @@ class ControlServer:
         with self._stats_lock:
             return dict(self._counts)
 
-    def held(self) -> dict[int, int]:
-        """Connections being served now, by uid."""
-        with self._stats_lock:
-            return dict(self._held)
-
     def _serve(self, conn: socket.socket, cred: PeerCred) -> None:
         pidfd = None
         try:
