@@ -53,10 +53,8 @@ def _gpus(samples: Sequence[Sample]) -> list[tuple[int, str]]:
 def _gpu_processes(samples: Sequence[Sample]) -> dict[int, str]:
     out: dict[int, str] = {}
     for s in samples:
-        if s.metric in GPU_PROCESS_METRICS:
-            pid = s.labels.get("pid", "")
-            if pid.isdigit():
-                out.setdefault(int(pid), s.labels.get("process", ""))
+        if s.metric in GPU_PROCESS_METRICS and s.labels.get("pid", "").isdigit():
+            out.setdefault(int(s.labels["pid"]), s.labels.get("process", ""))
     return out
 
 
