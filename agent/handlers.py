@@ -227,14 +227,10 @@ class Handlers:
         by_index = dict(self.runner.snapshot.inventory.gpus)
         gpus = {u: i for i, u in by_index.items()}
         listing = ", ".join(f"{i} ({u})" for i, u in sorted(by_index.items())) or "none now: NVML is not up"
-        if ref.isdigit():
-            if int(ref) in by_index:
-                return int(ref), by_index[int(ref)]
-            raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
-        if ref in gpus:
-            return gpus[ref], ref
-        if not known_only:
-            return None, ref
+        if ref.isdigit() and int(ref) in by_index:
+            return int(ref), by_index[int(ref)]
+        if not ref.isdigit() and (ref in gpus or not known_only):
+            return gpus.get(ref), ref
         raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
 
     def _baseline_run(self, params: wire.BaselineRunParams, peer: PeerCred) -> list[dict]:
