@@ -47,9 +47,7 @@ def parse_pool_libraries(text: str) -> dict[str, tuple[str, ...]]:
     becomes the allocator label; a known one (pytorch, cupy, xla, rmm, tensorflow) gains the globs.
     ValueError with the reason when an entry is not that."""
     extra: dict[str, list[str]] = {}
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
+    for entry in filter(None, (e.strip() for e in text.split(","))):
         glob, eq, name = (s.strip() for s in entry.partition("="))
         if not eq:
             raise ValueError(f"{entry!r} has no allocator name: expected GLOB=NAME pairs separated by commas, "

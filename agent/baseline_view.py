@@ -15,11 +15,7 @@ def sparkline(values: list[float], low: float | None = None, high: float | None 
     hi = max(values) if high is None else high
     if hi <= lo:
         return BARS[len(BARS) // 2] * len(values)
-    out = []
-    for v in values:
-        i = round((min(max(v, lo), hi) - lo) / (hi - lo) * (len(BARS) - 1))
-        out.append(BARS[i])
-    return "".join(out)
+    return "".join(BARS[round((min(max(v, lo), hi) - lo) / (hi - lo) * (len(BARS) - 1))] for v in values)
 
 
 def own_ratio(run: dict, metric: str = "gemm_flop_per_cycle") -> float | None:

@@ -151,11 +151,6 @@ class Ledger:
                 del self._held[pid]
             self.budget.release(entry[0], n)
 
-    def held(self, pid: int) -> int:
-        with self._lock:
-            entry = self._held.get(pid)
-            return entry[1] if entry is not None else 0
-
     def clear(self) -> None:
         with self._lock:
             pids = list(self._held)

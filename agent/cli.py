@@ -6,24 +6,42 @@ precedence is flag > environment > file > default.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
 import json
+import math
 import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import click
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent import config as config_mod
+from gpuwatch.agent import top as top_mod
 from gpuwatch.agent.api import GpuwatchError
-from gpuwatch.agent.config import ConfigError
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 config_option = click.option(
     "--config", "config_path", envvar=config_mod.CONFIG_ENV, show_envvar=True, metavar="FILE",
     help=f"TOML config file (default: {config_mod.DEFAULT_PATH} if it exists; '' for none).")
+# A command that asks the running agent: --config, --socket, --json
+_CLIENT_OPTIONS = [
+    config_option,
+    click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
+                 help="Control socket of the running agent (default: from the config)."),
+    click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts."),
+]
+
+
+def _client_options(fn):
+    for opt in reversed(_CLIENT_OPTIONS):
+        fn = opt(fn)
+    return fn
 
 
 class _GpuwatchGroup(click.Group):
@@ -34,7 +52,7 @@ class _GpuwatchGroup(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except ConfigError as e:  # its text names the file and key, not that it is the configuration
+        except config_mod.ConfigError as e:  # its text names the file and key, not that it is the configuration
             raise click.ClickException(f"bad configuration: {e}") from None
         except GpuwatchError as e:
             raise click.ClickException(str(e)) from None
@@ -80,8 +98,6 @@ def agent(config_path: str | None, **params: Any) -> None:
     from gpuwatch.agent.daemon import Daemon, detach_from_terminal
     from gpuwatch.agent.logs import setup_logging
 
-    import faulthandler
-
     interactive = detach_from_terminal()  # first thing: a ^Z must not stop a service while it starts
 
     # NVML runs in this process: should libnvidia-ml crash it, the Python stack of every thread
@@ -110,19 +126,15 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
     from gpuwatch.probes.nvml import backend_factory
     from gpuwatch.probes.nvml.probe import inventory
 
-    import time
-
     if socket_path and not replay:  # the agent's GPUs (a demo agent's replayed ones), not this machine's
         while True:
             view = _ask(config_path, socket_path, "top", {})
-            if as_json:
-                click.echo(json.dumps(view["gpus"], sort_keys=True) if watch else
-                           json.dumps(view["gpus"], indent=2, sort_keys=True))
+            if as_json:  # watching: one JSON document a line
+                click.echo(json.dumps(view["gpus"], indent=None if watch else 2, sort_keys=True))
+            elif not view["gpus"] and view.get("no_gpus_reason"):
+                click.echo(f"No GPUs: {view['no_gpus_reason']}")
             else:
-                if not view["gpus"] and view.get("no_gpus_reason"):
-                    click.echo(f"No GPUs: {view['no_gpus_reason']}")
-                else:
-                    _print_gpus(view["gpus"], view["processes"])
+                _print_gpus(view["gpus"], view["processes"])
             if not watch:
                 return
             try:
@@ -139,8 +151,7 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
         while True:
             rows = inventory(backend)
             if as_json:  # watching: one JSON document a line
-                click.echo(json.dumps(rows, sort_keys=True, default=str) if watch else
-                           json.dumps(rows, indent=2, sort_keys=True, default=str))
+                click.echo(json.dumps(rows, indent=None if watch else 2, sort_keys=True, default=str))
             else:
                 if watch:
                     click.echo(time.strftime("%Y-%m-%d %H:%M:%S"))
@@ -156,10 +167,8 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
     except KeyboardInterrupt:
         return
     finally:
-        try:
+        with contextlib.suppress(Exception):
             backend.close()
-        except Exception:
-            pass
 
 
 def _print_gpus(rows: list[dict], processes: list[dict] | None = None) -> None:
@@ -276,10 +285,7 @@ def _install_headers(dry_run: bool) -> None:
 
 
 @main.command(context_settings=CONTEXT)
-@config_option
-@click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
-              help="Control socket of the running agent (default: from the config).")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
+@_client_options
 def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Ask the running agent how it is doing."""
     from gpuwatch.agent.wire import StatusResult
@@ -287,8 +293,8 @@ def status(config_path: str | None, socket_path: str | None, as_json: bool) -> N
     st = _ask(config_path, socket_path, "status", {}, result_type=StatusResult).to_json()
     if as_json:
         _echo_json(st)
-        return
-    _print_status(st)
+    else:
+        _print_status(st)
 
 
 def _client_config(config_path: str | None):
@@ -308,13 +314,7 @@ def _ask(config_path: str | None, socket_path: str | None, method: str, params: 
                 result_type=result_type, explain=True)
 
 
-def _ask_findings(config_path: str | None, socket_path: str | None, kind: str | None) -> dict:
-    return _ask(config_path, socket_path, "findings", {"kind": kind} if kind else {})
-
-
 def _when(ts: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
@@ -370,57 +370,39 @@ def _print_findings(found: dict, what: str) -> None:
             console.print(f"  {_when(e['ts'])}  {e['event'].removeprefix('finding.'):7}  {escape(e['summary'])}")
 
 
-def _exit_if_blind(found: dict) -> None:
-    """Exit status 2 when nothing is open because every detector asked had no data: unknown, not
-    healthy (as a monitoring check says UNKNOWN), for scripts and cron jobs."""
+def _show_findings(config_path: str | None, socket_path: str | None, as_json: bool, kind: str | None,
+                   what: str) -> None:
+    found = _ask(config_path, socket_path, "findings", {"kind": kind} if kind else {})
+    if as_json:
+        _echo_json(found)
+    else:
+        _print_findings(found, what)
+    # Exit status 2 when nothing is open because every detector asked had no data: unknown, not
+    # healthy (as a monitoring check says UNKNOWN), for scripts and cron jobs.
     if not found["open"] and found.get("seeing", True) == []:
         raise SystemExit(2)
 
 
-_FINDINGS_OPTIONS = [
-    config_option,
-    click.option("--socket", "socket_path", metavar="PATH", envvar="GPUWATCH_SOCKET", show_envvar=True,
-                 help="Control socket of the running agent (default: from the config)."),
-    click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts."),
-]
-
-
-def _findings_options(fn):
-    for opt in reversed(_FINDINGS_OPTIONS):
-        fn = opt(fn)
-    return fn
-
-
 @main.command(context_settings=CONTEXT)
-@_findings_options
+@_client_options
 def leaks(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """GPU memory leaks the running agent sees now, and recent ones.
 
     Per process and GPU: which color grows (white: tensors, grey: the allocator's pool, black:
     memory outside the allocator), how fast, and when the GPU runs out at that rate. Exit status 2
     when the leak detector has no data (NVML down: it says why)."""
-    found = _ask_findings(config_path, socket_path, "memory_leak")
-    if as_json:
-        _echo_json(found)
-    else:
-        _print_findings(found, "memory leaks")
-    _exit_if_blind(found)
+    _show_findings(config_path, socket_path, as_json, "memory_leak", "memory leaks")
 
 
 @main.command(context_settings=CONTEXT)
-@_findings_options
+@_client_options
 @click.option("--kind", metavar="KIND", help="Only findings of this kind (e.g. memory_leak).")
 def findings(config_path: str | None, socket_path: str | None, as_json: bool, kind: str | None) -> None:
     """Everything the running agent's detectors report now, and what opened and closed recently.
 
     A detector none of whose probes is up is listed as blind, with why; exit status 2 when every
     detector asked is blind."""
-    found = _ask_findings(config_path, socket_path, kind)
-    if as_json:
-        _echo_json(found)
-    else:
-        _print_findings(found, f"{kind} findings" if kind else "findings")
-    _exit_if_blind(found)
+    _show_findings(config_path, socket_path, as_json, kind, f"{kind} findings" if kind else "findings")
 
 
 @main.group(context_settings=CONTEXT)
@@ -432,7 +414,7 @@ def baseline() -> None:
 
 
 @baseline.command("run", context_settings=CONTEXT)
-@_findings_options
+@_client_options
 @click.option("--gpu", metavar="GPU", help="Only this GPU: its index or UUID, as `gpuwatch gpus` shows. Default: each GPU.")
 @click.option("--force", is_flag=True, help="Run even on a GPU with compute processes (it slows them and "
                                             "they disturb the measurement).")
@@ -461,7 +443,7 @@ def baseline_run(config_path: str | None, socket_path: str | None, as_json: bool
 
 
 @baseline.command("show", context_settings=CONTEXT)
-@_findings_options
+@_client_options
 @click.option("--gpu", metavar="GPU", help="Only this GPU: its index or UUID, as `gpuwatch gpus` shows.")
 @click.option("--last", type=click.IntRange(1, 1000), default=30, show_default=True, help="How many runs.")
 def baseline_show(config_path: str | None, socket_path: str | None, as_json: bool, gpu: str | None,
@@ -554,12 +536,6 @@ def _print_status(st: dict) -> None:
 _EVENT_ATTRS = ("probe", "summary", "severity", "result", "reason", "xid", "pid", "process", "error")
 
 
-def top_sorts() -> tuple[str, ...]:
-    from gpuwatch.agent.top import SORTS
-
-    return SORTS
-
-
 def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
     if value is not None and value != value:  # FloatRange lets NaN through: every comparison is false
         raise click.BadParameter("nan is not a number of seconds")
@@ -616,16 +592,12 @@ def trace(pid: int, duration: float | None, summary_json: str | None, output: st
 
 
 def _run_finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
-    import math
-
     if value is not None and not math.isfinite(value):
         raise click.BadParameter(f"{value} is not a number")
     return value
 
 
 def _run_report_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    import os
-
     if value is None:
         return None
     if not value:
@@ -676,8 +648,6 @@ def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, int
 
     Exit status: CMD's own; 127 when CMD is not found, 126 when it cannot be executed, 2 for usage.
     """
-    import os
-
     from gpuwatch.agent import run as run_mod
 
     src = ctx.get_parameter_source
@@ -702,7 +672,7 @@ def run(ctx: click.Context, socket_path: str | None, report_dir: str | None, int
                                                  "by the driver's count only; no calls/s, kernels or findings).")
 @click.option("--nvml-replay", "replay", metavar="FILE", type=click.Path(dir_okay=False),
               help="Standalone, on a recorded NVML file instead of this machine's GPUs (as `gpus`).")
-@click.option("--sort", type=click.Choice(top_sorts(), case_sensitive=False), default="memory", show_default=True,
+@click.option("--sort", type=click.Choice(top_mod.SORTS, case_sensitive=False), default="memory", show_default=True,
               help="Order of the processes (in the live view: keys m, c, p, n).")
 @click.option("--filter", "text", metavar="TEXT", help="Only processes whose command or user contains TEXT.")
 @click.option("-p", "--pid", "pids", type=click.IntRange(1), multiple=True, metavar="PID",
@@ -725,7 +695,6 @@ def top(config_path: str | None, socket_path: str | None, standalone: bool, repl
     Keys: q quits; h or ? shows the keys; m, c, p, n sort by GPU memory, CPU, pid, calls/s; / filters
     the processes as you type (Enter keeps the filter, Esc clears it).
     """
-    from gpuwatch.agent import top as top_mod
     from gpuwatch.agent.control import ControlError
 
     if replay or standalone:
@@ -775,8 +744,6 @@ def demo(directory: str, gpus: int, listen: str) -> None:
 
     NVML and the reference workload are replayed from tests/fixtures (a clone of the repository),
     eBPF is off. Prints how to point the CLI, Prometheus and Grafana at it; Ctrl-C stops it."""
-    from pathlib import Path
-
     from gpuwatch.agent import demo as demo_mod
 
     sys.exit(demo_mod.run(Path(directory).absolute(), gpus, listen, lambda line: click.echo(line)))

@@ -22,6 +22,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any, Callable, Mapping
+from urllib.parse import unquote, urlsplit
 
 from gpuwatch.agent.allocators import parse_pool_libraries
 from gpuwatch.agent.api import GpuwatchError
@@ -61,14 +62,6 @@ def _positive(v: float) -> float:
     return v
 
 
-def _at_least(n: int) -> Callable[[int], int]:
-    def check(v: int) -> int:
-        if v < n:
-            raise ValueError
-        return v
-    return check
-
-
 def _at_least_float(n: float) -> Callable[[float], float]:
     def check(v: float) -> float:
         if not (v >= n and math.isfinite(v)):
@@ -77,12 +70,16 @@ def _at_least_float(n: float) -> Callable[[float], float]:
     return check
 
 
-def _from_to(lo: int, hi: int) -> Callable[[int], int]:
+def _from_to(lo: int, hi: float) -> Callable[[int], int]:
     def check(v: int) -> int:
         if not lo <= v <= hi:
             raise ValueError
         return v
     return check
+
+
+def _at_least(n: int) -> Callable[[int], int]:
+    return _from_to(n, math.inf)
 
 
 def _fraction(v: float) -> float:
@@ -125,8 +122,6 @@ def _optional_abs_path(v: str) -> str:
 def parse_headers(text: str) -> dict[str, str]:
     """"key=value,key2=value2" (OTEL_EXPORTER_OTLP_HEADERS' format, values URL-encoded) -> dict.
     ValueError says what is wrong."""
-    from urllib.parse import unquote
-
     out: dict[str, str] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
@@ -138,8 +133,6 @@ def parse_headers(text: str) -> dict[str, str]:
 
 def check_endpoint(url: str) -> str:
     """An OTLP endpoint URL: http(s)://host:port[/path]. ValueError otherwise."""
-    from urllib.parse import urlsplit
-
     if not url:
         return url
     parts = urlsplit(url)
@@ -499,11 +492,9 @@ def _dataclass(name: str, fields: list) -> type:
     return cls
 
 
-def _section_type(section: str) -> type:
-    return _dataclass(f"{section.capitalize()}Config", [(s.key, s.type) for s in SETTINGS if s.section == section])
-
-
-_SECTION_TYPES: dict[str, type] = {sec: _section_type(sec) for sec in _SECTIONS}
+_SECTION_TYPES: dict[str, type] = {
+    sec: _dataclass(f"{sec.capitalize()}Config", [(s.key, s.type) for s in SETTINGS if s.section == sec])
+    for sec in _SECTIONS}
 # The names for imports and type annotations: AgentConfig, ControlConfig (socket: always a path,
 # the default filled in from agent.runtime_dir), PrometheusConfig, NvmlConfig, ...
 globals().update({cls.__name__: cls for cls in _SECTION_TYPES.values()})
@@ -520,15 +511,9 @@ def changed_settings(old: Any, new: Any) -> list[str]:
 # -- loading -----------------------------------------------------------------------------------
 
 def _describe(v: Any) -> str:
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, bool):
-        return "true" if v else "false"
     if isinstance(v, dict):
         return "a table"
-    if isinstance(v, list):
-        return "a list"
-    return repr(v)
+    return "a list" if isinstance(v, list) else _toml_value(v)
 
 
 def _typed(s: Setting, v: Any, from_text: bool) -> Any:

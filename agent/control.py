@@ -23,6 +23,7 @@ user and cause; a handler's refusals are logged, once per cause, by the module t
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import json
@@ -93,10 +94,6 @@ class PeerCred:
             return not _readable(self.pidfd, 0)
         return ident.is_alive(self.identity)
 
-    def gone_message(self) -> str:
-        return (f"the process that opened this connection (pid {self.pid}) has exited; "
-                f"a connection speaks only for the process that opened it")
-
 
 def _readable(fd: int, timeout_ms: int) -> bool:
     p = select.poll()
@@ -136,12 +133,8 @@ def _peer_identity(cred: PeerCred) -> ProcessIdentity | None:
     """The process that has the peer's PID now, if it can be the one that connected: its uids must
     hold the uid the kernel recorded at connect, else the PID names another user's process (the
     peer exited and its PID was reused before the server got to it). None: not that process."""
-    if cred.pid <= 0:
-        return None
-    who = ident.identify(cred.pid)
-    if who is None or cred.uid not in who.uids:
-        return None
-    return who
+    who = ident.identify(cred.pid) if cred.pid > 0 else None
+    return who if who is not None and cred.uid in who.uids else None
 
 
 def _gid(group: str) -> int:
@@ -245,24 +238,18 @@ class ControlServer:
         if sock is None:
             return
         self._stopping = True
-        try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
-        except OSError:
-            pass
         sock.close()
         with self._conns_lock:
             for c in list(self._conns):
-                try:
+                with contextlib.suppress(OSError):
                     c.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         if self._thread is not None:
             self._thread.join(2.0)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if os.stat(self.path).st_ino == self._ino:  # not a socket a newer agent put there
                 os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def _make_dir(self, directory: str, gid: int | None) -> None:
         if os.path.isdir(directory):
@@ -296,10 +283,8 @@ class ControlServer:
             probe.connect(self.path)
         except (ConnectionRefusedError, FileNotFoundError):
             log.info("removing stale control socket %s (left by an agent that is gone)", self.path)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
             return
         except OSError as e:
             raise ControlError(f"cannot check the existing control socket {self.path}: {e.strerror or e}") from None
@@ -332,7 +317,8 @@ class ControlServer:
             cause, busy = self._take_slot(cred.uid)
             if busy:
                 self._refused("none", "busy", cred.uid, cause, busy)
-                self._reply_and_close(conn, {"ok": False, "error": busy})
+                _send_error(conn, busy, 0.5)
+                conn.close()
                 continue
             with self._conns_lock:
                 self._conns.add(conn)
@@ -395,20 +381,6 @@ class ControlServer:
         with self._stats_lock:
             return dict(self._counts)
 
-    def held(self) -> dict[int, int]:
-        """Connections being served now, by uid."""
-        with self._stats_lock:
-            return dict(self._held)
-
-    def _reply_and_close(self, conn: socket.socket, reply: dict) -> None:
-        try:
-            conn.settimeout(0.5)
-            conn.sendall(_encode(reply))
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
     def _serve(self, conn: socket.socket, cred: PeerCred) -> None:
         pidfd = None
         try:
@@ -429,11 +401,7 @@ class ControlServer:
                         return self._gone(conn, peer, "none")
                     if error:
                         self._refused("unknown" if result != "idle" else "none", result, peer.uid, result, error)
-                        try:
-                            conn.settimeout(1.0)
-                            conn.sendall(_encode({"ok": False, "error": error}))
-                        except OSError:
-                            pass
+                        _send_error(conn, error)
                     return
                 if not peer.alive():  # recheck: a request from a process that has exited is refused
                     return self._gone(conn, peer, self._method_label(line))
@@ -451,13 +419,10 @@ class ControlServer:
             self._release_slot(cred.uid)
 
     def _gone(self, conn: socket.socket, peer: PeerCred, method: str) -> None:
-        text = peer.gone_message()
+        text = (f"the process that opened this connection (pid {peer.pid}) has exited; "
+                f"a connection speaks only for the process that opened it")
         self._refused(method, "gone", peer.uid, "gone", text)
-        try:
-            conn.settimeout(1.0)
-            conn.sendall(_encode({"ok": False, "error": text}))
-        except OSError:
-            pass
+        _send_error(conn, text)
 
     def _method_label(self, line: bytes) -> str:
         """The method a request names, for counting: a known one, "unknown", or "none" (no request)."""
@@ -595,6 +560,13 @@ def _encode(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
+def _send_error(conn: socket.socket, text: str, timeout: float = 1.0) -> None:
+    """A refusal's reply, sent if the client still reads (it may have gone: nothing to do then)."""
+    with contextlib.suppress(OSError):
+        conn.settimeout(timeout)
+        conn.sendall(_encode({"ok": False, "error": text}))
+
+
 # -- client --------------------------------------------------------------------------------
 
 R = TypeVar("R", bound=wire.Message)
@@ -610,10 +582,9 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
     if len(request) > MAX_REQUEST:
         raise ControlError(f"request too large for the control socket ({len(request)} bytes, "
                            f"the limit is {MAX_REQUEST})")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(timeout)
-    deadline = time.monotonic() + timeout
-    try:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
         try:
             _connect(sock, path, deadline)
         except (FileNotFoundError, ConnectionRefusedError):
@@ -632,10 +603,9 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
             raise ControlError(f"cannot connect to {path}: {e.strerror or e}") from None
         buf = b""
         try:
-            try:
+            # the agent may have answered (busy) and closed before reading: read that
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                 sock.sendall(request)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # the agent may have answered (busy) and closed before reading: read that
             while b"\n" not in buf:
                 chunk = sock.recv(65536)
                 if not chunk:
@@ -647,8 +617,6 @@ def call(path: str, method: str, params: dict | None = None, timeout: float = TI
         except OSError as e:
             raise ControlError(f"lost the connection to the gpuwatch agent on {path}: "
                                f"{e.strerror or e}") from None
-    finally:
-        sock.close()
     if not buf.strip():
         raise ControlError(f"the gpuwatch agent on {path} closed the connection without answering")
     try:

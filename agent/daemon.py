@@ -23,11 +23,13 @@ from gpuwatch.agent import __version__, sdnotify
 from gpuwatch.agent.api import Event, GpuwatchError, Probe
 from gpuwatch.agent.config import Config, ConfigError, changed_settings, load, parse_headers
 from gpuwatch.agent import budget as budget_
+from gpuwatch.agent.allocators import names, pool_table
 from gpuwatch.agent.control import ControlError, ControlServer, ControlStatsProbe
 from gpuwatch.agent.handlers import Handlers
 from gpuwatch.agent.history import History
 from gpuwatch.agent.logs import setup_logging
 from gpuwatch.agent.registry import Context, DetectorEntry, ProbeEntry
+from gpuwatch.agent.reload import ReloadStatus
 from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.snapshot import EMPTY, Inventory
 from gpuwatch.agent.store import Store, StoreError
@@ -149,15 +151,12 @@ def port_holder(port: int) -> str:
     that this user may read; a plain description where it cannot tell."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        inodes.add(f"socket:[{fields[9]}]")
-        except (OSError, ValueError, IndexError):
-            continue
+        with contextlib.suppress(OSError, ValueError, IndexError), open(table) as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
     if not inodes:
         return "another process"
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -166,12 +165,10 @@ def port_holder(port: int) -> str:
         except OSError:
             continue
         for fd in fds:
-            try:
+            with contextlib.suppress(OSError):
                 if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
                     with open(f"/proc/{pid}/comm") as f:
                         return f"pid {pid} ({f.read().strip()})"
-            except OSError:
-                continue
     return "a process this user cannot see (run as root to find it: ss -ltnp)"
 
 
@@ -213,13 +210,15 @@ class Daemon(Handlers):
                 signal.signal(sig, self._stop_unexpected)
         # The exporter first: a bad web config stops the agent before it opens anything.
         self.exporters = []
+        http = None
         if cfg.prometheus.enabled:
-            from gpuwatch.exporters.prometheus import PrometheusExporter
+            from gpuwatch.exporters.prometheus import PrometheusExporter, PrometheusStatsProbe
 
             self.exporters.append(PrometheusExporter(cfg.prometheus.listen, web_config(cfg.prometheus.web_config),
                                                      max_requests=cfg.prometheus.max_requests,
                                                      max_unfinished=cfg.prometheus.max_unfinished,
                                                      header_timeout=cfg.prometheus.header_timeout))
+            http = PrometheusStatsProbe(self.exporters[0])  # gpuwatch_http_*
         self.lock_fd = lock_state_dir(cfg.agent.state_dir, self.stop_event)  # before the store and listeners
         self._reload_lock = threading.Lock()
         self._reload_error = ""  # the last rejected reload's error, said once
@@ -246,15 +245,7 @@ class Daemon(Handlers):
         self.inprocess = InProcessReports(gpus=lambda: self._inventory().view(nvml_view), devices=self._cuda_devices)
         self._kernels_read: tuple[float, dict] = (float("-inf"), {})  # (when, eBPF's top kernels) for `top`
         self.control = ControlServer(cfg.control.socket, self.handlers(), group=cfg.control.group or None)
-        from gpuwatch.agent.reload import ReloadStatus
         self.reload_status = ReloadStatus(self.cfg.path)  # gpuwatch_config_last_reload_success
-        http = None
-        if cfg.prometheus.enabled:
-            from gpuwatch.exporters.prometheus import PrometheusStatsProbe
-
-            http = PrometheusStatsProbe(self.exporters[0])  # gpuwatch_http_*: the first exporter made
-        from gpuwatch.agent.allocators import names, pool_table
-
         # The agent's own probes, placed among the packages' (their orders: probes/*/__init__.py):
         # what it keeps for users, what its exporters and control socket did, its config reloads.
         own = [ProbeEntry("budget", "budget", 30, lambda ctx: budget_.BudgetProbe(ctx.budgets)),

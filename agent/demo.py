@@ -8,13 +8,18 @@ workload a few times on each GPU so that `baseline show` and the baselines dashb
 """
 from __future__ import annotations
 
+import copy
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid as uuidlib
 from pathlib import Path
 
+from gpuwatch.agent import control
 from gpuwatch.agent.api import GpuwatchError
 
 # The recordings live beside the tests that use them; a wheel does not carry them.
@@ -45,24 +50,10 @@ while True:
 """
 
 
-def start_processes() -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", _PROCESS, name, str(duty)], stdin=subprocess.DEVNULL)
-            for name, _gpu, _mem, duty in PROCESSES]
-
-
-def full_at(total: int, reserved: int) -> int:
-    """The replayed second at which the trainer's GPU is FULL."""
-    return int((FULL * total - LEAK_START) / LEAK_RATE) + 1
-
-
 def build_recording(path: Path, gpus: int, pids: list[int]) -> int:
     """The H200 recording as `gpus` distinct GPUs (UUIDs, bus ids, load, power, temperature) with the
     demo's processes on the first two, the trainer's memory growing until its GPU is full. Returns
     the replayed second at which it is full."""
-    import copy
-    import json
-    import uuid as uuidlib
-
     rec = json.loads(NVML_RECORDING.read_text())
     n = rec["ticks"]
     base = rec["gpus"][0]
@@ -71,7 +62,7 @@ def build_recording(path: Path, gpus: int, pids: list[int]) -> int:
         return next(a["value"] for a in reversed(base[op][:n]) if a and "value" in a)
     mem = latest("memory_info_v2")
     total, reserved = mem["total"], mem["reserved"]
-    full = full_at(total, reserved)
+    full = int((FULL * total - LEAK_START) / LEAK_RATE) + 1  # the replayed second at which the GPU is FULL
     cap = total - reserved - (512 << 20)  # where the leak stops: the GPU has no more to give
     out = []
     for i in range(gpus):
@@ -124,8 +115,6 @@ def agent_command(directory: Path, gpus: int, listen: str, recording: Path | Non
 
 def _full(socket_path: str) -> bool:
     """Does the agent read the trainer's GPU (the first) as FULL?"""
-    from gpuwatch.agent import control
-
     try:
         gpus = control.call(socket_path, "top", timeout=2.0).get("gpus") or []
     except control.ControlError:
@@ -137,8 +126,6 @@ def _full(socket_path: str) -> bool:
 
 def check_port(listen: str) -> None:
     """Refuse at once, naming --listen, when something (another agent) serves on the port."""
-    import socket
-
     host, _, port = listen.rpartition(":")
     with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET) as s:
         try:
@@ -149,8 +136,6 @@ def check_port(listen: str) -> None:
 
 
 def _wait_ready(proc: subprocess.Popen, socket_path: str) -> None:
-    from gpuwatch.agent import control
-
     end = time.monotonic() + START_TIMEOUT
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -166,8 +151,6 @@ def _wait_ready(proc: subprocess.Popen, socket_path: str) -> None:
 
 
 def _seed(socket_path: str, say) -> None:
-    from gpuwatch.agent import control
-
     if os.geteuid() != 0:
         say("(not root: no reference-workload runs seeded; `baseline show` stays empty until its schedule)")
         return
@@ -186,7 +169,8 @@ def run(directory: Path, gpus: int, listen: str, say) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    local = start_processes()
+    local = [subprocess.Popen([sys.executable, "-c", _PROCESS, name, str(duty)], stdin=subprocess.DEVNULL)
+             for name, _gpu, _mem, duty in PROCESSES]
     recording = directory / "demo-nvml.json"
     full = build_recording(recording, gpus, [p.pid for p in local])
     # The agent's log goes to our stderr; our own lines to stdout, so `2>/dev/null` leaves the how-to.

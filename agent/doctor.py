@@ -42,8 +42,7 @@ CAP_SYS_ADMIN = 21
 CAP_PERFMON = 38
 CAP_BPF = 39
 CAP_NAMES = {CAP_CHOWN: "CAP_CHOWN", CAP_DAC_READ_SEARCH: "CAP_DAC_READ_SEARCH", CAP_SETGID: "CAP_SETGID",
-             CAP_SETUID: "CAP_SETUID",
-             CAP_NET_BIND_SERVICE: "CAP_NET_BIND_SERVICE", CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
+             CAP_SETUID: "CAP_SETUID", CAP_NET_BIND_SERVICE: "CAP_NET_BIND_SERVICE", CAP_SYS_PTRACE: "CAP_SYS_PTRACE",
              CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF"}
 
 # Which part of gpuwatch needs which capability (docs/security.md has the same table, and
@@ -64,7 +63,6 @@ CAPABILITY_NEEDS: tuple[tuple[str, tuple[tuple[int, ...], ...], str], ...] = (
      "their files are not shown: what their user may read is checked with that user's credentials "
      "(setfsuid, setfsgid, setgroups in one thread)"),
 )
-
 
 
 @dataclass(frozen=True)
@@ -190,12 +188,8 @@ def _headers_remedy(release: str) -> str:
 
 def _tracefs_mounts(mounts_text: str | None = None) -> list[str]:
     text = mounts_text if mounts_text is not None else _read("/proc/self/mounts")
-    points = []
-    for line in (text or "").splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and fields[2] == "tracefs":
-            points.append(fields[1])
-    return points
+    return [fields[1] for fields in map(str.split, (text or "").splitlines())
+            if len(fields) >= 3 and fields[2] == "tracefs"]
 
 
 UPROBE_PMU = "/sys/bus/event_source/devices/uprobe/type"
@@ -231,8 +225,7 @@ def check_bpf_caps(status_text: str | None = None) -> Check:
     mask = effective_caps(status_text)
     if mask is None:
         return Check(name, False, "cannot read CapEff from /proc/self/status", "run on Linux with /proc mounted")
-    held = [n for n, c in (("CAP_SYS_ADMIN", CAP_SYS_ADMIN), ("CAP_BPF", CAP_BPF), ("CAP_PERFMON", CAP_PERFMON))
-            if has_cap(mask, c)]
+    held = [CAP_NAMES[c] for c in (CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON) if has_cap(mask, c)]
     detail = f"CapEff={mask:#x}: " + (", ".join(held) if held else "none of CAP_SYS_ADMIN, CAP_BPF, CAP_PERFMON")
     if has_cap(mask, CAP_SYS_ADMIN) or (has_cap(mask, CAP_BPF) and has_cap(mask, CAP_PERFMON)):
         return Check(name, True, detail)
@@ -245,12 +238,9 @@ def check_bpf_caps(status_text: str | None = None) -> Check:
 
 def missing_capabilities(mask: int) -> list[tuple[str, str, str]]:
     """(what, the capabilities it needs, what is off) for each need in CAPABILITY_NEEDS not met by mask."""
-    out = []
-    for what, alternatives, effect in CAPABILITY_NEEDS:
-        if not any(all(has_cap(mask, c) for c in caps) for caps in alternatives):
-            needs = " or ".join("+".join(CAP_NAMES[c] for c in caps) for caps in alternatives)
-            out.append((what, needs, effect))
-    return out
+    return [(what, " or ".join("+".join(CAP_NAMES[c] for c in caps) for caps in alternatives), effect)
+            for what, alternatives, effect in CAPABILITY_NEEDS
+            if not any(all(has_cap(mask, c) for c in caps) for caps in alternatives)]
 
 
 def check_capabilities(status_text: str | None = None) -> Check:
@@ -312,14 +302,14 @@ def check_profiling_permission(status_text: str | None = None, params_text: str 
                  "> /etc/modprobe.d/nvidia-profiling.conf, then reload the nvidia module (or reboot)")
 
 
-def _nearest_existing(path: str) -> str:
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return path
+def _creatable(name: str, path: str, fix: str) -> Check:
+    """A directory that does not exist yet: can its nearest existing ancestor take it?"""
+    anchor = os.path.abspath(path)
+    while not os.path.exists(anchor) and os.path.dirname(anchor) != anchor:
+        anchor = os.path.dirname(anchor)
+    if os.path.isdir(anchor) and os.access(anchor, os.W_OK | os.X_OK):
+        return Check(name, True, f"{path} does not exist yet; {anchor} is writable, so it can be created")
+    return Check(name, False, f"{path} does not exist and {anchor} is not writable", fix)
 
 
 def check_baseline() -> Check:
@@ -346,10 +336,7 @@ def check_state_dir(state_dir: str) -> Check:
     name = "state directory"
     fix = f"mkdir -p {state_dir} && chown $(id -un) {state_dir}  (or point the state directory at a writable path)"
     if not os.path.exists(state_dir):
-        anchor = _nearest_existing(state_dir)
-        if os.path.isdir(anchor) and os.access(anchor, os.W_OK | os.X_OK):
-            return Check(name, True, f"{state_dir} does not exist yet; {anchor} is writable, so it can be created")
-        return Check(name, False, f"{state_dir} does not exist and {anchor} is not writable", fix)
+        return _creatable(name, state_dir, fix)
     if not os.path.isdir(state_dir):
         return Check(name, False, f"{state_dir} exists but is not a directory", fix)
     try:
@@ -370,10 +357,7 @@ def check_socket_dir(socket_path: str) -> Check:
         if os.access(d, os.W_OK | os.X_OK):
             return Check(name, True, f"{d} is writable (socket {socket_path})")
         return Check(name, False, f"{d} is not writable by this user", fix)
-    anchor = _nearest_existing(d)
-    if os.path.isdir(anchor) and os.access(anchor, os.W_OK | os.X_OK):
-        return Check(name, True, f"{d} does not exist yet; {anchor} is writable, so it can be created")
-    return Check(name, False, f"{d} does not exist and {anchor} is not writable", fix)
+    return _creatable(name, d, fix)
 
 
 # --- running and showing ---------------------------------------------------------------
@@ -387,17 +371,9 @@ def _guarded(name: str, fn: Callable[[], Check]) -> Check:
                      "report this as a gpuwatch bug")
 
 
-def _nvml(nvml_checks: Callable[[], list[dict]] | None) -> list[Check]:
-    if nvml_checks is None:
+def _probe_checks(label: str, fn: Callable[[], list[dict]] | None) -> list[Check]:
+    if fn is None:
         return []
-    try:
-        return [Check.from_dict(d) for d in nvml_checks()]
-    except Exception as e:
-        return [Check("NVML", False, f"NVML checks crashed: {type(e).__name__}: {e}",
-                      "report this as a gpuwatch bug")]
-
-
-def _probe_checks(label: str, fn: Callable[[], list[dict]]) -> list[Check]:
     try:
         return [Check.from_dict(d) for d in fn()]
     except Exception as e:
@@ -410,7 +386,7 @@ def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
                cupti_checks: Callable[[], list[dict]] | None = None) -> list[Check]:
     """Run every check; NVML's come from the probe's own function, first, and CUPTI's from the
     CUPTI probe's (probes/cupti/doctor.py; the CLI passes them) after the eBPF ones."""
-    checks = _nvml(nvml_checks)
+    checks = _probe_checks("NVML", nvml_checks)
     for name, fn in (
         ("bcc (eBPF)", check_bcc),
         ("kernel headers", check_kernel_headers),
@@ -427,11 +403,7 @@ def run_checks(state_dir: str, nvml_checks: Callable[[], list[dict]] | None,
         ("state directory", lambda: check_state_dir(state_dir)),
         ("control socket directory", lambda: check_socket_dir(socket_path)),
     ):
-        if fn is None:
-            if cupti_checks is not None:
-                checks.extend(_probe_checks("CUPTI", cupti_checks))
-            continue
-        checks.append(_guarded(name, fn))
+        checks += _probe_checks("CUPTI", cupti_checks) if fn is None else [_guarded(name, fn)]
     return checks
 
 

@@ -6,12 +6,13 @@ Mixed into the Daemon (agent/daemon.py), whose runner, store, probes and reports
 """
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import time
 from typing import Callable
 
-from gpuwatch.agent import __version__, wire
+from gpuwatch.agent import __version__, top, wire
 from gpuwatch.agent.api import ProbeBusy, ProbeNotRunning
 from gpuwatch.agent.control import ControlError, Handler, PeerCred
 from gpuwatch.agent.runner import finding_attrs
@@ -54,8 +55,6 @@ class Handlers:
     def _top_view(self) -> dict:
         """The GPUs, their processes and the open findings of the runner's latest snapshot
         (agent/top.py build()): `top`, and the GPU and process rows of `status`."""
-        from gpuwatch.agent import top
-
         snap = self.runner.snapshot
         return top.build(snap.samples, snap.findings, self.runner.history,
                          self.baseline.verdicts() if self.baseline is not None else None,
@@ -76,8 +75,6 @@ class Handlers:
         return kernels
 
     def _top(self, params: wire.NoParams, peer: PeerCred) -> dict:
-        from gpuwatch.agent import top
-
         view = self._top_view()
         if not view["gpus"]:
             view["no_gpus_reason"] = top.why_no_gpus(
@@ -230,21 +227,16 @@ class Handlers:
         by_index = dict(self.runner.snapshot.inventory.gpus)
         gpus = {u: i for i, u in by_index.items()}
         listing = ", ".join(f"{i} ({u})" for i, u in sorted(by_index.items())) or "none now: NVML is not up"
-        if ref.isdigit():
-            if int(ref) in by_index:
-                return int(ref), by_index[int(ref)]
-            raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
-        if ref in gpus:
-            return gpus[ref], ref
-        if not known_only:
-            return None, ref
+        if ref.isdigit() and int(ref) in by_index:
+            return int(ref), by_index[int(ref)]
+        if not ref.isdigit() and (ref in gpus or not known_only):
+            return gpus.get(ref), ref
         raise ControlError(f"no GPU {ref} on this node; its GPUs are {listing}")
 
     def _baseline_run(self, params: wire.BaselineRunParams, peer: PeerCred) -> list[dict]:
         """baseline.run {"gpu": N?, "force": bool?}: run the reference workload now on GPU N (each GPU
         without one), judged and stored; the results. Root only: it takes the GPU for a second or two,
         and force runs it beside other processes."""
-        force = params.force
         if not peer.is_root:
             raise ControlError("only root may run the reference workload (it takes the GPU for a while)")
         gpu = None if params.gpu is None else self._gpu_ref(params.gpu)[0]
@@ -253,18 +245,17 @@ class Handlers:
             why = f" (probe nvml {st.state}: {st.reason})" if st is not None and st.reason else ""
             raise ControlError(f"NVML sees no GPUs now{why}: no GPU to run the reference workload on")
         try:
-            return self._baseline_probe().run_now(gpu, force)
+            return self._baseline_probe().run_now(gpu, params.force)
         except TimeoutError as e:
             raise ControlError(str(e)) from None
 
     def _baseline_show(self, params: wire.BaselineShowParams, peer: PeerCred) -> dict:
         """baseline.show {"gpu": UUID?, "limit": N?}: stored runs, oldest first, with their verdicts."""
-        limit = params.limit
         gpu = None if params.gpu is None else self._gpu_ref(params.gpu, known_only=False)[1]
         if self.store is None:
             raise ControlError(f"the agent runs without its store ({self.store_error}): no runs are kept")
         try:
-            return {"runs": self.store.baseline_runs(gpu, limit)}
+            return {"runs": self.store.baseline_runs(gpu, params.limit)}
         except StoreError as e:
             raise ControlError(str(e)) from None
 
@@ -275,8 +266,6 @@ class Handlers:
         kind = params.kind
         known = sorted({k for det in self.runner.detectors for k in det.kinds} | {"oom"})
         if kind is not None and kind not in known:
-            import difflib
-
             close = difflib.get_close_matches(kind, known, n=1)
             raise ControlError(f"no finding kind {kind!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
                                + f"; the kinds are {', '.join(known)}")
@@ -329,11 +318,9 @@ class Handlers:
 
 
 def _exporter_info(exp) -> dict:
-    port = getattr(exp, "port", None)
-    host = getattr(exp, "host", None)
-    if port is None:
+    if getattr(exp, "port", None) is None:
         return {}
-    info = {"listen": f"{host}:{port}"}
+    info = {"listen": f"{getattr(exp, 'host', None)}:{exp.port}"}
     web = getattr(exp, "web", None)
     if web is not None:
         info["scheme"], info["web_config"] = exp.scheme, web.path

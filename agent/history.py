@@ -98,6 +98,16 @@ class Series:
         return statistics.median(rates) if rates else None
 
 
+def _since(buf: deque[tuple[float, float]], since: float) -> list[tuple[float, float]]:
+    recent = []
+    for pt in reversed(buf):
+        recent.append(pt)
+        if pt[0] < since:
+            break
+    recent.reverse()
+    return recent
+
+
 class History:
     def __init__(self, maxlen: int = 720, expire_after: float = 3600.0, max_series: int = MAX_SERIES,
                  process_expire_after: float = PROCESS_EXPIRE) -> None:
@@ -164,21 +174,8 @@ class History:
         With `since`: only the points from then on, and the one before (a counter's increase over
         the window needs its value at the start), read from the newest back."""
         with self._lock:
-            if since is None:
-                items = [(k, list(buf)) for k, buf in self._series.items()
-                         if k[0] == metric and (resource is None or k[1] == resource)]
-            else:
-                items = []
-                for k, buf in self._series.items():
-                    if k[0] != metric or (resource is not None and k[1] != resource):
-                        continue
-                    recent = []
-                    for pt in reversed(buf):
-                        recent.append(pt)
-                        if pt[0] < since:
-                            break
-                    recent.reverse()
-                    items.append((k, recent))
+            items = [(k, list(buf) if since is None else _since(buf, since)) for k, buf in self._series.items()
+                     if k[0] == metric and (resource is None or k[1] == resource)]
         yield from items
 
     def select(self, metric: str, /, gpu: str | None = None, since: float | None = None,

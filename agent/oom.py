@@ -198,13 +198,8 @@ class OomRecorder:
         (the OOM came where the memory ran out). Evidence asking for it replaces the process's held
         exit, if any."""
         self._exits.pop(pid, None)
-        found: dict[str, _Forecast] = {}
-        for (p, g), (closed, at) in self._closed.items():
-            if p == pid and 0 <= wall - at <= LATE_S:
-                found[g] = closed
-        for (p, g), fc in self._forecasts.items():
-            if p == pid:
-                found[g] = fc  # an open leak's over one that closed on the same GPU
+        found = {g: closed for (p, g), (closed, at) in self._closed.items() if p == pid and 0 <= wall - at <= LATE_S}
+        found.update({g: fc for (p, g), fc in self._forecasts.items() if p == pid})  # an open leak's over a closed one
         if gpu:
             return found.get(gpu)
         if len(found) <= 1:

@@ -46,17 +46,11 @@ def samples(own: Iterable[OwnProcess], ts: float) -> list[Sample]:
 def pids_in(history, now: float, stale: float) -> dict[str, str]:
     """pid (as the samples' label text) -> role of the agent's own GPU processes seen within `stale`
     seconds of `now` in a History."""
-    out: dict[str, str] = {}
-    for s in history.select(METRIC, since=now - stale):
-        if s and now - s.latest_ts <= stale and s.labels.get("pid", "").isdigit() and s.labels.get("role") in ROLES:
-            out[s.labels["pid"]] = s.labels["role"]
-    return out
+    return {s.labels["pid"]: s.labels["role"] for s in history.select(METRIC, since=now - stale)
+            if s and now - s.latest_ts <= stale and s.labels.get("pid", "").isdigit() and s.labels.get("role") in ROLES}
 
 
 def pids_of(samples_: Iterable[Sample]) -> dict[int, str]:
     """pid -> role from one snapshot's samples."""
-    out: dict[int, str] = {}
-    for s in samples_:
-        if s.metric == METRIC and s.labels.get("pid", "").isdigit() and s.labels.get("role") in ROLES:
-            out[int(s.labels["pid"])] = s.labels["role"]
-    return out
+    return {int(s.labels["pid"]): s.labels["role"] for s in samples_
+            if s.metric == METRIC and s.labels.get("pid", "").isdigit() and s.labels.get("role") in ROLES}

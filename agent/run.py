@@ -17,6 +17,7 @@ a read-only home. The only requirement is that the job can read the gpuwatch ins
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -28,8 +29,7 @@ from typing import Mapping, NoReturn, Sequence
 import gpuwatch.probes.cupti as _cupti_pkg
 from gpuwatch.agent import package_dirs
 from gpuwatch.agent.api import GpuwatchError
-from gpuwatch.probes.cupti import MIN_CUPTI, version_tuple
-from gpuwatch.probes.cupti import cupti_lib_dir as _newest_cupti
+from gpuwatch.probes.cupti import MIN_CUPTI, cupti_lib_dir, version_tuple
 
 KERNEL_MODES = ("sampled", "continuous", "off")
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(_cupti_pkg.__file__)), "bootstrap")
@@ -72,14 +72,10 @@ def build_env(environ: Mapping[str, str], *, socket: str, report_dir: str | None
     env[ENV_MARK] = "1"
     env[ENV_PACKAGES] = json.dumps(dirs, sort_keys=True)
     env[ENV_SOCKET] = socket
-    if report_dir is not None:
-        env[ENV_REPORT_DIR] = report_dir
-    if interval is not None:
-        env[ENV_INTERVAL] = _fmt_number(interval)
-    if kernels is not None:
-        env[ENV_KERNELS] = kernels
-    if duty_cycle is not None:
-        env[ENV_DUTY_CYCLE] = _fmt_number(duty_cycle)
+    for name, value in ((ENV_REPORT_DIR, report_dir), (ENV_INTERVAL, interval), (ENV_KERNELS, kernels),
+                        (ENV_DUTY_CYCLE, duty_cycle)):
+        if value is not None:
+            env[name] = value if isinstance(value, str) else _fmt_number(value)
     env[ENV_QUIET] = "1" if quiet else "0"
     # Ours first, the user's entries after it in their order; ours only once (a `gpuwatch run`
     # inside a job). An empty PYTHONPATH stays empty: a trailing ':' would add the working directory.
@@ -89,23 +85,17 @@ def build_env(environ: Mapping[str, str], *, socket: str, report_dir: str | None
     # PyTorch links its profiler against libcupti: the one the dynamic linker finds first is the
     # one the process gets, and the agent needs ≥ 13.4 (older ones decode ~80x slower). When
     # gpuwatch's own environment has nvidia-cuda-cupti ≥ 13.4, its library goes first.
-    lib = cupti_lib_dir()
-    if lib:
-        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != lib]
-        env["LD_LIBRARY_PATH"] = os.pathsep.join([lib, *paths])
+    found = cupti_lib_dir()  # (version, lib directory) of the newest nvidia-cuda-cupti here
+    if found and version_tuple(found[0])[:2] >= MIN_CUPTI:
+        paths = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != found[1]]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join([found[1], *paths])
     return env
-
-
-def cupti_lib_dir() -> str:
-    """The lib directory of nvidia-cuda-cupti ≥ 13.4 in this Python's environment, or ""."""
-    found = _newest_cupti()
-    return found[1] if found and version_tuple(found[0])[:2] >= MIN_CUPTI else ""
 
 
 def _restore_signals() -> None:
     # Python ignores SIGPIPE and SIGXFSZ for itself; ignored signals stay ignored across exec, so
     # CMD would not die of a closed pipe (`gpuwatch run -- yes | head`). subprocess does the same.
-    for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ"):
+    for name in ("SIGPIPE", "SIGXFSZ"):
         sig = getattr(signal, name, None)
         if sig is not None:
             signal.signal(sig, signal.SIG_DFL)
@@ -125,10 +115,8 @@ def exec_command(argv: Sequence[str], env: Mapping[str, str]) -> NoReturn:
     argv = list(argv)
     cmd = argv[0]
     for f in (sys.stdout, sys.stderr):
-        try:
+        with contextlib.suppress(Exception):
             f.flush()
-        except Exception:
-            pass
     _restore_signals()
     try:
         os.execvpe(cmd, argv, env)

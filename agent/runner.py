@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
 from gpuwatch.agent import __version__
@@ -240,9 +241,9 @@ class Runner:
                 elif not slot.late_reported and now - slot.busy_since > slot.probe.deadline:
                     slot.late_reported = True
                     st = slot.status
-                    slot.status = _replace(st, up=False, state="late", late_total=st.late_total + 1,
-                                           reason=f"collection running for more than its "
-                                                  f"{slot.probe.deadline:g} s deadline")
+                    slot.status = replace(st, up=False, state="late", late_total=st.late_total + 1,
+                                          reason=f"collection running for more than its "
+                                                 f"{slot.probe.deadline:g} s deadline")
                     log.warning("probe %s is late: still collecting after %.1f s",
                                 slot.probe.name, now - slot.busy_since)
                     changed = True
@@ -301,8 +302,8 @@ class Runner:
             slot.reasons_logged.clear()
             if st.state != "up":
                 log.info("probe %s is up", slot.probe.name)
-            slot.status = _replace(st, up=True, state="up", reason="", last_duration=duration,
-                                   last_success=wall)
+            slot.status = replace(st, up=True, state="up", reason="", last_duration=duration,
+                                  last_success=wall)
             # Probes re-emit slow and static values between reads; history only needs each point once.
             if not straddles_step:
                 points = self._not_future(slot, payload, wall)
@@ -316,10 +317,7 @@ class Runner:
         else:
             # Start afresh next time: a failed source (driver reloaded, library gone) needs a new init.
             if slot.started:
-                try:
-                    slot.probe.shutdown()
-                except Exception:
-                    log.exception("probe %s shutdown failed", slot.probe.name)
+                _shutdown_probe(slot.probe)
                 slot.started = False
             slot.samples = ()
             state = {"disabled": "disabled", "unavailable": "unavailable"}.get(kind, "failing")
@@ -339,8 +337,8 @@ class Runner:
                         log.error("probe %s failed with an error gpuwatch did not expect (a bug; please "
                                   "report it):\n%s", slot.probe.name, slot.traceback.rstrip())
                     self._add_event(Event("probe.down", attrs={"probe": slot.probe.name, "reason": payload}))
-            slot.status = _replace(st, up=False, state=state, reason=payload, last_duration=duration,
-                                   errors_total=st.errors_total + (kind == "error"))
+            slot.status = replace(st, up=False, state=state, reason=payload, last_duration=duration,
+                                  errors_total=st.errors_total + (kind == "error"))
 
     @staticmethod
     def _not_future(slot: _ProbeSlot, samples: tuple[Sample, ...], wall: float) -> tuple[Sample, ...]:
@@ -488,9 +486,3 @@ class Runner:
             yield Sample("gpuwatch.history.series.evicted", float(self.history.evicted[reason]),
                          labels={"reason": reason}, ts=wall)
         yield Sample("gpuwatch.findings.dropped", float(self.findings_dropped), ts=wall)
-
-
-def _replace(st: ProbeStatus, **kw) -> ProbeStatus:
-    d = st.as_dict()
-    d.update(kw)
-    return ProbeStatus(**d)

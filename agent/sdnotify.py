@@ -63,10 +63,6 @@ class Watchdog:
         self.clock = clock
         self._last: float | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self.interval is not None
-
     def ping(self) -> None:
         if self.interval is None:
             return

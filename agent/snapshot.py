@@ -53,10 +53,8 @@ def _gpus(samples: Sequence[Sample]) -> list[tuple[int, str]]:
 def _gpu_processes(samples: Sequence[Sample]) -> dict[int, str]:
     out: dict[int, str] = {}
     for s in samples:
-        if s.metric in GPU_PROCESS_METRICS:
-            pid = s.labels.get("pid", "")
-            if pid.isdigit():
-                out.setdefault(int(pid), s.labels.get("process", ""))
+        if s.metric in GPU_PROCESS_METRICS and s.labels.get("pid", "").isdigit():
+            out.setdefault(int(s.labels["pid"]), s.labels.get("process", ""))
     return out
 
 
@@ -87,9 +85,6 @@ class Snapshot:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inventory", Inventory(self.samples))
-
-    def by_metric(self, metric: str) -> list[Sample]:
-        return [s for s in self.samples if s.metric == metric]
 
 
 EMPTY = Snapshot(ts=0.0)

@@ -83,9 +83,9 @@ class Store:
         self._slack = max(1, min(_PRUNE_EVERY, max_events // 10))
 
     @classmethod
-    def open(cls, state_dir: str, max_events: int = MAX_EVENTS, max_runs: int = MAX_RUNS,
-             max_baseline_runs: int = MAX_BASELINE_RUNS) -> "Store":
-        """Open (creating and migrating as needed) <state_dir>/gpuwatch.db. Raises StoreError."""
+    def open(cls, state_dir: str, **limits: int) -> "Store":
+        """Open (creating and migrating as needed) <state_dir>/gpuwatch.db with __init__'s limits.
+        Raises StoreError."""
         path = os.path.join(state_dir, DB_NAME)
         try:
             os.makedirs(state_dir, mode=0o750, exist_ok=True)
@@ -115,7 +115,7 @@ class Store:
         except BaseException:
             conn.close()
             raise
-        store = cls(conn, path, max_events, max_runs, max_baseline_runs)
+        store = cls(conn, path, **limits)
         store._write(store._prune_all)
         return store
 

@@ -81,24 +81,10 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
             gpu(s.resource).update(index=int(lab.get("gpu_index", -1)), name=lab.get("name", ""))
         elif m == "gpuwatch.gpu.up":
             gpu(s.resource)["up"] = bool(v)
-        elif m == "hw.temperature" and lab.get("sensor") == "gpu":
-            gpu(s.resource)["temperature_celsius"] = v
-        elif m == "hw.gpu.utilization" and lab.get("task") == "general":
-            gpu(s.resource)["utilization"] = v
-        elif m == "gpuwatch.gpu.memory_controller.utilization":
-            gpu(s.resource)["memory_utilization"] = v
-        elif m == "hw.power":
-            gpu(s.resource)["power_watts"] = v
-        elif m == "gpuwatch.gpu.power.limit" and lab.get("limit") == "enforced":
-            gpu(s.resource)["power_limit_watts"] = v
-        elif m == "hw.gpu.memory.usage":
-            gpu(s.resource)["memory_used_bytes"] = v
-        elif m == "hw.gpu.memory.limit":
-            gpu(s.resource)["memory_total_bytes"] = v
+        elif m in _GPU_FIELD and all(lab.get(k) == want for k, want in _GPU_FIELD[m][1].items()):
+            gpu(s.resource)[_GPU_FIELD[m][0]] = v
         elif m == "gpuwatch.gpu.clock.frequency" and lab.get("clock") in ("sm", "memory"):
             gpu(s.resource)[f"{lab['clock']}_clock_hz"] = v
-        elif m == "gpuwatch.gpu.clock.max_frequency" and lab.get("clock") == "sm":
-            gpu(s.resource)["sm_clock_max_hz"] = v
         elif m == "gpuwatch.gpu.clock_event.active" and v and lab.get("reason") not in _NOT_THROTTLE:
             gpu(s.resource)["throttle"].append(lab.get("reason", ""))
         elif m == "gpuwatch.process.cuda.memory.pooled" and lab.get("pid", "").isdigit():
@@ -158,6 +144,15 @@ def build(samples: Iterable[Sample], findings: Sequence[Finding] = (), history=N
     }
 
 
+# metric -> (the GPU row's field, the labels its sample must have)
+_GPU_FIELD = {"hw.temperature": ("temperature_celsius", {"sensor": "gpu"}),
+              "hw.gpu.utilization": ("utilization", {"task": "general"}),
+              "gpuwatch.gpu.memory_controller.utilization": ("memory_utilization", {}),
+              "hw.power": ("power_watts", {}),
+              "gpuwatch.gpu.power.limit": ("power_limit_watts", {"limit": "enforced"}),
+              "hw.gpu.memory.usage": ("memory_used_bytes", {}),
+              "hw.gpu.memory.limit": ("memory_total_bytes", {}),
+              "gpuwatch.gpu.clock.max_frequency": ("sm_clock_max_hz", {"clock": "sm"})}
 _PROCESS_GPU = {"gpuwatch.process.gpu.memory.usage": "black",
                 "gpuwatch.process.gpu.memory.reserved": "grey",
                 "gpuwatch.process.gpu.memory.allocated": "white",

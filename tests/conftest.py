@@ -45,6 +45,13 @@ def load_script(name: str, folder: str = "scripts"):
     return module
 
 
+def ledger_held(ledger, pid: int) -> int:
+    """The units a budget Ledger (agent/budget.py) holds for a process."""
+    with ledger._lock:
+        entry = ledger._held.get(pid)
+        return entry[1] if entry is not None else 0
+
+
 def wait_for(cond, timeout: float, step: float = 0.02):
     """cond()'s first true value within timeout, else its last value."""
     end = time.monotonic() + timeout

@@ -60,6 +60,12 @@ def server(sock_path):
     srv.stop()
 
 
+def serving(srv) -> dict[int, int]:
+    """The connections the server is serving now, by uid."""
+    with srv._stats_lock:
+        return dict(srv._held)
+
+
 def raw(path, payload: bytes, shut=False, timeout=3.0) -> list[dict]:
     """Send bytes, read reply lines until the server closes or stops talking."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -418,7 +424,7 @@ def test_the_connection_closes_when_its_process_exits(sock_path):
         s, child = _inherited(sock_path)
         (reply,) = _replies(s)
         assert time.monotonic() - t0 < 2.0 and f"(pid {child}) has exited" in reply["error"]
-        assert wait_until(lambda: srv.held() == {})
+        assert wait_until(lambda: serving(srv) == {})
     finally:
         srv.stop()
 
@@ -512,7 +518,7 @@ def test_slots_per_user_and_kept_for_root():
         assert got == ["the agent is busy: ordinary users hold all 6 of their connections (2 more are kept "
                        "for root); try again"]
         assert call(path, "status")["up"]  # root gets in
-        assert wait_until(lambda: srv.held() == {65534: 2, 65533: 2, 65532: 2})
+        assert wait_until(lambda: serving(srv) == {65534: 2, 65533: 2, 65532: 2})
         assert srv.stats()[("none", "busy")] == 2
     finally:
         for pid, go in holders:

@@ -16,6 +16,7 @@ from gpuwatch.probes.process import pagecache
 from gpuwatch.probes.process.identity import ProcStat
 from gpuwatch.probes.process.pagecache import (PAGE, CacheStat, NodeReaders, PageCacheProbe, cachestat, file_label,
                                                large_files, mincore_resident, open_file)
+from tests.conftest import ledger_held
 
 MiB = 1 << 20
 SIZE = 256 * MiB
@@ -524,17 +525,17 @@ def test_probe_lists_a_process_once_a_minute_and_afresh_when_its_pid_is_reused(m
     probe.collect()
     ls.now += PageCacheProbe.RELIST_S - 1
     probe.collect()
-    assert ls.listed == [ls.a] and probe._followed.held(ls.a) == 2
+    assert ls.listed == [ls.a] and ledger_held(probe._followed, ls.a) == 2
     ls.now += 1  # a minute since it was listed
     probe.collect()
     assert ls.listed == [ls.a] * 2
     ls.start[ls.a] = 11  # another process under the pid: listed again now
     ls.files[ls.a] = [_file("new", 70 * MiB)]
     out = probe.collect()
-    assert ls.listed == [ls.a] * 3 and probe._followed.held(ls.a) == 1
+    assert ls.listed == [ls.a] * 3 and ledger_held(probe._followed, ls.a) == 1
     assert {s.labels["file"] for s in out} == {"/data/new"}
     ls.start[ls.a] = None  # exited (a zombie): nothing, and nothing held
-    assert probe.collect() == [] and probe._followed.held(ls.a) == 0 and probe._files == {}
+    assert probe.collect() == [] and ledger_held(probe._followed, ls.a) == 0 and probe._files == {}
 
 
 def test_probe_forgets_processes_no_longer_given_and_charges_the_files_budget(monkeypatch):
@@ -545,12 +546,12 @@ def test_probe_forgets_processes_no_longer_given_and_charges_the_files_budget(mo
     given = {ls.a: "trainer", ls.b: "loader"}
     probe = ls.probe(given)
     probe.collect()
-    assert (probe._followed.held(ls.a), probe._followed.held(ls.b)) == (2, 1)
+    assert (ledger_held(probe._followed, ls.a), ledger_held(probe._followed, ls.b)) == (2, 1)
     del given[ls.b]
     probe.collect()
-    assert set(probe._files) == {ls.a} and probe._followed.held(ls.b) == 0 and probe._followed.held(ls.a) == 2
+    assert set(probe._files) == {ls.a} and ledger_held(probe._followed, ls.b) == 0 and ledger_held(probe._followed, ls.a) == 2
     probe.MAX_PROCESSES = 0
-    assert probe.collect() == [] and probe._files == {} and probe._followed.held(ls.a) == 0
+    assert probe.collect() == [] and probe._files == {} and ledger_held(probe._followed, ls.a) == 0
 
 
 def test_probe_says_once_what_it_cannot_do(monkeypatch, caplog):

@@ -72,6 +72,10 @@ def run_for(runner, seconds):
     t.join(2)
 
 
+def by_metric(snap, metric):
+    return [s for s in snap.samples if s.metric == metric]
+
+
 def status(runner, name):
     return runner.snapshot.probes[name]
 
@@ -97,9 +101,9 @@ def test_stuck_probe_is_marked_late_while_others_go_on():
     assert "deadline" in st.reason
     assert stuck.calls == 1, "a stuck probe must not be started again while its call hangs"
     assert ok.calls >= 5 and status(r, "count").up
-    up = {s.labels["probe"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.up")}
+    up = {s.labels["probe"]: s.value for s in by_metric(r.snapshot, "gpuwatch.probe.up")}
     assert up == {"stuck": 0.0, "count": 1.0}
-    late = {s.labels["probe"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.late")}
+    late = {s.labels["probe"]: s.value for s in by_metric(r.snapshot, "gpuwatch.probe.late")}
     assert late["stuck"] == 1.0
     stuck.release.set()
     run_for(r, 0.2)
@@ -331,7 +335,7 @@ def test_probe_is_late_just_past_its_deadline_not_at_it_and_counted_once_per_col
         name="gated", up=False, reason="collection running for more than its 2.5 s deadline", state="late",
         late_total=1, interval=1.0)
     assert logged(caplog, logging.WARNING) == ["probe gated is late: still collecting after 2.5 s"]
-    late = {s.labels["probe"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.late")}
+    late = {s.labels["probe"]: s.value for s in by_metric(r.snapshot, "gpuwatch.probe.late")}
     assert late == {"gated": 1.0}
     # Still stuck later on: counted once per collection, not once per pass, and not started again.
     assert at(r, c, 20.0) is False and at(r, c, 30.0) is False
@@ -389,7 +393,7 @@ def test_samples_leave_the_snapshot_just_past_three_intervals_or_the_deadline_wh
     def gpus(t):
         c.t = t
         r._publish()
-        return sorted(s.resource for s in r.snapshot.by_metric("hw.power"))
+        return sorted(s.resource for s in by_metric(r.snapshot, "hw.power"))
 
     assert gpus(6.0) == ["GPU-fast", "GPU-slow"]
     assert gpus(6.0 + EPS) == ["GPU-slow"]
@@ -440,7 +444,7 @@ def test_unavailable_probe_retries_after_1_2_4_s_doubling_up_to_300_s_and_afresh
     at(r, c, t + 5.0)
     assert p.shutdowns == 1 and status(r, "flaky").state == "unavailable" and not status(r, "flaky").up
     assert status(r, "flaky").reason == "GPU is lost: reboot the node"
-    assert r.snapshot.by_metric("hw.power") == []  # a failed collection's samples leave at once
+    assert by_metric(r.snapshot, "hw.power") == []  # a failed collection's samples leave at once
     at(r, c, t + 6.0 - EPS)
     assert s.busy_since is None
     at(r, c, t + 6.0)
@@ -473,7 +477,7 @@ def test_failing_probe_backs_off_counts_each_error_and_logs_each_distinct_error_
         t += wait
         at(r, c, t)
     assert status(r, "boom").errors_total == 5 and p.starts == 5 and p.shutdowns == 5
-    errors = {s.labels["probe"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.errors")}
+    errors = {s.labels["probe"]: s.value for s in by_metric(r.snapshot, "gpuwatch.probe.errors")}
     assert errors == {"boom": 5.0}
     assert [e.kind for e in r.events] == ["probe.down"]  # the same reason again: no new event
     # One warning and one traceback for five failures with the same error.
@@ -495,7 +499,7 @@ def test_failing_probe_backs_off_counts_each_error_and_logs_each_distinct_error_
     assert logged(caplog, logging.WARNING) == ["probe boom failing: RuntimeError: bad answer (retrying in 1 s)",
                                                "probe boom failing: KeyError: 'gpu' (retrying in 32 s)"]
     assert len(logged(caplog, logging.ERROR)) == 2
-    states = {s.labels["state"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.state")}
+    states = {s.labels["state"]: s.value for s in by_metric(r.snapshot, "gpuwatch.probe.state")}
     assert states == {"starting": 0.0, "up": 0.0, "late": 0.0, "disabled": 0.0, "unavailable": 0.0,
                       "failing": 1.0}
     # Up again, then the same error: said again (once), for it is news after a recovery.
@@ -530,7 +534,7 @@ def test_a_probe_whose_extra_is_not_installed_is_disabled_not_down_said_once_and
         at(r, c, t + 300.0 - EPS)
         assert slot(r, "baseline").busy_since is None
         t += 300.0
-    states = {s.labels["state"]: s.value for s in r.snapshot.by_metric("gpuwatch.probe.state")}
+    states = {s.labels["state"]: s.value for s in by_metric(r.snapshot, "gpuwatch.probe.state")}
     assert states["disabled"] == 1.0 and sum(states.values()) == 1.0
     assert logged(caplog, logging.INFO) == [
         "probe baseline disabled: torch not importable: pip install 'gpuwatch[baseline]'"]
@@ -692,7 +696,7 @@ def test_points_of_a_collection_begun_before_a_wall_step_stay_out_of_history():
     # Started at 20, the step seen at 21 while it runs: its points may be on either time line, not kept.
     collect(20.0, 21.0, step=7200.0)
     assert points() == [W0 + 7200.0, W0 + 7210.0]
-    assert [s.ts for s in r.snapshot.by_metric("hw.power")] == [W0 + 21.0 + 7200.0]  # still served
+    assert [s.ts for s in by_metric(r.snapshot, "hw.power")] == [W0 + 21.0 + 7200.0]  # still served
     collect(31.0, 31.0)
     assert points() == [W0 + 7200.0, W0 + 7210.0, W0 + 7231.0]
 
@@ -725,7 +729,7 @@ def test_a_detector_judges_on_its_interval_and_its_findings_stand_between_and_af
     def judge(t):
         c.t = t
         r._publish()
-        return d.judged, r.snapshot.findings, [s.resource for s in r.snapshot.by_metric("gpuwatch.test.finding")]
+        return d.judged, r.snapshot.findings, [s.resource for s in by_metric(r.snapshot, "gpuwatch.test.finding")]
 
     assert judge(0.0) == (1, (f,), ["GPU-a"])
     assert judge(10.0 - EPS) == (1, (f,), ["GPU-a"])
