@@ -1,7 +1,7 @@
 """Where bench/lifecycle.py's time and memory go, phase by phase (issue 36): one run of each, timed
 inside the processes by wrapping their methods (nothing of gpuwatch is changed).
 
-  1. trace: `gpuwatch trace -p` in-process on tests/ebpf/driver.c (the fake libcuda): interpreter and
+  1. trace (the median of 5 runs): `gpuwatch trace -p` in-process on tests/ebpf/driver.c (the fake libcuda): interpreter and
      imports, validation, object load from the bcc cache, attach, the "tracing PID" line, first read,
      then after the process exits: the loop noticing it, freeze, final snapshot (symbolising), summary,
      detach (the graph thread's stop, the links' close);
@@ -17,7 +17,9 @@ Needs root, bcc, kernel headers and gcc (as bench/lifecycle.py).
 """
 from __future__ import annotations
 
+import compileall
 import json
+import math
 import os
 import signal
 import subprocess
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lifecycle import FIXTURE, Driver, build, free_port, wait  # noqa: E402
+from lifecycle import FIXTURE, ROOT, Driver, build, free_port, wait  # noqa: E402
 
 PY = sys.executable
 
@@ -54,6 +56,21 @@ wrap(L.Loader, "attach", "attach (links)"); wrap(P.EbpfCudaProbe, "start", "prob
 wrap(P.EbpfCudaProbe, "freeze", "freeze"); wrap(session, "summarize", "summary")
 wrap(session, "render_summary", "render summary"); wrap(G.GraphFollower, "stop", "graph thread stop")
 wrap(L.Loader, "close", "detach links + free maps"); wrap(session, "_detach", "detach")
+from gpuwatch.probes.ebpf import bpfsys as B, compiler as C
+wrap(L, "function_offsets", "  symbol offsets (pyelftools; its import the first time)")
+wrap(B, "uprobe_multi_link", "  one multi-uprobe link"); wrap(B, "prog_load", "  verify + load a program")
+wrap(C, "compiled", "  the object from the bcc cache")
+totals = {}
+def summed(obj, name, label):  # called often: one line with the count and the sum, at the end
+    f = getattr(obj, name)
+    @functools.wraps(f)
+    def w(*a, **k):
+        t = time.monotonic()
+        try: return f(*a, **k)
+        finally:
+            n, s = totals.get(label, (0, 0.0)); totals[label] = (n + 1, s + time.monotonic() - t)
+    setattr(obj, name, w)
+summed(B, "map_create", "maps created")
 _snap = P.EbpfCudaProbe.snapshot
 def snap(self, pid=None, wait_symbols=True):
     mark("> snapshot" + ("" if wait_symbols else " (live)"))
@@ -77,6 +94,7 @@ session.run_trace(pid, library=sys.argv[2], interval=0.5)
 mark("run_trace returned")
 sys.stderr = err
 print("\n".join(f"{t:8.3f} {w}" for t, w in marks), file=sys.__stdout__)
+for label, (n, s) in totals.items(): print(f"   {label}: {n} calls, {s:.3f} s in all", file=sys.__stdout__)
 '''
 
 DAEMON = r'''
@@ -133,6 +151,10 @@ DAEMON_IMPORTS = ["logging", "dataclasses", "json", "sqlite3", "ssl", "http.serv
                   "concurrent.futures", "gpuwatch.agent.wire", "gpuwatch.agent.config", "gpuwatch.agent.control",
                   "gpuwatch.agent.runner", "gpuwatch.probes.nvml", "gpuwatch.probes.ebpf", "gpuwatch.exporters.prometheus",
                   "gpuwatch.agent.daemon", "gpuwatch.agent.cli"]
+
+
+def _ready(profile: str) -> float:
+    return next((float(line.split()[0]) for line in profile.splitlines() if "'tracing PID'" in line), math.inf)
 
 
 def trace_profile(built: dict) -> str:
@@ -218,9 +240,14 @@ def main() -> int:
         sys.exit("needs root (eBPF uprobes)")
     work = Path(tempfile.mkdtemp(prefix="gw-lifecycle-profile-build-"))
     built = build(work)
+    # as installed: with bytecode (scripts/setup compiles it; PYTHONDONTWRITEBYTECODE would compile at each start)
+    for package in ("agent", "probes", "detectors", "exporters"):
+        compileall.compile_dir(str(ROOT / package), quiet=1, workers=0)
     trace_profile(built)  # warm the bcc cache
-    print(f"load average {os.getloadavg()[0]:.2f}\n\n== 1. trace: seconds since the CLI process began ==")
-    print(trace_profile(built))
+    runs = sorted((trace_profile(built) for _ in range(5)), key=_ready)
+    print(f"load average {os.getloadavg()[0]:.2f}\n\n== 1. trace: seconds since the CLI process began "
+          f"(the median of 5 runs by its 'tracing PID' line; they ranged {_ready(runs[0]):.3f}-{_ready(runs[-1]):.3f}) ==")
+    print(runs[2])
     print("\n== 2. daemon stop: seconds since SIGTERM ==")
     stop, status = daemon_profile(built)
     print(stop)

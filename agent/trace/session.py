@@ -4,6 +4,7 @@ read through its control socket (AgentTrace), GPU-side kernels from the in-proce
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import os
 import select
@@ -240,9 +241,13 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         raw_events = f"{output}.events"  # opened by TraceOutputs below
     elif otlp is not None:
         raw_events = os.path.join(tempfile.mkdtemp(prefix="gpuwatch-trace-"), "calls.events")
-    out, err = _console(), _console(stderr=True)
+    # rich takes 15-30 ms to import: imported while the kernel loads the probe (which leaves the GIL
+    # free), the consoles made once the probe is up
+    threading.Thread(target=importlib.import_module, args=("rich.console",), name="gpuwatch-import-rich",
+                     daemon=True).start()
     live_tty = sys.stdout.isatty()
     if not target.libraries:
+        err = _console(stderr=True)
         err.print(f"waiting for process {pid} ({target.process}) to load "
                   f"{library or 'libcuda'}… (Ctrl-C to give up)")
         wait_for_cuda(target, library)
@@ -274,17 +279,20 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
     try:
         t_compile = time.monotonic()
         starting = f"asking the gpuwatch agent on {agent}…" if agent else "loading the eBPF probe…"
+        transient = sys.stderr.isatty()  # on a terminal the line goes once the probe is up
+        sys.stderr.write(starting + ("" if transient else "\n"))
+        sys.stderr.flush()
         try:
-            if sys.stderr.isatty():
-                with err.status(starting):
-                    probe.start()
-            else:
-                err.print(starting, highlight=False)
-                probe.start()
+            probe.start()
         except ProbeUnavailable as e:
             if not alive(pid, target.start_time):
                 raise TraceError(f"process {pid} ({target.process}) exited before the probe attached") from None
             raise TraceError(str(e)) from None
+        finally:
+            if transient:
+                sys.stderr.write("\r\x1b[2K")
+                sys.stderr.flush()
+        out, err = _console(), _console(stderr=True)
         started = True
         libs = probe.attached()
         uprobes = sum(lib.get("uprobes", 0) for lib in libs)

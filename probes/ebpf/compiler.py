@@ -64,19 +64,18 @@ def cache_dir() -> str | None:
 
 
 def bcc_version() -> str:
-    """bcc's version without importing it (the import is what this module keeps out of the agent)."""
-    with contextlib.suppress(Exception):
-        from importlib.metadata import version
-        return version("bcc")
+    """bcc's version without importing it (the import is what this module keeps out of the agent):
+    its version.py (0.1 ms), else its distribution's metadata (importlib.metadata: 15 ms)."""
     import importlib.util
     spec = importlib.util.find_spec("bcc")
     if spec is None or not spec.origin:
         return "absent"
-    vfile = Path(spec.origin).with_name("version.py")
-    try:
-        return vfile.read_text().split("=")[-1].strip().strip("'\"")
-    except OSError:
-        return "unknown"
+    with contextlib.suppress(OSError):
+        return Path(spec.origin).with_name("version.py").read_text().split("=")[-1].strip().strip("'\"")
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+        return version("bcc")
+    return "unknown"
 
 
 def cache_key(text: str) -> str:

@@ -253,19 +253,44 @@ def attach_method(mode: str = "auto") -> str:
     return LINKS if kernel_version() >= LINKS_SINCE else PERF_EVENTS
 
 
+def in_parallel(fn: Callable, items: list, threads: int) -> tuple[list, list[tuple[object, Exception]]]:
+    """fn over items in up to `threads` threads, items taken in order: (results in the items' order,
+    None where it failed; [(item, error)]). For system calls: ctypes drops the GIL in them, so the
+    kernel's work (map allocation, the verifier, RCU waits) overlaps, and overlaps Python work in
+    other threads."""
+    results: list = [None] * len(items)
+    errors: list[tuple[object, Exception]] = []
+    todo = iter(enumerate(items))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                nxt = next(todo, None)
+            if nxt is None:
+                return
+            try:
+                results[nxt[0]] = fn(nxt[1])
+            except Exception as e:  # noqa: BLE001 - given to the caller
+                errors.append((nxt[1], e))
+
+    workers = [threading.Thread(target=work, name="gpuwatch-ebpf-work", daemon=True)
+               for _ in range(min(threads, len(items)) - 1)]
+    for w in workers:
+        w.start()
+    try:
+        work()
+    finally:
+        for w in workers:
+            w.join()
+    return results, errors
+
+
 def _close_at_once(fds: list[int], threads: int = 16) -> None:
     """Close every link at once: each close waits for an RCU grace period (~25 ms on 6.18), and
     waits that overlap end together (one after another: 3 links took 75 ms). Entry before return
     no longer matters here: the maps are not read after close()."""
-    parts = [fds[i::threads] for i in range(min(threads, len(fds)))]
-    workers = [threading.Thread(target=bpfsys.close_all, args=(p,), name="gpuwatch-ebpf-detach", daemon=True)
-               for p in parts[1:]]
-    for w in workers:
-        w.start()
-    if parts:
-        bpfsys.close_all(parts[0])
-    for w in workers:
-        w.join()
+    in_parallel(bpfsys.close_all, [fds[i::threads] for i in range(min(threads, len(fds)))], threads)
 
 
 @dataclass
@@ -288,12 +313,14 @@ class Loader:
     programs and links are plain bpf() calls (bpfsys)."""
 
     def __init__(self, pid: int | None = None, apis: Iterable[str] | None = None,
-                 launch_latency: bool = False, events: bool = False, attach: str = "auto") -> None:
+                 launch_latency: bool = False, events: bool = False, attach: str = "auto",
+                 prefetch: Iterable[str] = ()) -> None:
         """pid: attach for this process only, or None: every process. apis: hook only these
         symbols. launch_latency: give the launch APIs a return probe too (latency, errors); by
         default they are counted at entry only (see symbols.timed). events: one gw_event per timed
         call in the ring buffer "events" (see events.py), created big enough only then.
-        attach: auto | links | perf_events (see attach_method)."""
+        attach: auto | links | perf_events (see attach_method). prefetch: libraries that will be
+        attached: their symbols are read while the kernel loads the programs."""
         self.pid = pid
         self.hooks = HOOKS if apis is None else tuple(h for h in HOOKS if h.name in set(apis))
         self.launch_latency = launch_latency
@@ -323,32 +350,64 @@ class Loader:
         self.launch_gaps: collections.deque = collections.deque(maxlen=LAUNCH_GAPS)
         check_environment(compiling=False)
         t0 = time.perf_counter()
+        # file id -> the offsets of its hooked symbols, or why they could not be read (attach() says it)
+        self._prefetched: dict[tuple[int, int], dict[str, int] | OSError] = {}
+        self._prefetch: threading.Thread | None = None
+        # file id -> a prefetched library whose return probes are attached already (with its entry
+        # probes, for attach() to add), or why they could not be
+        self._early: dict[tuple[int, int], tuple[Library, list, list] | OSError] = {}
         # bcc and kernel headers are needed only when nothing is cached: checked then, for their remedy
         obj = compiler.compiled(before_compiling=check_environment)
+        paths = list(prefetch)
+        if paths:  # Python work, after the cache's (the GIL): beside the kernel's
+            self._prefetch = threading.Thread(target=self._read_symbols, args=(paths,), name="gpuwatch-ebpf-symbols",
+                                              daemon=True)
+            self._prefetch.start()
         self.compile_seconds = 0.0 if obj.cached else obj.compile_seconds
         self.cached = obj.cached
         try:
-            self._load(obj)
+            self._load(obj, paths)
         except BaseException:
+            for early in self._early.values():
+                if isinstance(early, tuple):
+                    self._close_library(early[0])
             bpfsys.close_all(self._fds)
             raise
         self.load_seconds = time.perf_counter() - t0
         atexit.register(self._at_exit)
 
-    def _load(self, obj: compiler.CompiledObject) -> None:
+    def _read_symbols(self, paths: list[str]) -> None:
+        for path in paths:
+            fid = file_id(path)
+            if fid is not None:
+                try:
+                    self._prefetched[fid] = function_offsets(path)
+                except OSError as e:
+                    self._prefetched[fid] = e
+
+    def _symbols_of(self, fid: tuple[int, int], path: str) -> dict[str, int]:
+        if self._prefetch is not None:
+            self._prefetch.join()
+            self._prefetch = None
+        got = self._prefetched.pop(fid, None)
+        if isinstance(got, OSError):
+            raise got
+        return function_offsets(path) if got is None else got
+
+    def _load(self, obj: compiler.CompiledObject, paths: list[str]) -> None:
         self.maps: dict[str, bpfsys.Map] = {}
-        fds = []
-        for m in obj.maps:
-            entries = m["max_entries"]
-            if m["name"] == "events" and not self.events:
-                entries = 4096  # one page: nothing writes to it
-            try:
-                fd = bpfsys.map_create(m["type"], m["key_size"], m["value_size"], entries, m["flags"], m["name"])
-            except OSError as e:
-                raise ProbeUnavailable(f"cannot create the eBPF map {m['name']}: {e.strerror or e} (memlock limit? "
-                                       f"run as root with CAP_BPF; the unit sets LimitMEMLOCK=infinity)") from None
-            self._fds.append(fd)
-            fds.append(fd)
+        # nothing writes to "events" unless asked: one page then
+        sizes = [m["max_entries"] if m["name"] != "events" or self.events else 4096 for m in obj.maps]
+        # the large maps take milliseconds each to allocate: made at once
+        fds, errors = in_parallel(lambda i: bpfsys.map_create(obj.maps[i]["type"], obj.maps[i]["key_size"],
+                                                              obj.maps[i]["value_size"], sizes[i], obj.maps[i]["flags"],
+                                                              obj.maps[i]["name"]), list(range(len(obj.maps))), 4)
+        self._fds += [fd for fd in fds if fd is not None]
+        if errors:
+            i, e = min(errors, key=lambda ie: ie[0])
+            raise ProbeUnavailable(f"cannot create the eBPF map {obj.maps[i]['name']}: {getattr(e, 'strerror', None) or e} "
+                                   f"(memlock limit? run as root with CAP_BPF; the unit sets LimitMEMLOCK=infinity)")
+        for m, fd, entries in zip(obj.maps, fds, sizes):
             kv = symbols.MAP_TYPES.get(m["name"])
             if kv is not None:
                 k, v = symbols.ctype(kv[0]), symbols.ctype(kv[1])
@@ -361,16 +420,28 @@ class Loader:
             elif m["name"] == "graph_events":
                 self.graph_ring = (fd, entries)
         expected = bpfsys.ATTACH_UPROBE_MULTI if self.method == LINKS else 0
-        self.progs: dict[str, int] = {}
-        for name in symbols.PROGRAMS:
-            try:
-                fd = bpfsys.prog_load(obj.instructions(name, fds), name, obj.license,
-                                      expected_attach_type=expected, kern_version=obj.kern_version)
-            except bpfsys.VerifierError as e:
+        code = {name: obj.instructions(name, fds) for name in symbols.PROGRAMS}
+
+        def load(name: str) -> int:
+            fd = bpfsys.prog_load(code[name], name, obj.license, expected_attach_type=expected,
+                                  kern_version=obj.kern_version)
+            if name == "gw_return" and self.method == LINKS:
+                # The first link waits for an RCU grace period (10-40 ms): the return probes of the
+                # libraries named go on while the kernel still verifies the entry program.
+                for path in paths:
+                    self._link_returns_early(path, fd)
+            return fd
+
+        # the verifier takes tens of milliseconds a program: both at once
+        progs, errors = in_parallel(load, list(code), len(code))
+        self._fds += [fd for fd in progs if fd is not None]
+        for _, e in errors:
+            if isinstance(e, bpfsys.VerifierError):
                 log.warning("%s; the verifier said:\n%s", e, e.log)
                 raise ProbeUnavailable(f"{e} (the verifier's log is in the agent's log)") from None
-            self._fds.append(fd)
-            self.progs[name] = fd
+        if errors:
+            raise errors[0][1]
+        self.progs: dict[str, int] = dict(zip(code, progs))
 
     # -- attach / detach ---------------------------------------------------------------------
     def attach(self, path: str, admit: Callable[[int], bool] | None = None) -> Library | None:
@@ -384,9 +455,37 @@ class Loader:
         if self._closed:
             raise RuntimeError("the loader is closed")
         t0 = time.perf_counter()
+        early = self._early.pop(fid, None)
+        if isinstance(early, OSError):
+            raise self._attach_error(path, early)
+        lib, entries, returns = early or self._plan(path, fid)
+        if admit is not None and not admit(len(entries) + len(returns) + len(lib.launch_probes)):
+            self._close_library(lib)
+            raise NotAdmitted(path)
+        try:
+            # Return probes first: a call entered between the two attaches then has no entry
+            # record and is not counted, rather than leaving a stale in-flight record.
+            if returns and early is None:
+                self._attach(lib, path, returns, True)
+            if entries:
+                self._attach(lib, path, entries, False)
+            if lib.launch_probes and self.launches_on:
+                lib.launch_fd = self._link(path, lib.launch_probes, False)
+                lib.uprobes += len(lib.launch_probes)
+        except OSError as e:
+            self._close_library(lib)
+            raise self._attach_error(path, e) from None
+        self.libraries[fid] = lib
+        self.attach_seconds += time.perf_counter() - t0
+        if lib.skipped:
+            log.info("%s: %d symbols hooked, not present: %s", path, len(lib.attached), ", ".join(lib.skipped))
+        return lib
+
+    def _plan(self, path: str, fid: tuple[int, int]) -> tuple[Library, list, list]:
+        """The library, its entry and its return probes ((offset, cookie)), from its symbols."""
         lib = Library(path, fid)
         try:
-            present = function_offsets(path)
+            present = self._symbols_of(fid, path)
         except OSError as e:
             log.warning("cannot read the symbols of %s: %s", path, e)
             present = {}
@@ -404,31 +503,31 @@ class Loader:
             (lib.launch_probes if self.method == LINKS and hook.name in SAMPLED_APIS else entries).append(entry)
             if hook.name not in self.untimed:
                 returns.append((off, symbols.return_cookie(hook, self.events)))
-        if admit is not None and not admit(len(entries) + len(returns) + len(lib.launch_probes)):
-            raise NotAdmitted(path)
+        return lib, entries, returns
+
+    def _attach_error(self, path: str, e: OSError) -> Exception:
+        if e.errno == errno.ESRCH and self.pid:
+            return ProbeUnavailable(f"process {self.pid} does not exist")
+        return OSError(e.errno, f"attaching to {path}: {e.strerror or e}")
+
+    def _link_returns_early(self, path: str, prog: int) -> None:
+        fid = file_id(path)
+        if fid is None or fid in self._early:
+            return  # attach() finds it gone, or has it already
+        lib, entries, returns = self._plan(path, fid)
         try:
-            # Return probes first: a call entered between the two attaches then has no entry
-            # record and is not counted, rather than leaving a stale in-flight record.
             if returns:
-                self._attach(lib, path, returns, True)
-            if entries:
-                self._attach(lib, path, entries, False)
-            if lib.launch_probes and self.launches_on:
-                lib.launch_fd = self._link(path, lib.launch_probes, False)
-                lib.uprobes += len(lib.launch_probes)
+                lib.fds.append(self._link(path, returns, True, prog))
+                lib.uprobes += len(returns)
         except OSError as e:
             self._close_library(lib)
-            if e.errno == errno.ESRCH and self.pid:
-                raise ProbeUnavailable(f"process {self.pid} does not exist") from None
-            raise OSError(e.errno, f"attaching to {path}: {e.strerror or e}") from None
-        self.libraries[fid] = lib
-        self.attach_seconds += time.perf_counter() - t0
-        if lib.skipped:
-            log.info("%s: %d symbols hooked, not present: %s", path, len(lib.attached), ", ".join(lib.skipped))
-        return lib
+            self._early[fid] = e
+            return
+        self._early[fid] = (lib, entries, returns)
 
-    def _link(self, path: str, probes: list[tuple[int, int]], retprobe: bool) -> int:
-        return bpfsys.uprobe_multi_link(self.progs["gw_return" if retprobe else "gw_entry"], path,
+    def _link(self, path: str, probes: list[tuple[int, int]], retprobe: bool, prog: int | None = None) -> int:
+        prog = self.progs["gw_return" if retprobe else "gw_entry"] if prog is None else prog
+        return bpfsys.uprobe_multi_link(prog, path,
                                         [o for o, _ in probes], [c for _, c in probes], pid=self.pid or 0,
                                         retprobe=retprobe)
 

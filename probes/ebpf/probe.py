@@ -325,7 +325,8 @@ class EbpfCudaProbe(Probe):
                                        f"fix the path, or leave it unset to find libcuda in running processes")
         # raises ProbeUnavailable with the remedy
         self._loader = _loader.Loader(pid=self.pid, apis=self.apis, launch_latency=self.launch_latency,
-                                      events=self.events_path is not None, attach=self.attach_mode)
+                                      events=self.events_path is not None, attach=self.attach_mode,
+                                      prefetch=self.libraries)
         try:
             ld = self._loader
             self._stack_ledger = ld.stack_ledger = budget_.Ledger(self.budgets["stacks"])

@@ -294,3 +294,71 @@ def test_out_of_memory_from_the_driver_is_an_event_once(fake_cuda, drivers):
         assert p.events() == []  # counted once
     finally:
         p.shutdown()
+
+
+def test_symbols_read_while_loading_are_used_only_for_the_same_file(fake_cuda, fake_nccl, tmp_path, caplog):
+    """Loader(prefetch=[path]) reads a library's symbols while the kernel verifies the programs.
+    attach() takes them only for the file they were read from (device, inode): what it attaches is
+    what a fresh read gives; a path replaced since (another inode) is read again; a file that is
+    no ELF attaches nothing and says so, as without the prefetch."""
+    from gpuwatch.probes.ebpf import loader
+
+    def attached(ld: loader.Loader, path: str) -> tuple:
+        lib = ld.attach(path)
+        return lib.nccl, sorted(lib.attached), lib.uprobes
+
+    path = str(tmp_path / "libcuda.so.1")
+    shutil.copy(fake_cuda["lib"], path)
+    plain = loader.Loader()
+    try:
+        want = attached(plain, path)
+    finally:
+        plain.close()
+    assert want[0] is False and "cuLaunchKernel" in want[1] and want[2] > 0
+
+    ld = loader.Loader(prefetch=[path])
+    try:
+        assert attached(ld, path) == want
+    finally:
+        ld.close()
+
+    ld = loader.Loader(prefetch=[path])
+    try:
+        if ld._prefetch is not None:
+            ld._prefetch.join()  # read: the libcuda's symbols are kept for its inode
+        shutil.copy(fake_nccl["lib"], tmp_path / "new")
+        os.replace(tmp_path / "new", path)  # the path is another file now
+        nccl, names, uprobes = attached(ld, path)
+        assert nccl and "ncclAllReduce" in names and "cuLaunchKernel" not in names and uprobes > 0
+    finally:
+        ld.close()
+
+    (tmp_path / "junk").write_bytes(b"not an ELF file" * 100)
+    os.replace(tmp_path / "junk", path)
+    ld = loader.Loader(prefetch=[path])
+    try:
+        with caplog.at_level("WARNING", logger="gpuwatch.ebpf"):
+            assert attached(ld, path) == (False, [], 0)
+        assert "is not a readable ELF file" in caplog.text
+    finally:
+        ld.close()
+
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["returns linked while loading", "linked at attach"])
+def test_a_process_gone_before_its_links_is_said_once_either_way(fake_cuda, prefetch):
+    """With the return probes linked while the entry program is verified, a traced process that
+    no longer exists is still the one clear error at attach(), and nothing stays attached."""
+    import subprocess
+
+    from gpuwatch.agent.api import ProbeUnavailable
+    from gpuwatch.probes.ebpf import loader
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    ld = loader.Loader(pid=gone.pid, prefetch=[fake_cuda["lib"]] if prefetch else ())
+    try:
+        with pytest.raises(ProbeUnavailable, match=f"process {gone.pid} does not exist"):
+            ld.attach(fake_cuda["lib"])
+        assert ld.libraries == {} and ld._early == {}
+    finally:
+        ld.close()

@@ -119,6 +119,8 @@ def test_live_view_fits_80x24_and_q_quits(fake_cuda, drivers, pane):
         _restored(p)
         history = p.history()
         assert "Traceback" not in history
+        # the startup line said what it was doing until the probe was up, then went
+        assert f"tracing PID {d.pid} (driver)" in history and "loading the eBPF probe" not in history, history
         assert d.proc.poll() is None  # q stops the trace, not the traced process
     finally:
         d.proc.kill()
