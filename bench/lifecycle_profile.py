@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lifecycle import FIXTURE, ROOT, Driver, build, free_port, wait  # noqa: E402
+from lifecycle import FIXTURE, ROOT, Driver, build, compile_dependencies, free_port, wait  # noqa: E402
 
 PY = sys.executable
 
@@ -243,6 +243,7 @@ def main() -> int:
     # as installed: with bytecode (scripts/setup compiles it; PYTHONDONTWRITEBYTECODE would compile at each start)
     for package in ("agent", "probes", "detectors", "exporters"):
         compileall.compile_dir(str(ROOT / package), quiet=1, workers=0)
+    compile_dependencies()
     trace_profile(built)  # warm the bcc cache
     runs = sorted((trace_profile(built) for _ in range(5)), key=_ready)
     print(f"load average {os.getloadavg()[0]:.2f}\n\n== 1. trace: seconds since the CLI process began "
