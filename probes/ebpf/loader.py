@@ -368,13 +368,19 @@ class Loader:
         try:
             self._load(obj, paths)
         except BaseException:
-            for early in self._early.values():
-                if isinstance(early, tuple):
-                    self._close_library(early[0])
+            self._close_unclaimed()
             bpfsys.close_all(self._fds)
             raise
         self.load_seconds = time.perf_counter() - t0
         atexit.register(self._at_exit)
+
+    def _close_unclaimed(self) -> None:
+        """Return probes linked while loading for a library attach() never took (the probe's start
+        failed in between): detached with the rest."""
+        for early in self._early.values():
+            if isinstance(early, tuple):
+                self._close_library(early[0])
+        self._early.clear()
 
     def _read_symbols(self, paths: list[str]) -> None:
         for path in paths:
@@ -399,9 +405,12 @@ class Loader:
         # nothing writes to "events" unless asked: one page then
         sizes = [m["max_entries"] if m["name"] != "events" or self.events else 4096 for m in obj.maps]
         # the large maps take milliseconds each to allocate: made at once
-        fds, errors = in_parallel(lambda i: bpfsys.map_create(obj.maps[i]["type"], obj.maps[i]["key_size"],
-                                                              obj.maps[i]["value_size"], sizes[i], obj.maps[i]["flags"],
-                                                              obj.maps[i]["name"]), list(range(len(obj.maps))), 4)
+
+        def create(i: int) -> int:
+            m = obj.maps[i]
+            return bpfsys.map_create(m["type"], m["key_size"], m["value_size"], sizes[i], m["flags"], m["name"])
+
+        fds, errors = in_parallel(create, list(range(len(obj.maps))), 4)
         self._fds += [fd for fd in fds if fd is not None]
         if errors:
             i, e = min(errors, key=lambda ie: ie[0])
@@ -649,6 +658,7 @@ class Loader:
 
     def _detach(self) -> None:
         t0 = time.perf_counter()
+        self._close_unclaimed()
         n = sum(lib.uprobes for lib in self.libraries.values())
         if self.method == LINKS:
             _close_at_once([fd for lib in self.libraries.values() for fd in

@@ -362,3 +362,21 @@ def test_a_process_gone_before_its_links_is_said_once_either_way(fake_cuda, pref
         assert ld.libraries == {} and ld._early == {}
     finally:
         ld.close()
+
+
+def test_return_probes_linked_while_loading_go_with_close_when_never_attached(fake_cuda_private, drivers):
+    """A probe whose start fails between the load and attach() (a bad events file, say) closes its
+    Loader: the return probes linked early for the library named are detached with it."""
+    from gpuwatch.probes.ebpf import loader
+    from tests.ebpf.test_ebpf_cuda import _first_byte
+
+    lib = fake_cuda_private["lib"]
+    d = drivers(fake_cuda_private["driver"])
+    ld = loader.Loader(prefetch=[lib])
+    try:
+        assert ld._early, "the return probes were not linked while loading"
+        assert _first_byte(d.pid, lib, "cuMemAlloc_v2") == 0xCC  # a return probe: the int3 is at the entry
+    finally:
+        ld.close()
+    assert ld._early == {}
+    assert _first_byte(d.pid, lib, "cuMemAlloc_v2") != 0xCC
