@@ -11,9 +11,15 @@ GW_DEFINITIONS
 // 1-based argument n of the hooked function, x86-64 System V (rdi, rsi, rdx, rcx, r8, r9).
 #define ARG(n) ((u64)PT_REGS_PARM##n(ctx))
 
-// The user stacks that allocated (ids kept in live allocations): few distinct ones in practice
-// (an allocator has a handful of call sites), so stacks of freed allocations are left in place.
+// The user stacks that allocated (ids kept in live allocations) or launched (sampled): few distinct
+// ones a process (an allocator has a handful of call sites). An id is the stack's hash modulo the
+// map's size, and a stack whose bucket holds another one is lost (-EEXIST): stacks no map entry
+// holds any more are deleted by Python (Loader.reclaim_stacks), or a node that ran thousands of
+// processes would lose most new stacks to its dead ones.
 BPF_STACK_TRACE(stacks, GW_STACKS_MAX);
+// When each stack id was last taken (bpf_ktime_get_ns): a stack taken since Python read the
+// entries that hold ids is not reclaimed (a call between that read and the delete).
+BPF_ARRAY(stack_used, u64, GW_STACKS_MAX);
 // One record per call (gw_event), for `gpuwatch trace --output`: written by return probes whose
 // cookie has GW_COOKIE_EVENTS. The loader creates it with one page unless events are recorded.
 BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
@@ -21,7 +27,7 @@ BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
 BPF_PERCPU_ARRAY(name_buf, struct gw_name, 1);
 // What could not be recorded because a map was full: 0 stats, 1 in-flight calls, 2 live
 // allocations, 3 kernels, 4 kernel names, 5 errors by return code, 6 per-call events (the ring
-// buffer was full: the reader fell behind), 7 allocation stacks, 8 graph events, 9 captures
+// buffer was full: the reader fell behind), 7 call stacks (allocations' and sampled launches'), 8 graph events, 9 captures
 // (streams and events of captures too), 10 executable graphs' launches, 11 launch stacks, 12 NCCL communicators,
 // 13 allocation stack copies (a process's USTACKS_PER_PID, or a map, full). (A full histogram map loses
 // buckets silently.) Python sizes its reads from the map: keep GW_DROPPED_KINDS in step.
@@ -323,8 +329,14 @@ static __always_inline void gw_graph_op(u32 pid, u32 op, int rc, struct gw_call 
 
 static __always_inline s32 gw_stack(struct pt_regs *ctx) {
     int id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
-    if (id < 0)
+    if (id < 0) {
         gw_drop(7);
+        return id;
+    }
+    u32 slot = id;
+    u64 *used = stack_used.lookup(&slot);
+    if (used)
+        *used = bpf_ktime_get_ns();
     return id;
 }
 

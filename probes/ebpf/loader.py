@@ -220,6 +220,8 @@ LAUNCH_GAPS = 4096  # launch-probe off times remembered (a 10 s duty cycle: 11 h
 SYMBOL_BYTES = 192  # a symbolised frame kept, beside its text: its key and dict slot (charged to "stacks")
 # an unwound allocation stack kept: its key, dict slot and tuple (RSS per stack kept, bench/stack_cost.py: 1.7 KiB for 7 frames)
 UNWOUND_BYTES, UNWOUND_FRAME_BYTES = 1400, 44
+# a stack no map entry holds is deleted once no call has taken it for this long (reclaim_stacks)
+STACK_IDLE_NS = 1_000_000_000
 
 
 # The maps with entries per process, removed when it exits (Loader.forget)
@@ -964,6 +966,36 @@ class Loader:
         if self.stack_ledger is not None:
             for pid in pids:
                 self.stack_ledger.release(pid)
+
+    def held_stacks(self) -> set[int]:
+        """The stack ids some map entry holds: live allocations, calls in flight, sampled launches
+        and the stack copies' keys."""
+        held = {stack for _pid, _size, stack, _caller, _sp in self._live_records()}
+        held.update(v.stack for _k, v in self.maps["inflight"].items())
+        for name in ("launch_stacks", "ustack_seen", "ustack_copies"):
+            held.update(k.stack for k, _v in self.maps[name].items())  # batched, not a syscall a key
+        return held
+
+    def reclaim_stacks(self, idle_ns: int = STACK_IDLE_NS) -> set[int]:
+        """Delete the stacks no map entry holds and none has taken for idle_ns (the stack map is
+        hashed: a dead process's stacks would take the buckets of new ones). Returns the ids deleted."""
+        stacks, used = self.maps["stacks"], self.maps["stack_used"]
+        ids = {k.value for k in stacks.keys()}
+        if not ids:
+            return set()
+        unheld = ids - self.held_stacks()
+        gone = set()
+        for sid in sorted(unheld):
+            key = symbols.ctype("u32")(sid)
+            # read just before the delete: a call that took the id after held_stacks() read the
+            # maps has marked it (a call between this read and the delete loses its stack: ~1 us
+            # after the stack was idle for idle_ns, accepted)
+            t = used.lookup(key)
+            if t is not None and time.monotonic_ns() - t.value < idle_ns:
+                continue
+            if stacks.delete(key):
+                gone.add(sid)
+        return gone
 
     def pids(self) -> set[int]:
         """Every process with an entry in any map."""

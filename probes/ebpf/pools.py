@@ -103,6 +103,11 @@ class Classifier:
         self._stack[key] = pool
         return pool
 
+    def forget_stacks(self, stack_ids: set[int]) -> None:
+        """These stack ids were deleted (Loader.reclaim_stacks): a new stack may take one."""
+        if stack_ids:
+            self._stack = {k: v for k, v in self._stack.items() if k[1] not in stack_ids}
+
     def forget(self, pids: Iterable[int]) -> None:
         gone = set(pids)
         if not gone:

@@ -298,6 +298,9 @@ class EbpfCudaProbe(Probe):
         self._resolvers: dict[int, pyframes.Resolver] = {}
         self._graph_retired = [0, Counter()]  # kernel launches and replays by content of processes that exited
         self._pools = pools_.Classifier(pools, clock=clock)
+        # when to delete the stacks no process holds: at the collection that sees a process gone,
+        # and again once its last stacks have been idle for STACK_IDLE_NS (Loader.reclaim_stacks)
+        self._reclaim_due: list[float] = []
         self._said_copies = False
         self._allocators: dict[int, set[str]] = {}  # pid -> allocators that held its live bytes
         self._pool_split: dict[int, dict[str, int]] = {}  # the last _pooled pass
@@ -384,6 +387,11 @@ class EbpfCudaProbe(Probe):
         seen = ld.pids() | set(live) | set(graph_counts)
         new = seen - set(self._starts)
         dead = self._prune(stats, seen)
+        if dead:
+            self._reclaim_due = [now, now + _loader.STACK_IDLE_NS / 1e9]
+        if self._reclaim_due and now >= self._reclaim_due[0]:
+            self._reclaim_due = [t for t in self._reclaim_due if t > now]
+            self._pools.forget_stacks(ld.reclaim_stacks())
         if new - dead:
             self._rescan(new - dead)  # a new CUDA process: its libnccl now, before it makes a communicator
         ld.unwind_copies()  # the allocation stacks copied since (their map is bounded: emptied each time)

@@ -1,0 +1,113 @@
+"""The stack map on a node that has run many processes: a stack id is the stack's hash modulo the
+map's 16,384 buckets, and a stack whose bucket holds another is lost (bpf_get_stackid: -EEXIST).
+Stacks no map entry holds any more are deleted once idle (Loader.reclaim_stacks), so dead
+processes' stacks do not take the buckets of new ones, and stacks still held are never deleted.
+
+tests/ebpf/stackflood.c allocates from up to 4,096 distinct stacks a process (ASLR makes each
+process's stacks new). Without the reclaim, five floods leave ~70 % of the buckets taken, and a
+new process loses ~70 % of its stacks; with it, the map is empty once the floods are gone.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from gpuwatch.probes.ebpf import loader as loader_
+from gpuwatch.probes.ebpf.probe import EbpfCudaProbe
+
+from .conftest import HERE
+
+pytestmark = pytest.mark.root
+
+FLOODS, FLOOD_STACKS = 5, 4096
+CHECK_STACKS = 256
+# stacks of one new process lost to each other alone: ~n^2 / (2 x 16,384) = 2 for 256 (Poisson);
+# with the dead floods' stacks left in place, ~180
+CHECK_LOSS_MAX = 32
+
+
+@pytest.fixture(scope="module")
+def flood(fake_cuda, tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("stackflood")
+    cc = shutil.which("gcc") or shutil.which("cc")
+    lib = fake_cuda["lib"]
+    exe = d / "stackflood"
+    libdir = lib.rsplit("/", 1)[0]
+    subprocess.run([cc, "-O0", "-fno-omit-frame-pointer", "-o", str(exe), str(HERE / "stackflood.c"),
+                    f"-L{libdir}", "-l:libcuda.so.1", f"-Wl,-rpath,{libdir}"], check=True)
+    return str(exe)
+
+
+@pytest.fixture
+def probe(fake_cuda):
+    """A probe of its own: its stack map starts empty."""
+    p = EbpfCudaProbe(libraries=[fake_cuda["lib"]], rescan_interval=3600)
+    p.start()
+    yield p
+    p.shutdown()
+
+
+def _stack_ids(p: EbpfCudaProbe) -> set[int]:
+    return {k.value for k in p._loader.maps["stacks"].keys()}
+
+
+def _lost(p: EbpfCudaProbe) -> int:
+    return p._loader.dropped_by_kind().get("allocation_stacks", 0)
+
+
+def _reclaimed(p: EbpfCudaProbe) -> None:
+    """Collections until the follow-up reclaim has run: the floods' stacks idle for STACK_IDLE_NS."""
+    p.collect()  # sees the floods gone
+    time.sleep(loader_.STACK_IDLE_NS / 1e9 + 0.1)
+    p.collect()
+
+
+def test_dead_processes_stacks_are_deleted_and_new_ones_kept(probe, flood):
+    for _ in range(FLOODS):
+        subprocess.run([flood, str(FLOOD_STACKS), "free"], check=True, timeout=60)
+    flooded = len(_stack_ids(probe))
+    assert flooded > FLOOD_STACKS  # several floods' stacks, before any collection
+    _reclaimed(probe)
+    assert _stack_ids(probe) == set()  # no process holds any: all deleted
+
+    lost = _lost(probe)
+    check = subprocess.Popen([flood, str(CHECK_STACKS), "keep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert check.stdout.readline().strip() == "done"
+        lost = _lost(probe) - lost
+        assert lost <= CHECK_LOSS_MAX, f"{lost} of {CHECK_STACKS} stacks lost to others in the map"
+        held = {sid for _pid, _size, sid, _caller, _sp in probe._loader._live_records() if sid >= 0}
+        assert len(held) == CHECK_STACKS - lost
+
+        # another process comes and goes: the reclaim after it keeps every stack the live
+        # allocations hold, however idle
+        subprocess.run([flood, str(FLOOD_STACKS), "free"], check=True, timeout=60)
+        _reclaimed(probe)
+        assert _stack_ids(probe) == held
+        snap = probe.snapshot(check.pid)
+        assert snap["memory"]["live_allocations"] == CHECK_STACKS
+        frames = [f for s in snap["stacks"] for f in s["frames"]]
+        assert any(f.startswith(("left+", "right+")) for f in frames), frames[:8]
+    finally:
+        check.stdin.close()
+        assert check.wait(timeout=30) == 0
+
+
+def test_a_stack_taken_while_idle_ones_are_reclaimed_is_kept(probe, flood):
+    """reclaim_stacks deletes only stacks idle for idle_ns: one taken a moment ago and freed at
+    once (as a running process's temporary buffer is) stays; with idle_ns=0 it goes."""
+    subprocess.run([flood, "64", "free"], check=True, timeout=60)
+    ids = _stack_ids(probe)
+    assert len(ids) >= 60
+    ld = probe._loader
+    assert ld.held_stacks() >= ids  # the stack copies' keys hold them until the process is forgotten
+    probe.collect()  # it is: its reclaim keeps stacks taken within STACK_IDLE_NS
+    assert _stack_ids(probe) == ids and ld.held_stacks() & ids == set()
+    assert ld.reclaim_stacks(idle_ns=60_000_000_000) == set()  # taken within the last minute
+    assert ld.reclaim_stacks(idle_ns=0) == ids
+    assert _stack_ids(probe) == set()
+
