@@ -183,8 +183,9 @@ def read_cache(name: str) -> bytes | None:
         return None
 
 
-def write_cache(name: str, data: bytes, prune=None) -> None:
-    """Put a file in the cache (atomically); the other files for which prune(name) is true go."""
+def write_cache(name: str, data: bytes, prune=None, keep: int = 0) -> None:
+    """Put a file in the cache (atomically); of the other files for which prune(name) is true, all
+    but the `keep` newest go."""
     where = cache_dir()
     if not where:
         return
@@ -194,13 +195,21 @@ def write_cache(name: str, data: bytes, prune=None) -> None:
             if prune is not None:
                 fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=d.fd)
                 try:
-                    names = os.listdir(fd)
+                    names = [n for n in os.listdir(fd) if n != name and prune(n)]
                 finally:
                     os.close(fd)
+                if keep and len(names) > keep:
+                    def age(n: str) -> int:
+                        try:
+                            return os.stat(n, dir_fd=d.fd, follow_symlinks=False).st_mtime_ns
+                        except OSError:
+                            return 0
+                    names = sorted(names, key=age)[:len(names) - keep]
+                elif keep:
+                    names = []
                 for other in names:
-                    if other != name and prune(other):
-                        with contextlib.suppress(OSError):
-                            d.remove(other)
+                    with contextlib.suppress(OSError):
+                        d.remove(other)
     except OSError as e:
         _say_once(f"the eBPF cache in {where} cannot be written (each start compiles again): {e}")
 

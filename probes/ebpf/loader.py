@@ -11,8 +11,10 @@ import collections
 import contextlib
 import ctypes
 import errno
+import hashlib
 import importlib.util
 import itertools
+import json
 import logging
 import os
 import platform
@@ -184,27 +186,68 @@ HOOKED_PREFIXES = ("cu", "nccl")  # the driver API and NCCL's (not pnccl*, its a
 
 def function_offsets(path: str) -> dict[str, int]:
     """The file offset of every exported function of an ELF file whose name starts with "cu" (the
-    driver API) or "nccl": where a uprobe goes. From the dynamic symbol table, by pyelftools."""
+    driver API) or "nccl": where a uprobe goes. From the dynamic symbol table, by pyelftools (its
+    import and a real libcuda's table take tens of milliseconds: a trace waited on them), kept in the
+    eBPF cache per file (device, inode, size, modification and change times: a rewrite changes the
+    change time, which no one can set back)."""
+    from gpuwatch.agent.safefile import open_regular
+    with os.fdopen(open_regular(path), "rb") as f:  # a process's path: whatever it put there
+        st = os.fstat(f.fileno())
+        ident = f"{SYMBOLS_FORMAT}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+        name = f"symbols-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
+        cached = _cached_offsets(compiler.read_cache(name), ident, st.st_size)
+        if cached is not None:
+            return cached
+        out = _read_offsets(f, path)
+    compiler.write_cache(name, json.dumps({"ident": ident, "offsets": out}).encode(),
+                         prune=_SYMBOLS_RE.fullmatch, keep=MAX_SYMBOL_FILES - 1)
+    return out
+
+
+SYMBOLS_FORMAT = 1
+_SYMBOLS_RE = re.compile(r"symbols-[0-9a-f]{24}\.json")
+# Symbol tables kept in the cache: one a libcuda or libnccl build, and one a copy a user made (each
+# a file of ~20 KB): past this many, the oldest go
+MAX_SYMBOL_FILES = 64
+MAX_SYMBOLS = 1 << 16  # entries of one cached table (a libcuda exports ~1,000 cu* functions)
+
+
+def _cached_offsets(raw: bytes | None, ident: str, size: int) -> dict[str, int] | None:
+    """A cached table, checked entry by entry (a cache file is input), or None."""
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+        offsets = data["offsets"]
+        if data["ident"] != ident or not isinstance(offsets, dict) or len(offsets) > MAX_SYMBOLS:
+            return None
+        for k, v in offsets.items():
+            if not (k.startswith(HOOKED_PREFIXES) and len(k) <= 256 and type(v) is int and 0 <= v < size):
+                return None
+        return offsets
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _read_offsets(f, path: str) -> dict[str, int]:
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
-    from gpuwatch.agent.safefile import open_regular
     out: dict[str, int] = {}
     try:
-        with os.fdopen(open_regular(path), "rb") as f:  # a process's path: whatever it put there
-            elf = ELFFile(f)
-            loads = [(s["p_vaddr"], s["p_memsz"], s["p_offset"]) for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
-            dynsym = elf.get_section_by_name(".dynsym")
-            if dynsym is None:
-                return out
-            for sym in dynsym.iter_symbols():
-                if sym["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or sym["st_shndx"] == "SHN_UNDEF" \
-                        or not sym.name.startswith(HOOKED_PREFIXES) or sym.name in out:
-                    continue
-                v = sym["st_value"]
-                for vaddr, memsz, offset in loads:
-                    if vaddr <= v < vaddr + memsz:
-                        out[sym.name] = v - vaddr + offset
-                        break
+        elf = ELFFile(f)
+        loads = [(s["p_vaddr"], s["p_memsz"], s["p_offset"]) for s in elf.iter_segments() if s["p_type"] == "PT_LOAD"]
+        dynsym = elf.get_section_by_name(".dynsym")
+        if dynsym is None:
+            return out
+        for sym in dynsym.iter_symbols():
+            if sym["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC") or sym["st_shndx"] == "SHN_UNDEF" \
+                    or not sym.name.startswith(HOOKED_PREFIXES) or sym.name in out:
+                continue
+            v = sym["st_value"]
+            for vaddr, memsz, offset in loads:
+                if vaddr <= v < vaddr + memsz:
+                    out[sym.name] = v - vaddr + offset
+                    break
     except ELFError as e:
         raise OSError(f"{path} is not a readable ELF file: {e}") from None
     return out
