@@ -17,6 +17,17 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.snapshot import Snapshot
 
 
+def printable(text: str) -> str:
+    """Text safe for a terminal, a log line and a label: what is not printable becomes "?" —
+    C0 and C1 controls (newlines, ESC, U+009B CSI), format characters such as the bidi controls
+    (U+202A-202E, U+2066-2069, U+200E/F, U+061C) and zero-width ones, line and paragraph
+    separators, non-ASCII spaces, lone surrogates, private-use and unassigned code points
+    (Python's str.isprintable: Unicode categories C* and Z* but the ASCII space)."""
+    if text.isprintable():  # the common case, in C; False for any surrogate (category Cs)
+        return text
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 @dataclass(frozen=True, slots=True)
 class HistogramValue:
     """A histogram's state, cumulative since `start`: observations per bucket of the registry's

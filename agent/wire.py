@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, TypeVar
 
-from gpuwatch.agent.api import GpuwatchError
+from gpuwatch.agent.api import GpuwatchError, printable
 
 INT64_MAX = 2**63 - 1
 PID_MAX = 4_194_304  # the kernel's limit for /proc/sys/kernel/pid_max (PID_MAX_LIMIT on 64-bit)
@@ -45,17 +45,6 @@ class WireError(GpuwatchError, ValueError):
 def _show(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def printable(text: str) -> str:
-    """Text safe for a terminal, a log line and a label: what is not printable becomes "?" —
-    C0 and C1 controls (newlines, ESC, U+009B CSI), format characters such as the bidi controls
-    (U+202A-202E, U+2066-2069, U+200E/F, U+061C) and zero-width ones, line and paragraph
-    separators, non-ASCII spaces, lone surrogates, private-use and unassigned code points
-    (Python's str.isprintable: Unicode categories C* and Z* but the ASCII space)."""
-    if text.isprintable():  # the common case, in C; False for any surrogate (category Cs)
-        return text
-    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 # -- specs ---------------------------------------------------------------------------------------

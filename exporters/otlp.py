@@ -32,7 +32,7 @@ from gpuwatch.agent import __version__
 from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Event, Exporter, Probe, Sample
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
-from gpuwatch.agent.wire import printable
+from gpuwatch.agent.api import printable
 
 log = logging.getLogger("gpuwatch.otlp")
 

@@ -41,7 +41,7 @@ from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Exporter, HistogramValue, Probe, Sample
 from gpuwatch.agent.config import parse_listen
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
-from gpuwatch.agent.wire import printable
+from gpuwatch.agent.api import printable
 
 if TYPE_CHECKING:
     from gpuwatch.exporters.webconfig import WebConfig

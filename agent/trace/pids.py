@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpuwatch.agent.trace.errors import TraceError
-from gpuwatch.agent.wire import printable
+from gpuwatch.agent.api import printable
 from gpuwatch.probes.ebpf import loader
 from gpuwatch.probes.process import identity
 

@@ -20,8 +20,6 @@ from typing import Any
 
 from gpuwatch.agent.api import ProbeUnavailable
 from gpuwatch.agent.config import ConfigError, load
-from gpuwatch.agent.control import ControlError, call
-from gpuwatch.agent.wire import TraceGraphsResult, TraceSnapshotResult, TraceSummary, WireError
 from gpuwatch.agent.trace.errors import TraceError
 from gpuwatch.agent.trace.output import TraceOutputs, _send_spans, _write_output, validate_output_path, write_summary
 from gpuwatch.agent.trace.pids import Target, alive, pid_reused, validate, wait_for_cuda
@@ -49,6 +47,7 @@ def _agent_socket(pid: int, library: str | None, socket_path: str | None, config
         except ConfigError as e:
             raise TraceError(f"cannot find the gpuwatch agent's control socket (bad configuration: {e}): "
                              f"give it with --socket") from None
+    from gpuwatch.agent.control import ControlError, call
     try:
         call(socket_path, "ping", timeout=AGENT_TIMEOUT)
     except ControlError as e:
@@ -69,6 +68,8 @@ class AgentTrace:
         self._last: dict = {}
 
     def _ask(self, pid: int) -> dict:
+        from gpuwatch.agent.control import ControlError, call
+        from gpuwatch.agent.wire import TraceSnapshotResult, WireError
         try:
             raw = call(self.socket_path, "trace.snapshot", {"pid": pid}, timeout=AGENT_TIMEOUT)
         except ControlError as e:
@@ -137,6 +138,7 @@ class GpuKernels:
         return getattr(self.probe, name)
 
     def _fetch(self, pid: int) -> dict | None:
+        from gpuwatch.agent.control import ControlError, call
         if self.socket_path:
             with contextlib.suppress(ControlError):
                 return call(self.socket_path, "cupti.process", {"pid": pid}, timeout=2.0)
@@ -185,6 +187,8 @@ def preload_graphs(probe: Any, pid: int, socket_path: str | None) -> str:
     unknown = "replays of graphs made before the trace attached are of unknown content"
     if not socket_path:
         return f"no gpuwatch agent configured: {unknown}"
+    from gpuwatch.agent.control import ControlError, call
+    from gpuwatch.agent.wire import TraceGraphsResult
     try:
         known = call(socket_path, "trace.graphs", {"pid": pid}, timeout=GRAPHS_TIMEOUT, result_type=TraceGraphsResult)
     except ControlError as e:
@@ -210,6 +214,11 @@ def _control_socket(socket_path: str | None, config_path: str | None) -> str | N
 # ---- the loop ------------------------------------------------------------------------------------
 class _Stop(Exception):
     pass
+
+
+def _import_all(names: tuple[str, ...]) -> None:
+    for name in names:
+        importlib.import_module(name)
 
 
 def _console(stderr: bool = False):
@@ -241,10 +250,11 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
         raw_events = f"{output}.events"  # opened by TraceOutputs below
     elif otlp is not None:
         raw_events = os.path.join(tempfile.mkdtemp(prefix="gpuwatch-trace-"), "calls.events")
-    # rich takes 15-30 ms to import: imported while the kernel loads the probe (which leaves the GIL
-    # free), the consoles made once the probe is up
-    threading.Thread(target=importlib.import_module, args=("rich.console",), name="gpuwatch-import-rich",
-                     daemon=True).start()
+    # rich (15-30 ms to import) and the control client with its wire types (20-60 ms: 46 frozen
+    # dataclasses) are imported while the kernel loads the probe (which leaves the GIL free); the
+    # consoles are made, and the agent asked, once the probe is up
+    threading.Thread(target=_import_all, args=(("rich.console", "gpuwatch.agent.control"),),
+                     name="gpuwatch-imports", daemon=True).start()
     live_tty = sys.stdout.isatty()
     if not target.libraries:
         err = _console(stderr=True)
@@ -340,6 +350,7 @@ def run_trace(pid: int, *, duration: float | None = None, summary_json: str | No
             summary["events"] = events
         out.print(render_summary(summary))
         out.file.flush()
+        from gpuwatch.agent.wire import TraceSummary, WireError
         try:
             TraceSummary.parse(summary)  # what scripts read: its wire type (a mismatch is our bug)
         except WireError as e:

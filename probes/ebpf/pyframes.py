@@ -361,7 +361,7 @@ class Resolver:
         raw = mem.read(addr + self.off.ascii_data, n)
         if not raw or len(raw) != n:
             return None
-        from gpuwatch.agent.wire import printable
+        from gpuwatch.agent.api import printable
         return printable(raw.decode("ascii", errors="replace"))  # the process chose it: no controls
 
     def frame(self, code: int, instr_byte: int) -> str | None:

@@ -31,7 +31,7 @@ from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.api import Probe, Sample
 from gpuwatch.agent.logs import WarnOnce
 from gpuwatch.agent.safefile import open_regular
-from gpuwatch.agent.wire import printable
+from gpuwatch.agent.api import printable
 from gpuwatch.probes.process.access import openable_by_its_user
 from gpuwatch.probes.process.identity import read_stat, sanitise_process_name
 

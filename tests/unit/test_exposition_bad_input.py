@@ -25,7 +25,7 @@ from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.snapshot import Snapshot
-from gpuwatch.agent.wire import printable
+from gpuwatch.agent.api import printable
 from gpuwatch.exporters.prometheus import render
 from gpuwatch.probes.nvml.probe import NvmlProbe, sanitise_process_name
 from gpuwatch.probes.nvml.replay import ReplayBackend

@@ -33,7 +33,7 @@ from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.runner import Runner
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
-from gpuwatch.agent.wire import printable
+from gpuwatch.agent.api import printable
 from gpuwatch.exporters.prometheus import (OPENMETRICS, TEXT, PrometheusExporter, _escape_value, _Family, _Guard,
                                            _MetricsApp, _number, _QuietHandler, _Server, LOOPBACK, peer_of, render)
 from gpuwatch.exporters.webconfig import load_web_config
