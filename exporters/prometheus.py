@@ -38,10 +38,9 @@ from typing import TYPE_CHECKING
 from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from gpuwatch.agent import metrics as registry
-from gpuwatch.agent.api import Exporter, HistogramValue, Probe, Sample
+from gpuwatch.agent.api import Exporter, HistogramValue, Probe, Sample, printable
 from gpuwatch.agent.config import parse_listen
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
-from gpuwatch.agent.api import printable
 
 if TYPE_CHECKING:
     from gpuwatch.exporters.webconfig import WebConfig
