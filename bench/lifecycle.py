@@ -262,7 +262,8 @@ def summary(values: list[float]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--baseline-ref", help="an older commit measured the same way, interleaved (e.g. 928b0d5)")
+    ap.add_argument("--baseline-ref", help="an older commit measured the same way, interleaved (e.g. 928b0d5), "
+                    "or a file that `git archive` wrote of one (named by its file name)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds of normal use before RSS and status")
     ap.add_argument("--status-calls", type=int, default=10, help="control calls per run (their median is kept)")
     ap.add_argument("--nvml-real", action="store_true", help="the daemon reads the real NVML (a GPU node)")
@@ -285,6 +286,9 @@ def main() -> int:
         tree = base / "tree"
         if ref is None:
             shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".*", "__pycache__", "tests", "bench", "docs"))
+        elif os.path.isfile(ref):  # `git archive` output, carried where there is no .git (the GPU machine)
+            tree.mkdir()
+            subprocess.run(["tar", "-x", "-f", ref, "-C", str(tree)], check=True)
         else:
             tree.mkdir()
             archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref], capture_output=True, check=True)
@@ -293,7 +297,7 @@ def main() -> int:
         return Side(name, str(base / "pp"), tree, compiled)
 
     if args.baseline_ref:
-        sides.append(copy_of(args.baseline_ref, args.baseline_ref, True))
+        sides.append(copy_of(args.baseline_ref, os.path.basename(args.baseline_ref).split(".")[0], True))
     if args.uncompiled:
         sides.append(copy_of(None, "no bytecode", False))
     load = os.getloadavg()

@@ -301,6 +301,7 @@ class EbpfCudaProbe(Probe):
         # when to delete the stacks no process holds: at the collection that sees a process gone,
         # and again once its last stacks have been idle for STACK_IDLE_NS (Loader.reclaim_stacks)
         self._reclaim_due: list[float] = []
+        self._reclaim_after = 0.0
         self._said_copies = False
         self._allocators: dict[int, set[str]] = {}  # pid -> allocators that held its live bytes
         self._pool_split: dict[int, dict[str, int]] = {}  # the last _pooled pass
@@ -389,9 +390,13 @@ class EbpfCudaProbe(Probe):
         dead = self._prune(stats, seen)
         if dead:
             self._reclaim_due = [now, now + _loader.STACK_IDLE_NS / 1e9]
-        if self._reclaim_due and now >= self._reclaim_due[0]:
+        if self._reclaim_due and now >= max(self._reclaim_due[0], self._reclaim_after):
             self._reclaim_due = [t for t in self._reclaim_due if t > now]
+            t0 = time.perf_counter()
             self._pools.forget_stacks(ld.reclaim_stacks())
+            # at most ~5 % of a core however often processes exit: a reclaim reads every live
+            # allocation (0.5 us each: half a second for a million)
+            self._reclaim_after = now + 20 * (time.perf_counter() - t0)
         if new - dead:
             self._rescan(new - dead)  # a new CUDA process: its libnccl now, before it makes a communicator
         ld.unwind_copies()  # the allocation stacks copied since (their map is bounded: emptied each time)

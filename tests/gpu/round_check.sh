@@ -8,7 +8,8 @@
 #   jax          the pools check's JAX case alone, with the daemon's series of the process   ~2 min
 #   overhead     bench/ebpf_overhead.py (33: the daemon's default cost, with its interval)  ~5 min
 #   lifecycle    bench/lifecycle.py --nvml-real --uncompiled (36: the daemon on the real NVML, the
-#                trace on the fake libcuda; as installed, and beside a copy without bytecode) ~3 min
+#                trace on the fake libcuda; as installed, and beside a copy without bytecode, or beside
+#                what LIFECYCLE_ARGS says, e.g. "--baseline-ref .gpu-extra/f840aac.tar") ~3 min
 #   profile      bench/lifecycle_profile.py (36: where each of the five goes, phase by phase) ~1.5 min
 #   unit_limits  bench/unit_limits.py --gpu (31, 34: the unit's limits with real NVML, eBPF, the CUPTI
 #                sampler and a baseline run that the sampler steps aside for)               ~2.5 min
@@ -55,7 +56,7 @@ for step in "$@"; do
     overhead) bcc timeout 330 python3 bench/ebpf_overhead.py --rounds 100 --max-seconds 240 --tiny 20000 --steps 8 \
                 --out "$OUT/overhead.json" > "$logs/overhead.txt" 2>&1
               rc=$?; tail -12 "$logs/overhead.txt" ;;
-    lifecycle) bcc timeout 240 python3 bench/lifecycle.py --runs 6 --nvml-real --uncompiled --out "$OUT/lifecycle.json" \
+    lifecycle) bcc timeout 300 python3 bench/lifecycle.py --runs 6 --nvml-real ${LIFECYCLE_ARGS:---uncompiled} --out "$OUT/lifecycle.json" \
                  > "$logs/lifecycle.txt" 2>&1
                rc=$?; tail -12 "$logs/lifecycle.txt" ;;
     profile) bcc timeout 150 python3 bench/lifecycle_profile.py > "$logs/profile.txt" 2>&1
