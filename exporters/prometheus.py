@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server, sys_version
 from typing import TYPE_CHECKING
 
-from prometheus_client.exposition import choose_encoder, gzip_accepted
-
 from gpuwatch.agent import metrics as registry
 from gpuwatch.agent.api import Exporter, HistogramValue, Probe, Sample, printable
 from gpuwatch.agent.config import parse_listen
@@ -49,6 +47,46 @@ log = logging.getLogger("gpuwatch.prometheus")
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
+
+
+def wants_openmetrics(accept: str | None) -> bool:
+    """Content negotiation as prometheus_client's choose_encoder decides it (the first media range
+    that settles it: OpenMetrics without a version or at 1.0.0 and later, text/plain at 1.0.0 and
+    later; else text 0.0.4), but total: choose_encoder raised TypeError on a version that is not
+    all numbers ("version=abc"), a 500 and a traceback in the log for each such request.
+    tests/unit/test_prometheus_exporter.py runs both over the same headers."""
+    for accepted in (accept or "").split(","):
+        params = accepted.split(";")
+        kind = params[0].strip()
+        if kind not in ("application/openmetrics-text", "text/plain"):
+            continue
+        version = next((tok.strip().split("=", 1)[1] for tok in params if "=" in tok
+                        and tok.strip().split("=", 1)[0] == "version"), "")
+        if kind == "application/openmetrics-text" and not version:
+            return True
+        if version and _at_least_1(version):
+            return kind == "application/openmetrics-text"
+    return False
+
+
+def _at_least_1(version: str) -> bool:
+    """version >= 1.0.0, compared as prometheus_client does (dotted parts, numbers where int()
+    reads one); False where that comparison would meet a part that is not a number."""
+    parts: list[int | str] = []
+    for p in version.split("."):
+        try:
+            parts.append(int(p))
+        except ValueError:
+            parts.append(p)
+    try:
+        return tuple(parts) >= (1, 0, 0)
+    except TypeError:
+        return False
+
+
+def gzip_accepted(accept_encoding: str | None) -> bool:
+    """Whether the client takes gzip (as prometheus_client's gzip_accepted: a q of 0 is not read)."""
+    return any(enc.split(";")[0].strip().lower() == "gzip" for enc in (accept_encoding or "").split(","))
 
 
 def _escape_value(value: str) -> str:
@@ -208,8 +246,7 @@ class _MetricsApp:
         if path != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"not found: metrics are at /metrics\n"]
-        content_type = choose_encoder(environ.get("HTTP_ACCEPT"))[1]
-        openmetrics = content_type.startswith("application/openmetrics-text")
+        openmetrics = wants_openmetrics(environ.get("HTTP_ACCEPT"))
         compress = gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING"))
         data = self.body(openmetrics, compress)
         headers = [("Content-Type", OPENMETRICS if openmetrics else TEXT), ("Content-Length", str(len(data)))]

@@ -8,6 +8,7 @@ TLS handshake failures, slow clients and the common wrong passwords.
 from __future__ import annotations
 
 import base64
+import gzip
 import re
 import socket
 import ssl
@@ -104,6 +105,27 @@ def test_malformed_requests_are_refused(agent, request_bytes, status):
         head, _, body = answer.partition(b"\r\n\r\n")
         assert b"Content-Type: text/plain" in head and b"<html" not in body.lower(), answer[:300]
         assert request_bytes[:4] not in head.split(b"\r\n")[0] or status == 405  # no client words in the status
+    still_serving(agent)
+
+
+@pytest.mark.parametrize("accept,encoding", [
+    ("application/openmetrics-text; version=abc", ""),          # prometheus_client's choose_encoder: TypeError
+    ("application/openmetrics-text; version=1.0.x", "gzip"),
+    ("text/plain; version=1.x.0, application/openmetrics-text; version=0.0.1", ""),
+    ("\x01\x7f;;;;version==", "gzip;;q=\x01"),
+])
+def test_odd_accept_headers_get_the_text_format(agent, accept, encoding):
+    """Headers no scraper sends get the text format, not a 500 and a traceback in the log for each
+    (the module's agent is checked for tracebacks when it stops)."""
+    extra = f"Accept-Encoding: {encoding}\r\n" if encoding else ""
+    answer = raw_http(agent.port, f"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: {accept}\r\n{extra}"
+                                  f"Connection: close\r\n\r\n".encode("latin-1"))
+    assert status_of(answer) == 200, answer[:300]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Content-Type: text/plain; version=0.0.4" in head
+    if encoding:
+        body = gzip.decompress(body)
+    assert b"hw_power_watts" in body
     still_serving(agent)
 
 

@@ -815,3 +815,69 @@ def test_the_handshake_deadline_covers_the_whole_handshake(tls_exporter, pki):
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
                 break
     assert got.startswith(b"HTTP/1.0 200 OK\r\n") and got.endswith(f'hw_power_watts{{gpu="{GPU}"}} 300.0\n'.encode())
+
+
+# ---- content negotiation: ours against prometheus_client's, header by header -------------------
+_MEDIA = st.sampled_from(["application/openmetrics-text", "text/plain", "*/*", "application/json", "text/html",
+                          " application/openmetrics-text ", "TEXT/PLAIN", ""])
+_VERSION = st.one_of(st.sampled_from(["0.0.1", "0.0.4", "1.0.0", "1.0", "1", "2.0.0", "1.0.0.1", "01.0.0",
+                                      "abc", "1.x", "1.0.x", "2.abc", "-1.0.0", "+1.0.0", " 1.0.0", "", "1..0"]),
+                     st.text(alphabet="0123456789.ax-+ ", max_size=8))
+_PARAM = st.one_of(st.builds(lambda v: f"version={v}", _VERSION), st.builds(lambda v: f" version={v}", _VERSION),
+                   st.sampled_from(["charset=utf-8", "q=0.5", "escaping=underscores", "version", "version =1.0.0",
+                                    "=", ""]))
+_RANGE = st.builds(lambda m, ps: ";".join([m, *ps]), _MEDIA, st.lists(_PARAM, max_size=3))
+_ACCEPT = st.one_of(st.none(), st.builds(",".join, st.lists(_RANGE, max_size=4)))
+
+
+def _theirs(accept: str | None) -> bool | None:
+    from prometheus_client.exposition import choose_encoder
+    try:
+        return choose_encoder(accept)[1].startswith("application/openmetrics-text")
+    except TypeError:  # a version that is not all numbers: theirs raises
+        return None
+
+
+@settings(max_examples=3000, deadline=None)
+@given(_ACCEPT)
+def test_content_negotiation_is_prometheus_clients_and_total(accept):
+    from gpuwatch.exporters.prometheus import wants_openmetrics
+    ours = wants_openmetrics(accept)  # never raises
+    theirs = _theirs(accept)
+    assert type(ours) is bool
+    if theirs is not None:
+        assert ours == theirs, accept
+
+
+@pytest.mark.parametrize("accept,openmetrics", [
+    ("application/openmetrics-text; version=1.0.0; charset=utf-8,text/plain;version=0.0.4;q=0.5,*/*;q=0.1", True),
+    ("application/openmetrics-text;version=0.0.1,text/plain;version=0.0.4;q=0.5,*/*;q=0.1", False),
+    ("text/plain; version=0.0.4", False),
+    (None, False),
+    ("application/openmetrics-text; version=abc", False),        # theirs: TypeError
+    ("application/openmetrics-text; version=1.0.x, application/openmetrics-text", True),
+    ("application/openmetrics-text; version=2.abc", True),        # theirs too: 2 > 1 settles it
+])
+def test_content_negotiation_cases(accept, openmetrics):
+    from gpuwatch.exporters.prometheus import wants_openmetrics
+    assert wants_openmetrics(accept) is openmetrics
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.none(), st.builds(",".join, st.lists(st.builds(lambda e, q: e + q, st.sampled_from(
+    ["gzip", " GZIP ", "deflate", "br", "identity", "*", "x-gzip", ""]), st.sampled_from(["", ";q=0", ";q=1.0"])),
+    max_size=4))))
+def test_gzip_negotiation_is_prometheus_clients(accept_encoding):
+    from prometheus_client.exposition import gzip_accepted as theirs
+    from gpuwatch.exporters.prometheus import gzip_accepted
+    assert gzip_accepted(accept_encoding) == theirs(accept_encoding)
+
+
+def test_the_exporter_does_not_import_prometheus_client():
+    """Its whole package (default registry and collectors, urllib.request) is 3.5 MiB resident
+    for two header checks; the tests keep it as the reference."""
+    import subprocess
+    code = ("import sys; import gpuwatch.exporters.prometheus, gpuwatch.agent.daemon; "
+            "print(sorted(m for m in sys.modules if m.startswith('prometheus_client')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
