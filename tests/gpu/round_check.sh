@@ -11,6 +11,8 @@
 #                trace on the fake libcuda; as installed, and beside a copy without bytecode, or beside
 #                what LIFECYCLE_ARGS says, e.g. "--baseline-ref .gpu-extra/f840aac.tar") ~3 min
 #   profile      bench/lifecycle_profile.py (36: where each of the five goes, phase by phase) ~1.5 min
+#   symbols      tests/gpu/symbols_check.py (36: the real libcuda's symbol table from the eBPF cache equals a
+#                fresh read; each one's cost)                                               ~0.5 min
 #   unit_limits  bench/unit_limits.py --gpu (31, 34: the unit's limits with real NVML, eBPF, the CUPTI
 #                sampler and a baseline run that the sampler steps aside for)               ~2.5 min
 #
@@ -61,6 +63,8 @@ for step in "$@"; do
                rc=$?; tail -12 "$logs/lifecycle.txt" ;;
     profile) bcc timeout 150 python3 bench/lifecycle_profile.py > "$logs/profile.txt" 2>&1
              rc=$?; cp "$logs/profile.txt" "$OUT/"; tail -12 "$logs/profile.txt" ;;
+    symbols) timeout 120 python3 tests/gpu/symbols_check.py > "$logs/symbols.txt" 2>&1
+             rc=$?; cp "$logs/symbols.txt" "$OUT/symbols-log.txt"; tail -8 "$logs/symbols.txt" ;;
     unit_limits) bcc timeout 200 python3 bench/unit_limits.py --gpu --seconds 75 > "$logs/unit_limits.txt" 2>&1
                  rc=$?; cp "$logs/unit_limits.txt" "$OUT/"; tail -16 "$logs/unit_limits.txt" ;;
     *) echo "unknown step $step"; rc=2 ;;
