@@ -3,7 +3,8 @@ lost to the buckets of dead ones, with the reclaim (Loader.reclaim_stacks) and w
 a reclaim costs.
 
 Five processes of tests/ebpf/stackflood.c allocate from 4,096 distinct stacks each and exit; then,
-five times, a process allocates from 256 and exits. A stack id is the stack's hash modulo the map's
+five times, a process allocates from 256 and exits. Last, one process holds 4,096 stacks at once: how
+many its own collisions sent to the overflow map, and how many were lost. A stack id is the stack's hash modulo the map's
 16,384 buckets: a stack whose bucket holds another is lost (bpf_get_stackid: -EEXIST), counted in
 dropped_by_kind "allocation_stacks".
 
@@ -76,6 +77,25 @@ def run(lib: str, flood: str, reclaim: bool, checks: int) -> dict:
         p.shutdown()
 
 
+def dense(lib: str, flood: str) -> dict:
+    """One running process holding 4,096 stacks: how many its own collisions sent to the overflow map,
+    and how many were lost all the same."""
+    p = EbpfCudaProbe(libraries=[lib], rescan_interval=3600)
+    p.start()
+    try:
+        ld = p._loader
+        before = ld.dropped_by_kind().get("allocation_stacks", 0)
+        proc = subprocess.Popen([flood, "4096", "keep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "done"
+        ids = {sid for pid, _s, sid, _c, _sp in ld._live_records() if pid == proc.pid}
+        lost = ld.dropped_by_kind().get("allocation_stacks", 0) - before
+        proc.stdin.close()
+        proc.wait()
+        return {"overflow": sum(1 for sid in ids if sid >= loader.symbols.MAP_SIZES["STACKS_MAX"]), "lost": lost}
+    finally:
+        p.shutdown()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checks", type=int, default=5)
@@ -95,6 +115,9 @@ def main() -> int:
         print(f"{'median lost of 256':28} {statistics.median(on['lost_of_256']):>24} "
               f"{statistics.median(off['lost_of_256']):>24}")
         print(f"reclaim durations (ms): {on['reclaim_ms']}")
+        one = dense(lib, str(flood))
+        print(f"one running process of 4,096 stacks: {one['overflow']} in the overflow map (their bucket in the "
+              f"first was taken: lost without it), {one['lost']} lost")
     finally:
         shutil.rmtree(d, ignore_errors=True)
     return 0

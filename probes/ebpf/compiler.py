@@ -40,8 +40,8 @@ FORMAT = 1  # of the object; a change makes old cache files misses
 CHILD_TIMEOUT = 120.0  # seconds: compiling takes 1-6 s on the machines measured
 LD_IMM64, PSEUDO_MAP_FD = 0x18, 1
 CACHE_ENV = "GPUWATCH_BPF_CACHE"  # a directory, or "off"
-MAP_NAMES = (*symbols.HASH_MAPS, "stacks", "stack_used", "events", "graph_events", "name_buf", "lstack_buf", "dropped", "frozen",
-             "comm_zero", "ustack_buf")
+MAP_NAMES = (*symbols.HASH_MAPS, "stacks", "stacks_overflow", "stack_used", "events", "graph_events", "name_buf",
+             "lstack_buf", "dropped", "frozen", "comm_zero", "ustack_buf")
 MAP_FIELDS = ("type", "key_size", "value_size", "max_entries", "flags")
 MAX_PROGRAM_BYTES = 1 << 20
 

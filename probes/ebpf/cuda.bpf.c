@@ -13,13 +13,17 @@ GW_DEFINITIONS
 
 // The user stacks that allocated (ids kept in live allocations) or launched (sampled): few distinct
 // ones a process (an allocator has a handful of call sites). An id is the stack's hash modulo the
-// map's size, and a stack whose bucket holds another one is lost (-EEXIST): stacks no map entry
-// holds any more are deleted by Python (Loader.reclaim_stacks), or a node that ran thousands of
-// processes would lose most new stacks to its dead ones.
+// map's size, and a stack whose bucket holds another one is refused (-EEXIST; it goes to
+// stacks_overflow below): stacks no map entry holds any more are deleted by Python
+// (Loader.reclaim_stacks), or a node that ran thousands of processes would fill both with dead ones.
 BPF_STACK_TRACE(stacks, GW_STACKS_MAX);
-// When each stack id was last taken (bpf_ktime_get_ns): a stack taken since Python read the
-// entries that hold ids is not reclaimed (a call between that read and the delete).
-BPF_ARRAY(stack_used, u64, GW_STACKS_MAX);
+// Where a stack goes when its bucket in `stacks` holds another (a new stack meets one of the n in
+// the map n / 16,384 of the time): a second map holding only those, ids GW_STACKS_MAX + its own.
+// A stack is then lost only when both buckets are taken.
+BPF_STACK_TRACE(stacks_overflow, GW_STACKS_OVERFLOW_MAX);
+// When each stack id (of both maps) was last taken (bpf_ktime_get_ns): a stack taken since Python
+// read the entries that hold ids is not reclaimed (a call between that read and the delete).
+BPF_ARRAY(stack_used, u64, GW_STACKS_MAX + GW_STACKS_OVERFLOW_MAX);
 // One record per call (gw_event), for `gpuwatch trace --output`: written by return probes whose
 // cookie has GW_COOKIE_EVENTS. The loader creates it with one page unless events are recorded.
 BPF_RINGBUF_OUTPUT(events, GW_RINGBUF_PAGES);
@@ -329,6 +333,11 @@ static __always_inline void gw_graph_op(u32 pid, u32 op, int rc, struct gw_call 
 
 static __always_inline s32 gw_stack(struct pt_regs *ctx) {
     int id = stacks.get_stackid(ctx, BPF_F_USER_STACK);
+    if (id == -17) {  // -EEXIST: its bucket holds another stack
+        id = stacks_overflow.get_stackid(ctx, BPF_F_USER_STACK);
+        if (id >= 0)
+            id += GW_STACKS_MAX;
+    }
     if (id < 0) {
         gw_drop(7);
         return id;

@@ -850,7 +850,8 @@ class Loader:
                 return list(chain[:limit])
         addrs: list[int] = []
         if stack_id >= 0:
-            v = self.maps["stacks"].lookup(symbols.ctype("u32")(stack_id))
+            table, index = self._stack_slot(stack_id)
+            v = self.maps[table].lookup(symbols.ctype("u32")(index))
             if v is not None:
                 addrs = [a for a in v.ip if a][:limit]
         if caller:  # the walk from the API's first instruction skips its caller
@@ -1019,24 +1020,31 @@ class Loader:
             held.update(k.stack for k, _v in self.maps[name].items())  # batched, not a syscall a key
         return held
 
+    @staticmethod
+    def _stack_slot(stack_id: int) -> tuple[str, int]:
+        """The map and index of a stack id: ids from STACKS_MAX on are the overflow map's."""
+        first = symbols.MAP_SIZES["STACKS_MAX"]
+        return ("stacks", stack_id) if stack_id < first else ("stacks_overflow", stack_id - first)
+
     def reclaim_stacks(self, idle_ns: int = STACK_IDLE_NS) -> set[int]:
-        """Delete the stacks no map entry holds and none has taken for idle_ns (the stack map is
+        """Delete the stacks no map entry holds and none has taken for idle_ns (the stack maps are
         hashed: a dead process's stacks would take the buckets of new ones). Returns the ids deleted."""
-        stacks, used = self.maps["stacks"], self.maps["stack_used"]
-        ids = {k.value for k in stacks.keys()}
+        first, used, u32 = symbols.MAP_SIZES["STACKS_MAX"], self.maps["stack_used"], symbols.ctype("u32")
+        ids = {k.value for k in self.maps["stacks"].keys()} | \
+            {first + k.value for k in self.maps["stacks_overflow"].keys()}
         if not ids:
             return set()
         unheld = ids - self.held_stacks()
         gone = set()
         for sid in sorted(unheld):
-            key = symbols.ctype("u32")(sid)
             # read just before the delete: a call that took the id after held_stacks() read the
             # maps has marked it (a call between this read and the delete loses its stack: ~1 us
             # after the stack was idle for idle_ns, accepted)
-            t = used.lookup(key)
+            t = used.lookup(u32(sid))
             if t is not None and time.monotonic_ns() - t.value < idle_ns:
                 continue
-            if stacks.delete(key):
+            table, index = self._stack_slot(sid)
+            if self.maps[table].delete(u32(index)):
                 gone.add(sid)
         return gone
 

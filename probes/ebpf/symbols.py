@@ -449,8 +449,10 @@ RINGBUF_PAGES = 4096  # the per-call event ring buffer (events on): 16 MiB, ~230
 GRAPH_RINGBUF_PAGES = 256
 MAP_SIZES = {"STATS_MAX": 16384, "CALLS_MAX": 16384, "LIVE_MAX": 1 << 20, "LIVE_PIDS_MAX": 4096,
              "HIST_MAX": 65536, "ERRORS_MAX": 16384,
-             # a power of two: the stack map has that many buckets, and stack ids index stack_used
-             "STACKS_MAX": 16384, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18,
+             # powers of two: the stack maps have that many buckets, and stack ids index stack_used
+             # (the overflow map's offset by STACKS_MAX; its stacks are those whose bucket in the first
+             # was taken: ~n/16,384 of new stacks with n in the map)
+             "STACKS_MAX": 16384, "STACKS_OVERFLOW_MAX": 4096, "KERNELS_MAX": 65536, "NAMES_MAX": 1 << 18,
              "CAPTURES_MAX": 4096, "CAPTURE_HANDLES_MAX": 16384, "EXECS_MAX": 65536,
              "LAUNCH_STACKS_MAX": 16384, "PY_PROCS_MAX": 4096, "COMMS_MAX": 4096,
              # stack copies: keys copied (kept until the process exits), copies not unwound yet (Python
@@ -491,7 +493,8 @@ HASH_MAPS: dict[str, tuple[str, str, str]] = {
 STACK_DEPTH = 127  # PERF_MAX_STACK_DEPTH: a stack map's value is this many u64 addresses
 MAP_TYPES: dict[str, tuple[str, str]] = {**{k: (v[0], v[1]) for k, v in HASH_MAPS.items()},
                                          "dropped": ("u32", "u64"), "frozen": ("u32", "u32"),
-                                         "stacks": ("u32", f"u64[{STACK_DEPTH}]"), "stack_used": ("u32", "u64"),
+                                         "stacks": ("u32", f"u64[{STACK_DEPTH}]"),
+                                         "stacks_overflow": ("u32", f"u64[{STACK_DEPTH}]"), "stack_used": ("u32", "u64"),
                                          "lstack_buf": ("u32", "gw_launch_stack_key"), "comm_zero": ("u32", "gw_comm"),
                                          "ustack_buf": ("u32", "gw_ustack")}
 

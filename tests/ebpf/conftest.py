@@ -176,10 +176,10 @@ def drivers(fake_cuda):
 
 def count_drops(report: dict) -> dict:
     """What a probe's snapshot or a trace's summary lost that its counts depend on: dropped_by_kind
-    without "allocation_stacks". A stack whose bucket in the hashed stack map holds another is not
-    recorded (bpf_get_stackid: -EEXIST), about n / 16,384 of new stacks with n in the map (a driver.c
-    run takes 9): the call, its bytes and its live allocation are counted all the same. Checked to
-    add up with dropped_events, so nothing else hides there."""
+    without "allocation_stacks". A stack whose buckets in both hashed stack maps hold others is not
+    recorded (bpf_get_stackid: -EEXIST), about (n / 16,384)^2 / 2 of new stacks with n in the maps
+    (a driver.c run takes 9): the call, its bytes and its live allocation are counted all the same.
+    Checked to add up with dropped_events, so nothing else hides there."""
     kinds = dict(report["dropped_by_kind"])
     assert sum(kinds.values()) == report["dropped_events"], report["dropped_by_kind"]
     kinds.pop("allocation_stacks", None)
