@@ -177,7 +177,7 @@ def drivers(fake_cuda):
 def count_drops(report: dict) -> dict:
     """What a probe's snapshot or a trace's summary lost that its counts depend on: dropped_by_kind
     without "allocation_stacks". A stack whose buckets in both hashed stack maps hold others is not
-    recorded (bpf_get_stackid: -EEXIST), about (n / 16,384)^2 / 2 of new stacks with n in the maps
+    recorded (bpf_get_stackid: -EEXIST), about (n / 16,384)^2 of new stacks with n in the maps
     (a driver.c run takes 9): the call, its bytes and its live allocation are counted all the same.
     Checked to add up with dropped_events, so nothing else hides there."""
     kinds = dict(report["dropped_by_kind"])
