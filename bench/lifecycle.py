@@ -128,6 +128,9 @@ class Side:
         self.env = dict(os.environ)
         if pythonpath:  # first: the older copy wins over this checkout (installed, or on the caller's path)
             self.env["PYTHONPATH"] = ":".join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p)
+            # a bcc cache of its own: the cache keeps one object, so two sides whose programs differ
+            # would evict each other's and compile (~3 s) at every run
+            self.env["GPUWATCH_BPF_CACHE"] = tempfile.mkdtemp(prefix="gw-lifecycle-bpf-")
         if compiled:
             for package in ("agent", "probes", "detectors", "exporters"):
                 compileall.compile_dir(str(tree / package), quiet=1, workers=0)
