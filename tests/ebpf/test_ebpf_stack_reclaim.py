@@ -61,6 +61,15 @@ def _lost(p: EbpfCudaProbe) -> int:
     return p._loader.dropped_by_kind().get("allocation_stacks", 0)
 
 
+def _keeper(p: EbpfCudaProbe, flood: str, stacks: int) -> tuple[subprocess.Popen, int]:
+    """stackflood holding `stacks` allocations of as many stacks (until its stdin closes), and how
+    many of those stacks were lost meanwhile."""
+    before = _lost(p)
+    proc = subprocess.Popen([flood, str(stacks), "keep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "done"
+    return proc, _lost(p) - before
+
+
 def _collect_until(p: EbpfCudaProbe, done, timeout: float = 20.0) -> None:
     """Collections until done(): the reclaims run at the collection that sees a process gone, once
     its stacks have been idle for STACK_IDLE_NS, and no more often than ~5 % of a core allows."""
@@ -80,12 +89,8 @@ def test_dead_processes_stacks_are_deleted_and_new_ones_kept(probe, flood):
     _collect_until(probe, lambda: not _stack_ids(probe))
     assert _stack_ids(probe) == set()  # no process holds any: all deleted
 
-    lost = _lost(probe)
-    check = subprocess.Popen([flood, str(CHECK_STACKS), "keep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    check, lost = _keeper(probe, flood, CHECK_STACKS)
     try:
-        assert check.stdout.readline().strip() == "done"
-        lost = _lost(probe) - lost
         assert lost <= CHECK_LOSS_MAX, f"{lost} of {CHECK_STACKS} stacks lost to others in the map"
         held = {sid for _pid, _size, sid, _caller, _sp in probe._loader._live_records() if sid >= 0}
         assert len(held) == CHECK_STACKS - lost
@@ -126,12 +131,8 @@ def test_a_stack_whose_bucket_is_taken_goes_to_the_overflow_map(probe, flood):
     stacks whose first bucket held two others share their overflow bucket too, since its index is
     the same hash's lower bits). Their frames read back, and the reclaim keeps them while held."""
     first = symbols.MAP_SIZES["STACKS_MAX"]
-    lost = _lost(probe)
-    check = subprocess.Popen([flood, str(FLOOD_STACKS), "keep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
+    check, lost = _keeper(probe, flood, FLOOD_STACKS)
     try:
-        assert check.stdout.readline().strip() == "done"
-        lost = _lost(probe) - lost
         records = [(sid, caller) for pid, _size, sid, caller, _sp in probe._loader._live_records()
                    if pid == check.pid]
         assert len(records) == FLOOD_STACKS
