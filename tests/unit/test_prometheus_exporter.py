@@ -822,7 +822,7 @@ _MEDIA = st.sampled_from(["application/openmetrics-text", "text/plain", "*/*", "
                           " application/openmetrics-text ", "TEXT/PLAIN", ""])
 _VERSION = st.one_of(st.sampled_from(["0.0.1", "0.0.4", "1.0.0", "1.0", "1", "2.0.0", "1.0.0.1", "01.0.0",
                                       "abc", "1.x", "1.0.x", "2.abc", "-1.0.0", "+1.0.0", " 1.0.0", "", "1..0"]),
-                     st.text(alphabet="0123456789.ax-+ ", max_size=8))
+                     st.text(alphabet="0123456789.ax-+= ", max_size=8))
 _PARAM = st.one_of(st.builds(lambda v: f"version={v}", _VERSION), st.builds(lambda v: f" version={v}", _VERSION),
                    st.sampled_from(["charset=utf-8", "q=0.5", "escaping=underscores", "version", "version =1.0.0",
                                     "=", ""]))
@@ -857,6 +857,8 @@ def test_content_negotiation_is_prometheus_clients_and_total(accept):
     ("application/openmetrics-text; version=abc", False),        # theirs: TypeError
     ("application/openmetrics-text; version=1.0.x, application/openmetrics-text", True),
     ("application/openmetrics-text; version=2.abc", True),        # theirs too: 2 > 1 settles it
+    ("application/openmetrics-text; version=1.0.0=x", False),     # the value is all after the first "="
+    ("application/openmetrics-text; version=2=1.0.0", False),    # "2=1": not a number, as theirs reads it
 ])
 def test_content_negotiation_cases(accept, openmetrics):
     from gpuwatch.exporters.prometheus import wants_openmetrics
