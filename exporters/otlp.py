@@ -30,9 +30,8 @@ from typing import Any, Iterable, Mapping
 
 from gpuwatch.agent import __version__
 from gpuwatch.agent import metrics as registry
-from gpuwatch.agent.api import Event, Exporter, Probe, Sample
+from gpuwatch.agent.api import Event, Exporter, Probe, Sample, printable
 from gpuwatch.agent.snapshot import EMPTY, Snapshot
-from gpuwatch.agent.api import printable
 
 log = logging.getLogger("gpuwatch.otlp")
 

@@ -60,8 +60,12 @@ def wants_openmetrics(accept: str | None) -> bool:
         kind = params[0].strip()
         if kind not in ("application/openmetrics-text", "text/plain"):
             continue
-        version = next((tok.strip().split("=", 1)[1] for tok in params if "=" in tok
-                        and tok.strip().split("=", 1)[0] == "version"), "")
+        version = ""
+        for tok in params:  # the first version=, its value all after the first "=" (as theirs)
+            key, eq, value = tok.strip().partition("=")
+            if eq and key == "version":
+                version = value
+                break
         if kind == "application/openmetrics-text" and not version:
             return True
         if version and _at_least_1(version):

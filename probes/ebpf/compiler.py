@@ -198,15 +198,13 @@ def write_cache(name: str, data: bytes, prune=None, keep: int = 0) -> None:
                     names = [n for n in os.listdir(fd) if n != name and prune(n)]
                 finally:
                     os.close(fd)
-                if keep and len(names) > keep:
+                if keep:  # the oldest go
                     def age(n: str) -> int:
                         try:
                             return os.stat(n, dir_fd=d.fd, follow_symlinks=False).st_mtime_ns
                         except OSError:
                             return 0
-                    names = sorted(names, key=age)[:len(names) - keep]
-                elif keep:
-                    names = []
+                    names = sorted(names, key=age)[:max(0, len(names) - keep)]
                 for other in names:
                     with contextlib.suppress(OSError):
                         d.remove(other)

@@ -104,9 +104,8 @@ from typing import BinaryIO, Callable, Iterable
 
 from gpuwatch.agent import budget as budget_
 from gpuwatch.agent.allocators import OUTSIDE, POOLS, Pool
-from gpuwatch.agent.api import Event, Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample
+from gpuwatch.agent.api import Event, Probe, ProbeBusy, ProbeNotRunning, ProbeUnavailable, Sample, printable
 from gpuwatch.agent.events import EventQueue
-from gpuwatch.agent.api import printable
 from gpuwatch.probes.ebpf import driver_names as driver_names_
 from gpuwatch.probes.ebpf import events as events_
 from gpuwatch.probes.ebpf import graphs as graphs_

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from gpuwatch.agent import budget as budget_
-from gpuwatch.agent.api import Probe, Sample
+from gpuwatch.agent.api import Probe, Sample, printable
 from gpuwatch.agent.logs import WarnOnce
 from gpuwatch.agent.safefile import open_regular
-from gpuwatch.agent.api import printable
 from gpuwatch.probes.process.access import openable_by_its_user
 from gpuwatch.probes.process.identity import read_stat, sanitise_process_name
 
