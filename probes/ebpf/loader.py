@@ -193,8 +193,7 @@ def function_offsets(path: str) -> dict[str, int]:
     from gpuwatch.agent.safefile import open_regular
     with os.fdopen(open_regular(path), "rb") as f:  # a process's path: whatever it put there
         st = os.fstat(f.fileno())
-        ident = f"{SYMBOLS_FORMAT}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
-        name = f"symbols-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
+        ident, name = symbols_cache_name(st)
         cached = _cached_offsets(compiler.read_cache(name), ident, st.st_size)
         if cached is not None:
             return cached
@@ -202,6 +201,12 @@ def function_offsets(path: str) -> dict[str, int]:
     compiler.write_cache(name, json.dumps({"ident": ident, "offsets": out}).encode(),
                          prune=_SYMBOLS_RE.fullmatch, keep=MAX_SYMBOL_FILES - 1)
     return out
+
+
+def symbols_cache_name(st: os.stat_result) -> tuple[str, str]:
+    """A file's identity in the cache, and the name of its table there."""
+    ident = f"{SYMBOLS_FORMAT}|{st.st_dev}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    return ident, f"symbols-{hashlib.sha256(ident.encode()).hexdigest()[:24]}.json"
 
 
 SYMBOLS_FORMAT = 1

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpuwatch.agent.control import ControlError, call
+from gpuwatch.probes.ebpf import loader
 from tests.conftest import Agent, series
 
 from .conftest import HERE, _build
@@ -197,6 +198,12 @@ def test_private_copies_of_libcuda_are_capped(world):
         said = [line for line in a.output().splitlines() if "budget libraries:" in line]
         assert len(said) == 1 and "user 65534" in said[0], said
         assert not [line for line in a.output().splitlines() if "cannot accept" in line or "Errno 24" in line]
+        # the refused copies were never read: only the admitted ones have a symbol table in the eBPF
+        # cache (which keeps at most MAX_SYMBOL_FILES, however many copies come and go)
+        cache = os.listdir(os.environ["GPUWATCH_BPF_CACHE"])
+        tabled = [i for i in range(COPIES)
+                  if loader.symbols_cache_name(os.stat(copies / str(i) / "libcuda.so.1"))[1] in cache]
+        assert len(tabled) == 4 and sum(n.startswith("symbols-") for n in cache) <= loader.MAX_SYMBOL_FILES
     finally:
         attacker.stop()
         rc = a.stop()
