@@ -8,9 +8,10 @@ Snapshot. Nothing here does I/O.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from dataclasses import FrozenInstanceError, dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Mapping, Sequence, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from gpuwatch.agent.history import History
@@ -26,6 +27,88 @@ def printable(text: str) -> str:
     if text.isprintable():  # the common case, in C; False for any surrogate (category Cs)
         return text
     return "".join(c if c.isprintable() else "?" for c in text)
+
+
+class Frozen:
+    """Base of the classes made with `frozen` (the wire types, the configuration's sections): frozen
+    dataclasses whose __init__, __eq__, __hash__, __repr__ and guard against assignment are these
+    methods, shared, rather than generated for each class. Before Python 3.13, dataclasses compile
+    each generated method with exec at import: six for each of the wire module's 46 classes were 25 ms
+    of every CLI start on the CPU machine and 34 ms on the GPU node (docs/benchmarks.md)."""
+
+    __slots__ = ()
+    _fields: ClassVar[tuple[str, ...]] = ()
+    _names: ClassVar[frozenset[str]] = frozenset()
+    # (name, default, default factory, wire spec) of each field
+    _init: ClassVar[tuple[tuple[str, Any, Any, Any], ...]] = ()
+    _post_init: ClassVar[Any] = None  # the class's __post_init__, looked up once
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._init = None  # type: ignore[assignment]  # until `frozen` makes it
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cls = type(self)
+        if cls._init is None:
+            raise TypeError(f"{cls.__name__} is not made with api.frozen")
+        if len(args) > len(cls._fields):
+            raise TypeError(f"{cls.__name__}() takes {len(cls._fields)} positional arguments but {len(args)} were given")
+        d = self.__dict__
+        d.update(zip(cls._fields, args))
+        if kwargs:
+            if not kwargs.keys() <= cls._names or (args and d.keys() & kwargs.keys()):
+                k = next(k for k in kwargs if k in d or k not in cls._names)
+                problem = "multiple values for" if k in d else "an unexpected keyword"
+                raise TypeError(f"{cls.__name__}() got {problem} argument {k!r}")
+            d.update(kwargs)
+        if len(d) < len(cls._fields):
+            for name, default, factory, _ in cls._init:
+                if name not in d:
+                    if default is not dataclasses.MISSING:
+                        d[name] = default
+                    elif factory is not dataclasses.MISSING:
+                        d[name] = factory()
+                    else:
+                        raise TypeError(f"{cls.__name__}() missing required argument: {name!r}")
+        if cls._post_init is not None:
+            cls._post_init(self)
+
+    def _values(self) -> tuple:
+        d = self.__dict__
+        return tuple(d[name] for name in self._fields)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        d = self.__dict__
+        return f"{type(self).__qualname__}({', '.join(f'{name}={d[name]!r}' for name in self._fields)})"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+F = TypeVar("F", bound=type)
+
+
+def frozen(cls: F) -> F:
+    """A `Frozen` subclass as a dataclass: its fields (dataclasses.fields, replace and asdict work)
+    with Frozen's methods."""
+    cls = dataclass(init=False, repr=False, eq=False)(cls)
+    fields = dataclasses.fields(cls)
+    cls._fields = tuple(f.name for f in fields)
+    cls._names = frozenset(cls._fields)
+    cls._post_init = getattr(cls, "__post_init__", None)
+    cls._init = tuple((f.name, f.default, f.default_factory, f.metadata.get("wire")) for f in fields)
+    return cls
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Wire types: every message that crosses a process boundary, typed and bounded.
 
-A message is a frozen dataclass whose fields each carry a *spec* (`Int`, `Float`, `Str`, `Bool`,
+A message is a frozen dataclass (`frozen`) whose fields each carry a *spec* (`Int`, `Float`, `Str`, `Bool`,
 `ListOf`, `Fixed`, `Obj`, `Opt`): the JSON type it accepts and its bounds. `Message.parse(raw)`
 checks a decoded JSON object against the specs and returns the typed message, or raises
 `WireError` naming the first field that breaks one (``kernels[3].launches: must be an integer
@@ -19,11 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Mapping, TypeVar
 
-from gpuwatch.agent.api import GpuwatchError, printable
+from gpuwatch.agent.api import Frozen, GpuwatchError, frozen, printable
 
 INT64_MAX = 2**63 - 1
 PID_MAX = 4_194_304  # the kernel's limit for /proc/sys/kernel/pid_max (PID_MAX_LIMIT on 64-bit)
@@ -49,12 +48,12 @@ def _show(v: Any) -> str:
 
 # -- specs ---------------------------------------------------------------------------------------
 
-class Spec:
+class Spec(Frozen):
     def check(self, v: Any, where: str) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError
 
 
-@dataclass(frozen=True)
+@frozen
 class Int(Spec):
     lo: int = 0
     hi: int = INT64_MAX
@@ -66,7 +65,7 @@ class Int(Spec):
         return v
 
 
-@dataclass(frozen=True)
+@frozen
 class Float(Spec):
     lo: float = 0.0
     hi: float = MAX_SECONDS
@@ -83,7 +82,7 @@ class Float(Spec):
         return f
 
 
-@dataclass(frozen=True)
+@frozen
 class Str(Spec):
     """A string of at most `max_len` characters. `clean`: data (a kernel name, a reason) whose
     excess is cut and whose unprintable characters become "?"; otherwise such a string is refused."""
@@ -109,7 +108,7 @@ class Str(Spec):
         return v
 
 
-@dataclass(frozen=True)
+@frozen
 class Bool(Spec):
     def check(self, v: Any, where: str) -> bool:
         if not isinstance(v, bool):
@@ -117,7 +116,7 @@ class Bool(Spec):
         return v
 
 
-@dataclass(frozen=True)
+@frozen
 class ListOf(Spec):
     item: Spec
     max_len: int
@@ -130,7 +129,7 @@ class ListOf(Spec):
         return tuple(self.item.check(x, f"{where}[{i}]") for i, x in enumerate(v))
 
 
-@dataclass(frozen=True)
+@frozen
 class Fixed(Spec):
     """A list of exactly `n` items (grid and block dimensions)."""
 
@@ -143,7 +142,7 @@ class Fixed(Spec):
         return tuple(self.item.check(x, f"{where}[{i}]") for i, x in enumerate(v))
 
 
-@dataclass(frozen=True)
+@frozen
 class MapOf(Spec):
     """A JSON object used as a map: at most `max_len` keys of `key`, each value a `value`."""
 
@@ -163,7 +162,7 @@ class MapOf(Spec):
         return out
 
 
-@dataclass(frozen=True)
+@frozen
 class Json(Spec):
     """Any JSON value, bounded in depth, string length and container size: the parts of a
     result that are shown as they are, not read field by field."""
@@ -197,7 +196,7 @@ class Json(Spec):
 EMPTY_MAP: Mapping = MappingProxyType({})  # the default of a MapOf field (a field's default is immutable)
 
 
-@dataclass(frozen=True)
+@frozen
 class Obj(Spec):
     message: type  # a Message subclass
 
@@ -205,7 +204,7 @@ class Obj(Spec):
         return self.message.parse(v, where)
 
 
-@dataclass(frozen=True)
+@frozen
 class Opt(Spec):
     """The inner spec, or null."""
 
@@ -227,8 +226,8 @@ def wire(spec: Spec, default: Any = dataclasses.MISSING) -> Any:
 M = TypeVar("M", bound="Message")
 
 
-class Message:
-    """Base of the wire types. Subclasses are frozen dataclasses whose fields use `wire()`."""
+class Message(Frozen):
+    """Base of the wire types. Subclasses are made with `frozen`; their fields use `wire()`."""
 
     name: ClassVar[str] = ""
     # Unknown fields: refused in what comes in (a field nobody reads is a field nobody bounds);
@@ -238,27 +237,28 @@ class Message:
     @classmethod
     def specs(cls) -> dict[str, tuple[Spec, Any]]:
         """Each field's spec and default (dataclasses.MISSING when required)."""
-        return {f.name: (f.metadata["wire"], f.default if f.default_factory is dataclasses.MISSING
-                         else f.default_factory()) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return {name: (spec, default if factory is dataclasses.MISSING else factory())
+                for name, default, factory, spec in cls._init}
 
     @classmethod
     def parse(cls: type[M], raw: Any, where: str = "") -> M:
         if not isinstance(raw, dict):
             raise WireError(where or cls.name or cls.__name__, f"must be a JSON object, got {type(raw).__name__}")
-        specs = cls.specs()
-        unknown = sorted(str(k) for k in raw if k not in specs)
-        if unknown and not cls.ignore_unknown:
-            raise WireError(f"{where}.{unknown[0]}" if where else str(unknown[0])[:64],
-                            "is not a field of this message")
+        if cls._init is None:
+            raise TypeError(f"{cls.__name__} is not made with api.frozen")
+        if not cls.ignore_unknown and not raw.keys() <= cls._names:
+            unknown = min(str(k) for k in raw if k not in cls._names)
+            raise WireError(f"{where}.{unknown}" if where else unknown[:64], "is not a field of this message")
         values = {}
-        for key, (spec, default) in specs.items():
-            path = f"{where}.{key}" if where else key
-            if key not in raw:
-                if default is dataclasses.MISSING:
-                    raise WireError(path, "is required")
+        for key, default, factory, spec in cls._init:
+            if key in raw:
+                values[key] = spec.check(raw[key], f"{where}.{key}" if where else key)
+            elif default is not dataclasses.MISSING:
                 values[key] = default
+            elif factory is not dataclasses.MISSING:
+                values[key] = factory()
             else:
-                values[key] = spec.check(raw[key], path)
+                raise WireError(f"{where}.{key}" if where else key, "is required")
         return cls(**values)
 
     def to_json(self) -> dict:
@@ -278,12 +278,12 @@ def _jsonable(v: Any) -> Any:
 
 # -- control methods' params -----------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@frozen
 class NoParams(Message):
     name: ClassVar[str] = "params"
 
 
-@dataclass(frozen=True)
+@frozen
 class PidParams(Message):
     """trace.snapshot and cupti.process: the process asked about."""
 
@@ -291,7 +291,7 @@ class PidParams(Message):
     pid: int = wire(Int(1, PID_MAX))
 
 
-@dataclass(frozen=True)
+@frozen
 class FindingsParams(Message):
     name: ClassVar[str] = "params"
     kind: str | None = wire(Opt(Str(64, pattern=r"[a-z][a-z0-9_]*")), None)
@@ -301,14 +301,14 @@ class FindingsParams(Message):
 GPU_REF = Str(96, pattern=r"[A-Za-z0-9_.:-]+")
 
 
-@dataclass(frozen=True)
+@frozen
 class BaselineRunParams(Message):
     name: ClassVar[str] = "params"
     gpu: str | None = wire(Opt(GPU_REF), None)  # an index or a UUID; the agent resolves it
     force: bool = wire(Bool(), False)
 
 
-@dataclass(frozen=True)
+@frozen
 class BaselineShowParams(Message):
     name: ClassVar[str] = "params"
     gpu: str | None = wire(Opt(GPU_REF), None)  # an index or a UUID; the agent resolves it
@@ -323,7 +323,7 @@ DIMENSION = Int(0, 2**31 - 1)
 SMALL = Int(0, 2**32)
 
 
-@dataclass(frozen=True)
+@frozen
 class ReportCupti(Message):
     state: str = wire(Str(16, choices=CUPTI_STATES))
     reason: str = wire(Str(1024, clean=True), "")
@@ -336,7 +336,7 @@ class ReportCupti(Message):
     libcupti: str = wire(Str(256, clean=True), "")
 
 
-@dataclass(frozen=True)
+@frozen
 class ReportKernel(Message):
     name: str = wire(Str(512, clean=True))
     device: int = wire(Int(0, MAX_GPUS - 1), 0)
@@ -355,14 +355,14 @@ class ReportKernel(Message):
     occupancy_limiter: str = wire(Str(32, clean=True), "")
 
 
-@dataclass(frozen=True)
+@frozen
 class ReportKernelsOther(Message):
     variants: int = wire(Int(), 0)
     launches: int = wire(Int(), 0)
     gpu_seconds: float = wire(Float(), 0.0)
 
 
-@dataclass(frozen=True)
+@frozen
 class ReportCopy(Message):
     device: int = wire(Int(0, MAX_GPUS - 1), 0)
     uuid: str = wire(Str(64, clean=True), "")
@@ -376,7 +376,7 @@ MEMORY_FRAMEWORKS = ("torch", "cupy", "jax")  # probes/cupti/frameworks.py FRAME
 OOM_HOW = ("allocator", "uncaught")  # PyTorch's allocator said so (caught or not); nothing caught it
 
 
-@dataclass(frozen=True)
+@frozen
 class ReportMemory(Message):
     device: int = wire(Int(0, MAX_GPUS - 1), 0)
     uuid: str = wire(Str(64, clean=True), "")
@@ -387,7 +387,7 @@ class ReportMemory(Message):
     frameworks: tuple = wire(ListOf(Str(8, choices=MEMORY_FRAMEWORKS), len(MEMORY_FRAMEWORKS)), ())
 
 
-@dataclass(frozen=True)
+@frozen
 class ReportOom(Message):
     """The last out-of-memory error the in-process agent saw its framework raise. Names only from
     choices, numbers bounded: the daemon words the event itself (agent/oom.py), stamps its time and
@@ -401,7 +401,7 @@ class ReportOom(Message):
     ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)  # the client's clock: not used
 
 
-@dataclass(frozen=True)
+@frozen
 class CuptiReport(Message):
     """What an in-process agent sends (`cupti.report`) or writes to its report file. Its pid,
     process name and times are the client's word: the server replaces them with what it knows."""
@@ -444,7 +444,7 @@ class Result(Message):
     ignore_unknown: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+@frozen
 class ProbeStatusResult(Result):
     name: str = wire(Str(64, clean=True), "")
     up: bool = wire(Bool(), False)
@@ -457,7 +457,7 @@ class ProbeStatusResult(Result):
     interval: float = wire(Float(), 0.0)
 
 
-@dataclass(frozen=True)
+@frozen
 class GpuStatusResult(Result):
     uuid: str = wire(Str(96, clean=True), "")
     index: int = wire(Int(-1, MAX_GPUS - 1), -1)
@@ -470,21 +470,21 @@ class GpuStatusResult(Result):
     memory_total_bytes: float | None = wire(Opt(Float(0.0, MAX_BYTES)), None)
 
 
-@dataclass(frozen=True)
+@frozen
 class ExporterResult(Result):
     listen: str = wire(Str(256, clean=True), "")
     scheme: str = wire(Str(16, clean=True), "")
     web_config: str = wire(Str(4096, clean=True), "")
 
 
-@dataclass(frozen=True)
+@frozen
 class StoreResult(Result):
     path: str = wire(Str(4096, clean=True), "")
     write_errors: int = wire(Int(), 0)
     error: str = wire(Str(4096, clean=True), "")
 
 
-@dataclass(frozen=True)
+@frozen
 class ConfigReloadResult(Result):
     success: bool = wire(Bool(), True)
     success_timestamp: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
@@ -493,7 +493,7 @@ class ConfigReloadResult(Result):
     path: str = wire(Str(4096, clean=True), "")
 
 
-@dataclass(frozen=True)
+@frozen
 class EventResult(Result):
     ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
     kind: str = wire(Str(128, clean=True), "")
@@ -501,7 +501,7 @@ class EventResult(Result):
     attrs: Mapping = wire(MapOf(Json(), 256), EMPTY_MAP)
 
 
-@dataclass(frozen=True)
+@frozen
 class TopLeakResult(Result):
     """An open memory_leak finding's forecast for one process on one GPU."""
 
@@ -511,7 +511,7 @@ class TopLeakResult(Result):
     severity: str = wire(Str(16, clean=True), "")
 
 
-@dataclass(frozen=True)
+@frozen
 class ProcessResult(Result):
     """A process on a GPU (agent/top.py build()): its memory there in the leak detector's three
     colors (white: tensors, grey: the allocator's pool, black: what the driver charges; None where
@@ -533,13 +533,13 @@ class ProcessResult(Result):
     leak: TopLeakResult | None = wire(Opt(Obj(TopLeakResult)), None)
 
 
-@dataclass(frozen=True)
+@frozen
 class BaselineVerdictResult(Result):
     result: str = wire(Str(32, clean=True), "")
     ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
 
 
-@dataclass(frozen=True)
+@frozen
 class TopGpuResult(GpuStatusResult):
     memory_utilization: float | None = wire(Opt(Float(0.0, 1.0)), None)
     power_limit_watts: float | None = wire(Opt(Float(0.0, 1e6)), None)
@@ -550,7 +550,7 @@ class TopGpuResult(GpuStatusResult):
     baseline: BaselineVerdictResult | None = wire(Opt(Obj(BaselineVerdictResult)), None)
 
 
-@dataclass(frozen=True)
+@frozen
 class TopFindingResult(Result):
     kind: str = wire(Str(64, clean=True), "")
     severity: str = wire(Str(16, clean=True), "")
@@ -559,7 +559,7 @@ class TopFindingResult(Result):
     ts: float = wire(Float(0.0, UNIX_TIME_MAX), 0.0)
 
 
-@dataclass(frozen=True)
+@frozen
 class TopResult(Result):
     """`top`: what `gpuwatch top` shows (agent/top.py build())."""
 
@@ -573,7 +573,7 @@ class TopResult(Result):
     no_gpus_reason: str = wire(Str(4096, clean=True), "")
 
 
-@dataclass(frozen=True)
+@frozen
 class StatusResult(Result):
     """`status`. The in-process agents' entries are shown as they are (probes/cupti/reports.py
     says what they hold)."""
@@ -594,7 +594,7 @@ class StatusResult(Result):
     processes: tuple = wire(ListOf(Obj(ProcessResult), 4096), ())
 
 
-@dataclass(frozen=True)
+@frozen
 class ApiCountsResult(Result):
     calls: int = wire(Int(), 0)
     errors: int = wire(Int(), 0)
@@ -606,7 +606,7 @@ class ApiCountsResult(Result):
     errors_by_code: Mapping = wire(MapOf(Int(), 1024, Str(64, clean=True)), EMPTY_MAP)
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapshotMemoryResult(Result):
     live_bytes: int = wire(Int(), 0)
     live_allocations: int = wire(Int(), 0)
@@ -614,7 +614,7 @@ class SnapshotMemoryResult(Result):
     frees: int = wire(Int(), 0)
 
 
-@dataclass(frozen=True)
+@frozen
 class SnapshotLibraryResult(Result):
     path: str = wire(Str(4096, clean=True))
     attached: tuple = wire(ListOf(Str(128, clean=True), 1024), ())
@@ -622,7 +622,7 @@ class SnapshotLibraryResult(Result):
     uprobes: int = wire(Int(), 0)
 
 
-@dataclass(frozen=True)
+@frozen
 class GraphsResult(Result):
     """CUDA graph replays and the kernels they ran (probes/ebpf/graphs.py GraphBook.summary)."""
 
@@ -635,7 +635,7 @@ class GraphsResult(Result):
     captures_in_progress: int = wire(Int(), 0)
 
 
-@dataclass(frozen=True)
+@frozen
 class CommunicatorResult(Result):
     """An NCCL communicator of the traced process (EbpfCudaProbe._communicators)."""
 
@@ -652,7 +652,7 @@ class CommunicatorResult(Result):
     lateness_seconds: float = wire(Float(), 0.0)
 
 
-@dataclass(frozen=True)
+@frozen
 class TraceSnapshotResult(Result):
     """`trace.snapshot` (EbpfCudaProbe.snapshot says what each field counts). Kernels, stacks
     and recorded-event counts are shown as they are."""
@@ -671,7 +671,7 @@ class TraceSnapshotResult(Result):
     communicators: tuple = wire(ListOf(Obj(CommunicatorResult), 4096), ())
 
 
-@dataclass(frozen=True)
+@frozen
 class SummaryApi(Message):
     calls: int = wire(Int())
     errors: int = wire(Int())
@@ -682,7 +682,7 @@ class SummaryApi(Message):
     p99_latency_s: float | None = wire(Opt(Float()))
 
 
-@dataclass(frozen=True)
+@frozen
 class TraceSummary(Message):
     """The document `gpuwatch trace --summary-json` writes (agent/trace/summary.py summarize();
     docs/trace.md says what each field counts). Scripts and CI jobs read it: its fields are this
@@ -713,7 +713,7 @@ MAX_EXPORTED_NODES = 65536  # graphs.MAX_EXPORTED_NODES: in one answer, all grap
 _U64 = Int(0, 2**64 - 1)  # a handle in the traced process
 
 
-@dataclass(frozen=True)
+@frozen
 class GraphExecResult(Result):
     """An executable graph the agent follows: its handle, whether its content is complete, and its
     kernel nodes as [function handle, grid x, y, z, block x, y, z, shared memory bytes, nodes]."""
@@ -723,13 +723,13 @@ class GraphExecResult(Result):
     nodes: tuple = wire(ListOf(Fixed(_U64, 9), MAX_GRAPH_NODES), ())
 
 
-@dataclass(frozen=True)
+@frozen
 class GraphKernelResult(Result):
     handle: int = wire(_U64)
     symbol: str = wire(Str(1024, clean=True))
 
 
-@dataclass(frozen=True)
+@frozen
 class TraceGraphsResult(Result):
     """`trace.graphs`: what the agent's probe knows of a process's executable graphs, for a root trace
     attached after they were made (EbpfCudaProbe.graphs_of). At most MAX_EXPORTED_NODES nodes in all:

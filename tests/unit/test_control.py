@@ -11,14 +11,14 @@ import time
 
 import pytest
 
-from dataclasses import dataclass
 
 from gpuwatch.agent import control, wire
+from gpuwatch.agent.api import frozen
 from gpuwatch.agent.control import ControlError, ControlServer, call
 from tests.conftest import spawn_at_pid
 
 
-@dataclass(frozen=True)
+@frozen
 class EchoParams(wire.Message):
     """The test server's params: two optional fields it echoes back."""
 
@@ -552,13 +552,13 @@ def test_requests_are_counted_and_refusals_logged_once(server, sock_path, caplog
 
 
 def test_results_parse_as_their_wire_type(server, sock_path):
-    @dataclass(frozen=True)
+    @frozen
     class Up(wire.Result):
         up: bool = wire.wire(wire.Bool())
 
     assert call(sock_path, "status", result_type=Up) == Up(up=True)  # the fields it does not read: ignored
 
-    @dataclass(frozen=True)
+    @frozen
     class Down(wire.Result):
         up: int = wire.wire(wire.Int())
 
