@@ -1,4 +1,8 @@
 """History: bounded series, and reading only a window of them."""
+import tracemalloc
+
+from hypothesis import given, strategies as st
+
 from gpuwatch.agent.api import Sample
 from gpuwatch.agent.history import History, Series
 
@@ -140,3 +144,36 @@ def test_select_of_one_gpu_with_a_window():
     assert [(s.gpu, s.points) for s in h.select("hw.power", gpu="GPU-b", since=20.0)] == [
         ("GPU-b", [(10.0, 1.0), (20.0, 2.0)])]
     assert [s.gpu for s in h.select("hw.power", gpu="", since=15.0)] == [""]
+
+
+@given(st.integers(1, 9), st.lists(st.tuples(st.integers(0, 60), st.floats(-1e6, 1e6)), max_size=60),
+       st.integers(-5, 70))
+def test_a_series_is_the_newest_maxlen_points_in_time_order(maxlen, points, since):
+    """The packed ring against the plain model: keep a point only when it is newer than the newest;
+    hold the last maxlen; a window is its points from `since` on and the one before."""
+    h = History(maxlen=maxlen)
+    model: list[tuple[float, float]] = []
+    for t, v in points:
+        h.append([Sample("hw.power", v, "GPU-a", {}, float(t))])
+        if not model or t > model[-1][0]:
+            model = (model + [(float(t), v)])[-maxlen:]
+    got = h.select("hw.power")
+    assert (got[0].points if got else []) == model
+    before = [i for i, (t, _) in enumerate(model) if t < since]
+    window = model[before[-1]:] if before else model
+    assert (h.select("hw.power", since=float(since))[0].points if got else []) == window
+
+
+def test_a_point_takes_sixteen_bytes():
+    """What 720 points of a series hold (the default; 126 series on one GPU of the replay). The
+    ring's two arrays of doubles, 16 bytes a point: a deque of tuples took 90."""
+    h = History()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(720):
+            h.append([Sample(f"m{j}", float(i + j), "GPU-a", {}, 1e9 + i) for j in range(50)])
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 16 <= held / (50 * 720) < 20
