@@ -200,20 +200,38 @@ def status_rss(pid: int) -> dict:
     return out
 
 
+def rss_by_mapping(pid: int, top: int = 12) -> dict[str, list[float]]:
+    """Where the daemon's resident memory lies: /proc/PID/smaps summed by what is mapped (a library's
+    file name, [heap], [anon] for anonymous mappings, bpf maps), the `top` largest: {name: [Rss MiB,
+    of which anonymous]}."""
+    rss: dict[str, list[float]] = {}
+    name = ""
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                name = os.path.basename(head[5]) if len(head) > 5 else "[anon]"
+            elif head[0] in ("Rss:", "Anonymous:"):
+                v = rss.setdefault(name, [0.0, 0.0])
+                v[head[0] == "Anonymous:"] += int(head[1]) / 1024
+    return dict(sorted(rss.items(), key=lambda kv: -kv[1][0])[:top])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def daemon_once(side: Side, built: dict, settle: float, nvml_real: bool, status_calls: int) -> dict:
+def daemon_once(side: Side, built: dict, settle: float, nvml_real: bool, status_calls: int,
+                extra: tuple[str, ...] = ()) -> dict:
     d = Driver(built["driver"])
     d.go()  # a process that has made CUDA calls, as the daemon sees on a node
     top = Path(tempfile.mkdtemp(prefix="gw-lifecycle-"))
     log = top / "agent.log"
     nvml = [] if nvml_real else ["--nvml-replay", str(FIXTURE)]
     p = side.cli("agent", "--config", "", "--listen", f"127.0.0.1:{free_port()}", "--state-dir", str(top / "s"),
-                 "--runtime-dir", str(top / "r"), *nvml, "--no-cupti-sampling", "--no-baseline",
+                 "--runtime-dir", str(top / "r"), *nvml, "--no-cupti-sampling", "--no-baseline", *extra,
                  stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     sock = str(top / "r" / "control.sock")
     try:
@@ -224,6 +242,7 @@ def daemon_once(side: Side, built: dict, settle: float, nvml_real: bool, status_
             time.sleep(0.05)
         time.sleep(settle)  # normal use: collections, scrapes of nothing, the driver process mapped
         mem = status_rss(p.pid)
+        mappings = rss_by_mapping(p.pid)
         t = time.monotonic()
         st = side.cli("status", "--socket", sock, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         wait(st, 30)
@@ -245,7 +264,7 @@ def daemon_once(side: Side, built: dict, settle: float, nvml_real: bool, status_
             raise RuntimeError(f"{side.name}: the agent stopped with {rc}: {text[-2000:]}")
         return {"stop": stop_s, "VmRSS": mem["VmRSS"], "RssAnon": mem["RssAnon"], "Threads": mem["Threads"],
                 "status_cli": cli_s, "status_call": statistics.median(call_s) if call_s else float("nan"),
-                "status_ok": st.returncode == 0}
+                "status_ok": st.returncode == 0, "rss_by_mapping": mappings}
     finally:
         if p.poll() is None:
             p.kill()
@@ -268,6 +287,9 @@ def main() -> int:
     ap.add_argument("--baseline-ref", help="an older commit measured the same way, interleaved (e.g. 928b0d5), "
                     "or a file that `git archive` wrote of one (named by its file name)")
     ap.add_argument("--settle", type=float, default=3.0, help="seconds of normal use before RSS and status")
+    ap.add_argument("--fill-history", type=float, metavar="SECONDS",
+                    help="before RSS: NVML read every 0.05 s for SECONDS (instead of --settle), so that its series "
+                         "hold what a node's hold after hours (720 points each at 36 s)")
     ap.add_argument("--status-calls", type=int, default=10, help="control calls per run (their median is kept)")
     ap.add_argument("--nvml-real", action="store_true", help="the daemon reads the real NVML (a GPU node)")
     ap.add_argument("--uncompiled", action="store_true",
@@ -303,6 +325,7 @@ def main() -> int:
         sides.append(copy_of(args.baseline_ref, os.path.basename(args.baseline_ref).split(".")[0], True))
     if args.uncompiled:
         sides.append(copy_of(None, "no bytecode", False))
+    fill = ("--nvml-interval", "0.05", "--nvml-slow-interval", "0.05") if args.fill_history else ()
     load = os.getloadavg()
     runs: dict[str, list[dict]] = {s.name: [] for s in sides}
     t_all = time.monotonic()
@@ -318,10 +341,12 @@ def main() -> int:
                 if args.only != "daemon":
                     r.update(trace_once(s, built, want))
                 if args.only != "trace":
-                    r.update(daemon_once(s, built, args.settle, args.nvml_real, args.status_calls))
+                    r.update(daemon_once(s, built, args.fill_history or args.settle, args.nvml_real, args.status_calls,
+                                         fill))
                 runs[s.name].append(r)
                 print(f"run {i + 1}/{args.runs} {s.name}: " + ", ".join(
-                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), flush=True)
+                    f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items() if not isinstance(v, dict)),
+                    flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     measures = [("ready", "trace ready: 'tracing PID' line", "s"), ("first_frame", "trace first live frame (--interval 0.5)", "s"),
@@ -348,6 +373,14 @@ def main() -> int:
     for k, label, unit in measures:
         if any(table[s][k].get("median") is not None for s in runs):
             print(f"{label:46}" + "".join(f"{cell(table[s][k], unit):>24}" for s in runs))
+    if args.only != "trace":  # where the last run's daemon's resident memory lay
+        print("\ndaemon resident memory by mapping, the last run (MiB; of which anonymous)")
+        names = list(dict.fromkeys(k for s in runs for k in runs[s][-1].get("rss_by_mapping", {})))
+        print(f"{'mapping':46}" + "".join(f"{s:>24}" for s in runs))
+        for n in names:
+            print(f"{n[:46]:46}" + "".join(
+                f"{'%.1f (%.1f)' % tuple(runs[s][-1]['rss_by_mapping'][n]) if n in runs[s][-1].get('rss_by_mapping', {}) else '-':>24}"
+                for s in runs))
     return 0
 
 

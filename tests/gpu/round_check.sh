@@ -10,6 +10,8 @@
 #   lifecycle    bench/lifecycle.py --nvml-real --uncompiled (36: the daemon on the real NVML, the
 #                trace on the fake libcuda; as installed, and beside a copy without bytecode, or beside
 #                what LIFECYCLE_ARGS says, e.g. "--baseline-ref .gpu-extra/f840aac.tar") ~3 min
+#   rss_full     bench/lifecycle.py --only daemon --fill-history 36 --runs 3 (36: the daemon's RSS once its
+#                history is full, NVML read every 0.05 s for 36 s; beside LIFECYCLE_ARGS' baseline)  ~4.5 min
 #   profile      bench/lifecycle_profile.py (36: where each of the five goes, phase by phase) ~1.5 min
 #   symbols      tests/gpu/symbols_check.py (36: the real libcuda's symbol table from the eBPF cache equals a
 #                fresh read; each one's cost)                                               ~0.5 min
@@ -61,6 +63,9 @@ for step in "$@"; do
     lifecycle) bcc timeout 300 python3 bench/lifecycle.py --runs 6 --nvml-real ${LIFECYCLE_ARGS:---uncompiled} --out "$OUT/lifecycle.json" \
                  > "$logs/lifecycle.txt" 2>&1
                rc=$?; tail -12 "$logs/lifecycle.txt" ;;
+    rss_full) bcc timeout 330 python3 bench/lifecycle.py --only daemon --runs 3 --fill-history 36 --nvml-real \
+                ${LIFECYCLE_ARGS:-} --out "$OUT/rss_full.json" > "$logs/rss_full.txt" 2>&1
+              rc=$?; tail -24 "$logs/rss_full.txt" ;;
     profile) bcc timeout 150 python3 bench/lifecycle_profile.py > "$logs/profile.txt" 2>&1
              rc=$?; cp "$logs/profile.txt" "$OUT/"; tail -12 "$logs/profile.txt" ;;
     symbols) timeout 120 python3 tests/gpu/symbols_check.py > "$logs/symbols.txt" 2>&1
