@@ -1,3 +1,4 @@
+import atexit
 import contextlib
 import importlib.util
 import json
@@ -15,6 +16,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "nvml-h200.json"
+
+
+def _open_to_all(path: str) -> bool:
+    """Whether every directory from / down to `path` lets any user through (o+x)."""
+    p = os.path.realpath(path)
+    while True:
+        if not os.stat(p).st_mode & 0o001:
+            return False
+        if os.path.dirname(p) == p:
+            return True
+        p = os.path.dirname(p)
+
+
+# Tests run programs as nobody (setpriv, subprocess's user=) beneath the temporary directory. Where
+# that is closed to other users (a CI machine's /tmp was 1770: 29 tests failed with EACCES), the run
+# takes a temporary directory of its own where any user can pass, as /tmp is on Debian.
+if os.geteuid() == 0 and not _open_to_all(tempfile.gettempdir()):
+    for _base in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(_base) and _open_to_all(_base):
+            tempfile.tempdir = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="gpuwatch-tmp-", dir=_base)
+            os.chmod(tempfile.tempdir, 0o1777)
+            atexit.register(shutil.rmtree, tempfile.tempdir, True)
+            break
+    else:
+        raise SystemExit(f"{tempfile.gettempdir()}, /var/tmp and /dev/shm are closed to other users: the tests that "
+                         "run as nobody cannot reach their files (chmod 1777 /tmp)")
 
 # The compiled eBPF probe is cached for the whole run (agents and CLIs started by tests inherit
 # this), never in the machine's /var/cache/gpuwatch: the first test that loads it compiles.
