@@ -22,7 +22,10 @@ install), so that both sides see the same machine at the same moments.
 Each side runs as installed: its bytecode compiled first (pip compiles it at install, scripts/setup
 for the editable checkout). Without it, where PYTHONDONTWRITEBYTECODE is set or the checkout is
 read-only, every start compiles gpuwatch anew; --uncompiled adds that side (a copy of this
-checkout's files, no bytecode, PYTHONDONTWRITEBYTECODE=1) to show what it costs.
+checkout's files, no bytecode, PYTHONDONTWRITEBYTECODE=1) to show what it costs. Dependencies are
+compiled too where they are writable (pyelftools, pynvml: pip compiles them at install);
+--pynvml-uncompiled adds this checkout with a pynvml that has no bytecode, as the GPU machine's
+image has it (every start compiles its 290 KB).
 
   sudo .venv/bin/python bench/lifecycle.py                       # ~1 minute, 10 runs
   sudo .venv/bin/python bench/lifecycle.py --baseline-ref 928b0d5 --out bench/results/lifecycle.json
@@ -111,19 +114,38 @@ class Driver:
 def compile_dependencies() -> None:
     """pip compiles a package's bytecode when it installs it; a wheel unpacked onto PYTHONPATH (the
     GPU machine's pyelftools) has none, and with PYTHONDONTWRITEBYTECODE every start compiled it
-    (130 ms of the trace's start on the H200): compiled here, as an install would have."""
+    (130 ms of the trace's start on the H200); the GPU machine's image has none for pynvml either
+    (16 MiB resident and 44 ms at each import there): compiled here, as an install would have."""
     import importlib.util
-    for name in ("elftools",):
+    for name in ("elftools", "pynvml"):
         spec = importlib.util.find_spec(name)
-        for where in (spec.submodule_search_locations or []) if spec else []:
+        if spec is None:
+            continue
+        for where in spec.submodule_search_locations or []:
             if os.access(where, os.W_OK):
                 compileall.compile_dir(where, quiet=1, workers=0)
+        if spec.submodule_search_locations is None and spec.origin and os.access(os.path.dirname(spec.origin), os.W_OK):
+            compileall.compile_file(spec.origin, quiet=1)
+
+
+def pynvml_without_bytecode(work: Path) -> str:
+    """A folder holding a copy of the installed pynvml.py and no bytecode: first on PYTHONPATH with
+    PYTHONDONTWRITEBYTECODE, every start compiles it, as on an image whose pip ran with --no-compile."""
+    import importlib.util
+    spec = importlib.util.find_spec("pynvml")
+    if spec is None or not spec.origin:
+        sys.exit("--pynvml-uncompiled: pynvml is not installed")
+    where = work / "pynvml-source"
+    where.mkdir()
+    shutil.copy(spec.origin, where / "pynvml.py")
+    return str(where)
 
 
 class Side:
     """One version of gpuwatch: this checkout, or a copy of an older commit on PYTHONPATH."""
 
-    def __init__(self, name: str, pythonpath: str | None, tree: Path = ROOT, compiled: bool = True) -> None:
+    def __init__(self, name: str, pythonpath: str | None, tree: Path = ROOT, compiled: bool = True,
+                 write_bytecode: bool = True) -> None:
         self.name = name
         self.env = dict(os.environ)
         if pythonpath:  # first: the older copy wins over this checkout (installed, or on the caller's path)
@@ -135,7 +157,7 @@ class Side:
             for package in ("agent", "probes", "detectors", "exporters"):
                 compileall.compile_dir(str(tree / package), quiet=1, workers=0)
             compile_dependencies()
-        else:
+        if not compiled or not write_bytecode:
             self.env["PYTHONDONTWRITEBYTECODE"] = "1"
         self.env["PYTHONUNBUFFERED"] = "1"
         self.cwd = tempfile.mkdtemp(prefix="gw-lifecycle-cwd-")  # not the checkout: its own gpuwatch must win
@@ -294,6 +316,8 @@ def main() -> int:
     ap.add_argument("--nvml-real", action="store_true", help="the daemon reads the real NVML (a GPU node)")
     ap.add_argument("--uncompiled", action="store_true",
                     help="also measure a copy without bytecode (PYTHONDONTWRITEBYTECODE=1: compiled at every start)")
+    ap.add_argument("--pynvml-uncompiled", action="store_true",
+                    help="also measure this checkout with a pynvml that has no bytecode (as the GPU machine's image has it)")
     ap.add_argument("--only", choices=("trace", "daemon"), help="one half only")
     ap.add_argument("--out", help="write every run and the summary as JSON here")
     args = ap.parse_args()
@@ -325,6 +349,8 @@ def main() -> int:
         sides.append(copy_of(args.baseline_ref, os.path.basename(args.baseline_ref).split(".")[0], True))
     if args.uncompiled:
         sides.append(copy_of(None, "no bytecode", False))
+    if args.pynvml_uncompiled:
+        sides.append(Side("pynvml source", pynvml_without_bytecode(work), write_bytecode=False))
     fill = ("--nvml-interval", "0.05", "--nvml-slow-interval", "0.05") if args.fill_history else ()
     load = os.getloadavg()
     runs: dict[str, list[dict]] = {s.name: [] for s in sides}

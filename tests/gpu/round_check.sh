@@ -15,6 +15,8 @@
 #   profile      bench/lifecycle_profile.py (36: where each of the five goes, phase by phase) ~1.5 min
 #   symbols      tests/gpu/symbols_check.py (36: the real libcuda's symbol table from the eBPF cache equals a
 #                fresh read; each one's cost)                                               ~0.5 min
+#   nvml_memory  tests/gpu/nvml_memory.py (36: what each NVML call adds to the daemon resident, and which one
+#                maps libcuda)                                                              ~0.2 min
 #   unit_limits  bench/unit_limits.py --gpu (31, 34: the unit's limits with real NVML, eBPF, the CUPTI
 #                sampler and a baseline run that the sampler steps aside for)               ~2.5 min
 #
@@ -70,6 +72,15 @@ for step in "$@"; do
              rc=$?; cp "$logs/profile.txt" "$OUT/"; tail -12 "$logs/profile.txt" ;;
     symbols) timeout 120 python3 tests/gpu/symbols_check.py > "$logs/symbols.txt" 2>&1
              rc=$?; cp "$logs/symbols.txt" "$OUT/symbols-log.txt"; tail -8 "$logs/symbols.txt" ;;
+    nvml_memory) timeout 60 python3 tests/gpu/nvml_memory.py > "$logs/nvml_memory.txt" 2>&1
+                 rc=$?
+                 # the daemon as bench/lifecycle.py runs it, 8 s under LD_DEBUG=files: which object loads libcuda
+                 d=$(mktemp -d); bcc env LD_DEBUG=files LD_DEBUG_OUTPUT="$d/ld" timeout -s TERM 8 python3 -m gpuwatch.agent.cli \
+                   agent --config "" --listen 127.0.0.1:0 --state-dir "$d/s" --runtime-dir "$d/r" --no-cupti-sampling \
+                   --no-baseline > "$d/agent.log" 2>&1
+                 { echo; echo "the daemon's loads of libcuda (LD_DEBUG=files):"; grep -h "file=libcuda" "$d"/ld.* | head -5
+                   tail -3 "$d/agent.log"; } >> "$logs/nvml_memory.txt"
+                 cp "$logs/nvml_memory.txt" "$OUT/"; tail -36 "$logs/nvml_memory.txt" ;;
     unit_limits) bcc timeout 200 python3 bench/unit_limits.py --gpu --seconds 75 > "$logs/unit_limits.txt" 2>&1
                  rc=$?; cp "$logs/unit_limits.txt" "$OUT/"; tail -16 "$logs/unit_limits.txt" ;;
     *) echo "unknown step $step"; rc=2 ;;
