@@ -11,7 +11,6 @@ start with the file (or flag), the key and the reason.
 """
 from __future__ import annotations
 
-import difflib
 import grp
 import ipaddress
 import math
@@ -19,17 +18,13 @@ import os
 import re
 import stat
 import sys
-import textwrap
 from typing import Any, Callable, Mapping
 from urllib.parse import unquote, urlsplit
 
-from gpuwatch.agent.allocators import parse_pool_libraries
 from gpuwatch.agent.api import Frozen, GpuwatchError, frozen
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+# difflib, textwrap, tomllib and the allocators' patterns are imported where they are used: a client
+# command (`gpuwatch status`) loads the defaults, and most machines have no file to parse.
 
 DEFAULT_PATH = "/etc/gpuwatch/gpuwatch.toml"
 CONFIG_ENV = "GPUWATCH_CONFIG"  # the CLI's --config mirror; the path itself is not a setting
@@ -96,6 +91,8 @@ def _process_names(v: str) -> str:
 
 
 def _pool_libraries(v: str) -> str:
+    from gpuwatch.agent.allocators import parse_pool_libraries
+
     parse_pool_libraries(v)
     return ",".join(e.strip() for e in v.split(",") if e.strip())
 
@@ -548,6 +545,8 @@ def _validate(s: Setting, v: Any, source: str, from_text: bool) -> Any:
 
 def _suggest(name: str) -> str:
     """A hint for an unknown "section.key": a near key in that section, else the key in another section."""
+    import difflib
+
     section, _, key = name.partition(".")
     keys = [s.key for s in SETTINGS if s.section == section]
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.7)
@@ -595,6 +594,11 @@ def read_file(path: str, missing: str = "no such file") -> bytes:
 
 
 def _read(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+
     data = read_file(path)
     try:
         text = data.decode("utf-8")
@@ -619,6 +623,8 @@ def _from_file(path: str, doc: dict[str, Any]) -> dict[str, Any]:
                 # A bare `interval = 2` at the top: point at the section it belongs in.
                 hint = _suggest(f".{section}").replace(" (", " (settings go in sections: ")
                 raise ConfigError(path, section, f"unknown setting outside any section{hint}")
+            import difflib
+
             close = difflib.get_close_matches(section, _SECTIONS, n=1, cutoff=0.6)
             hint = f" (did you mean [{close[0]}]?)" if close else f"; known sections: {', '.join(_SECTIONS)}"
             raise ConfigError(path, None, f"unknown section [{section}]{hint}")
@@ -717,6 +723,8 @@ def render_config_doc() -> str:
 
 def render_sample_config() -> str:
     """systemd/gpuwatch.toml: every setting, commented out, at its default."""
+    import textwrap
+
     out = [
         "# gpuwatch configuration: copy to /etc/gpuwatch/gpuwatch.toml and uncomment what you change.",
         "# Every setting is shown at its default. Flags and GPUWATCH_* environment variables override",
