@@ -9,7 +9,8 @@
 #   overhead     bench/ebpf_overhead.py (33: the daemon's default cost, with its interval)  ~5 min
 #   lifecycle    bench/lifecycle.py --nvml-real --uncompiled (36: the daemon on the real NVML, the
 #                trace on the fake libcuda; as installed, and beside a copy without bytecode, or beside
-#                what LIFECYCLE_ARGS says, e.g. "--baseline-ref .gpu-extra/f840aac.tar") ~3 min
+#                what LIFECYCLE_ARGS says, e.g. "--baseline-ref .gpu-extra/f840aac.tar"; LIFECYCLE_TIMEOUT
+#                seconds, default 300) ~3 min
 #   rss_full     bench/lifecycle.py --only daemon --fill-history 36 --runs 3 (36: the daemon's RSS once its
 #                history is full, NVML read every 0.05 s for 36 s; beside LIFECYCLE_ARGS' baseline)  ~4.5 min
 #   profile      bench/lifecycle_profile.py (36: where each of the five goes, phase by phase) ~1.5 min
@@ -62,7 +63,7 @@ for step in "$@"; do
     overhead) bcc timeout 330 python3 bench/ebpf_overhead.py --rounds 100 --max-seconds 240 --tiny 20000 --steps 8 \
                 --out "$OUT/overhead.json" > "$logs/overhead.txt" 2>&1
               rc=$?; tail -12 "$logs/overhead.txt" ;;
-    lifecycle) bcc timeout 300 python3 bench/lifecycle.py --runs 6 --nvml-real ${LIFECYCLE_ARGS:---uncompiled} --out "$OUT/lifecycle.json" \
+    lifecycle) bcc timeout ${LIFECYCLE_TIMEOUT:-300} python3 bench/lifecycle.py --runs 6 --nvml-real ${LIFECYCLE_ARGS:---uncompiled} --out "$OUT/lifecycle.json" \
                  > "$logs/lifecycle.txt" 2>&1
                rc=$?; tail -12 "$logs/lifecycle.txt" ;;
     rss_full) bcc timeout 330 python3 bench/lifecycle.py --only daemon --runs 3 --fill-history 36 --nvml-real \
