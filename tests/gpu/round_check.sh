@@ -18,6 +18,8 @@
 #                fresh read; each one's cost)                                               ~0.5 min
 #   nvml_memory  tests/gpu/nvml_memory.py (36: what each NVML call adds to the daemon resident, and which one
 #                maps libcuda)                                                              ~0.2 min
+#   startup      the interpreter's start alone (python3 -c pass, with and without site; site's costliest
+#                imports): the floor under `gpuwatch status`                               ~0.1 min
 #   unit_limits  bench/unit_limits.py --gpu (31, 34: the unit's limits with real NVML, eBPF, the CUPTI
 #                sampler and a baseline run that the sampler steps aside for)               ~2.5 min
 #
@@ -82,6 +84,15 @@ for step in "$@"; do
                  { echo; echo "the daemon's loads of libcuda (LD_DEBUG=files):"; grep -h "file=libcuda" "$d"/ld.* | head -5
                    tail -3 "$d/agent.log"; } >> "$logs/nvml_memory.txt"
                  cp "$logs/nvml_memory.txt" "$OUT/"; tail -36 "$logs/nvml_memory.txt" ;;
+    startup) # what `gpuwatch status` cannot go under: the interpreter's own start, with and without site
+             py=$(python3 -c 'import sys; print(sys.executable)')  # the interpreter itself, not a shim
+             { echo "$py"; for flags in "" "-S" "-I" "-I -S"; do
+                 for i in $(seq 11); do s=$(date +%s%N); "$py" $flags -c pass; e=$(date +%s%N); echo $(( (e-s)/1000 )); done |
+                   sort -n | sed -n 6p | awk -v f="python3 $flags -c pass" '{printf "%-28s median %.1f ms of 11\n", f, $1/1000}'
+               done
+               echo "site's costliest imports (-X importtime, cumulative us):"
+               "$py" -X importtime -c pass 2>&1 | sort -t'|' -k2 -n | tail -8; } > "$logs/startup.txt" 2>&1
+             rc=$?; cp "$logs/startup.txt" "$OUT/"; cat "$logs/startup.txt" ;;
     unit_limits) bcc timeout 200 python3 bench/unit_limits.py --gpu --seconds 75 > "$logs/unit_limits.txt" 2>&1
                  rc=$?; cp "$logs/unit_limits.txt" "$OUT/"; tail -16 "$logs/unit_limits.txt" ;;
     *) echo "unknown step $step"; rc=2 ;;
