@@ -31,11 +31,12 @@ def _open_to_all(path: str) -> bool:
 
 # Tests run programs as nobody (setpriv, subprocess's user=) beneath the temporary directory. Where
 # that is closed to other users (a CI machine's /tmp was 1770: 29 tests failed with EACCES), the run
-# takes a temporary directory of its own where any user can pass, as /tmp is on Debian.
+# takes a temporary directory of its own where any user can pass, as /tmp is on Debian. Its name is
+# short: agents' control sockets lie beneath it, and a Unix socket's path has at most 107 bytes.
 if os.geteuid() == 0 and not _open_to_all(tempfile.gettempdir()):
     for _base in ("/var/tmp", "/dev/shm"):
         if os.path.isdir(_base) and _open_to_all(_base):
-            tempfile.tempdir = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="gpuwatch-tmp-", dir=_base)
+            tempfile.tempdir = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="gw", dir=_base)
             os.chmod(tempfile.tempdir, 0o1777)
             atexit.register(shutil.rmtree, tempfile.tempdir, True)
             break
