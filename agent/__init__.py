@@ -1,5 +1,4 @@
 """gpuwatch agent: daemon core, configuration, store, control socket and CLI."""
-import importlib.util
 import os
 
 __version__ = "0.1.0"
@@ -8,6 +7,8 @@ SUBPACKAGES = ("agent", "probes", "exporters", "detectors")
 
 def package_dirs() -> dict[str, str]:
     """{"agent": "/…/agent", ...}: where this gpuwatch's subpackages are, however it is installed."""
+    import importlib.util  # not at import: `gpuwatch status` needs none of this
+
     dirs = {}
     for sub in SUBPACKAGES:
         try:

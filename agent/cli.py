@@ -19,10 +19,13 @@ from typing import Any
 
 import click
 
-from gpuwatch.agent import __version__
+from gpuwatch.agent import __version__, client, textview
 from gpuwatch.agent import config as config_mod
 from gpuwatch.agent import top as top_mod
 from gpuwatch.agent.api import GpuwatchError
+from gpuwatch.agent.client import ask as _ask
+from gpuwatch.agent.client import client_config as _client_config
+from gpuwatch.agent.textview import when as _when
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -78,7 +81,7 @@ def _setting_options(fn):
 
 
 def _echo_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    click.echo(client.dumps(obj))
 
 
 @click.group(cls=_GpuwatchGroup, context_settings=CONTEXT)
@@ -134,7 +137,7 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
             elif not view["gpus"] and view.get("no_gpus_reason"):
                 click.echo(f"No GPUs: {view['no_gpus_reason']}")
             else:
-                _print_gpus(view["gpus"], view["processes"])
+                click.echo("\n".join(textview.gpus_lines(view["gpus"], view["processes"], textview.use_color(sys.stdout))))
             if not watch:
                 return
             try:
@@ -155,7 +158,7 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
             else:
                 if watch:
                     click.echo(time.strftime("%Y-%m-%d %H:%M:%S"))
-                _print_gpus(rows)
+                click.echo("\n".join(textview.gpus_lines(rows, color=textview.use_color(sys.stdout))))
             if not watch:
                 return
             sys.stdout.flush()
@@ -171,69 +174,11 @@ def gpus(config_path: str | None, replay: str | None, as_json: bool, watch: floa
             backend.close()
 
 
-def _print_gpus(rows: list[dict], processes: list[dict] | None = None) -> None:
-    """The GPUs, then the processes on them: `processes` (the agent's, from status) or each row's own
-    (NVML's inventory). Every name is text, not markup: a process may call itself "[red]x"."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = _console()
-    if not rows:
-        console.print("No GPUs found.")
-        return
-    t = Table(box=None, pad_edge=False)
-    for col in ("GPU", "Name", "UUID", "Temp", "Power", "Memory", "Util"):
-        t.add_column(col, justify="right" if col in ("GPU", "Temp", "Power", "Util") else "left")
-    colors = processes is not None  # the agent knows the leak detector's colors
-    procs = Table(box=None, pad_edge=False)
-    for col in ("GPU", "PID", "User", "Process", "Memory", "White", "Grey", "Leak")[:8 if colors else 5]:
-        if colors or col != "User":
-            procs.add_column(col, justify="left" if col in ("Process", "User", "Leak") else "right")
-    index = {g.get("uuid"): g.get("index", "?") for g in rows}
-    for g in rows:
-        t.add_row(str(g.get("index", "?")), escape(g.get("name") or "?"), escape(g.get("uuid") or "?"),
-                  _fmt(g.get("temperature_celsius"), "{:.0f} °C"), _fmt(g.get("power_watts"), "{:.0f} W"),
-                  _mem(g.get("memory_used_bytes"), g.get("memory_total_bytes")),
-                  _fmt(g.get("utilization"), "{:.0%}"))
-        if not colors:
-            for p in g.get("processes", []):
-                procs.add_row(str(g.get("index", "?")), str(p.get("pid")), escape(p.get("name") or "?"),
-                              _mem(p.get("memory_bytes"), None))
-    def gpu_order(p: dict) -> tuple:  # by GPU index as the GPU table, then by the agent's order (memory)
-        i = index.get(p.get("gpu"), p.get("gpu_index"))
-        return (0, i, "") if isinstance(i, int) else (1, 0, str(i))
-    for p in sorted(processes or [], key=gpu_order):
-        leak = p.get("leak")
-        tto = (leak or {}).get("time_to_oom_seconds")
-        procs.add_row(str(index.get(p.get("gpu"), p.get("gpu_index", "?"))), str(p.get("pid")), escape(p.get("user") or "—"),
-                      escape(p.get("name") or "?"), _mem(p.get("black"), None), _mem(p.get("white"), None),
-                      _mem(p.get("grey"), None),
-                      "" if not leak else escape(f"{leak['color']} +{leak['rate_bytes_per_second'] * 60 / 2**20:.0f} MiB/min"
-                                                 + (f", OOM in {tto / 60:.1f} min" if tto is not None else "")))
-    console.print(t)
-    if procs.row_count:
-        console.print()
-        console.print(procs)
-    else:
-        console.print("\nNo processes on the GPUs.")
-
-
 def _console():
     from rich.console import Console
 
     # Piped output (scripts, logs) gets full UUIDs instead of rich's 80-column truncation.
     return Console() if sys.stdout.isatty() else Console(width=200)
-
-
-def _fmt(v: Any, pattern: str) -> str:
-    return "—" if v is None else pattern.format(v)
-
-
-def _mem(used: float | None, total: float | None) -> str:
-    if used is None:
-        return "—"
-    s = f"{used / 2**30:.1f} GiB"
-    return s if total is None else f"{s} / {total / 2**30:.0f} GiB"
 
 
 @main.command(context_settings=CONTEXT)
@@ -288,34 +233,7 @@ def _install_headers(dry_run: bool) -> None:
 @_client_options
 def status(config_path: str | None, socket_path: str | None, as_json: bool) -> None:
     """Ask the running agent how it is doing."""
-    from gpuwatch.agent.wire import StatusResult
-
-    st = _ask(config_path, socket_path, "status", {}, result_type=StatusResult).to_json()
-    if as_json:
-        _echo_json(st)
-    else:
-        _print_status(st)
-
-
-def _client_config(config_path: str | None):
-    """The configuration a client command reads: the file, and the agent's directories from the
-    same GPUWATCH_RUNTIME_DIR / GPUWATCH_STATE_DIR an agent started in this environment took, so
-    that the CLI finds that agent's socket."""
-    env = {"agent.runtime_dir": "GPUWATCH_RUNTIME_DIR", "agent.state_dir": "GPUWATCH_STATE_DIR"}
-    return config_mod.load(config_path, {k: os.environ.get(v) or None for k, v in env.items()})
-
-
-def _ask(config_path: str | None, socket_path: str | None, method: str, params: dict, timeout: float = 5.0,
-         result_type=None):
-    """Call the running agent; its refusals are ControlErrors (printed by _GpuwatchGroup)."""
-    from gpuwatch.agent.control import call
-
-    return call(socket_path or _client_config(config_path).control.socket, method, params, timeout=timeout,
-                result_type=result_type, explain=True)
-
-
-def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    client.status(config_path, socket_path, as_json)  # without click, as agent/entry.py answers it
 
 
 def _print_findings(found: dict, what: str) -> None:
@@ -468,72 +386,6 @@ def baseline_show(config_path: str | None, socket_path: str | None, as_json: boo
             console.print(f"GPU {uuid}")
             for line in lines:
                 console.print(line, markup=False)
-
-
-def _print_status(st: dict) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    # Everything the agent says is text, not markup: a reason such as "pip install 'gpuwatch[baseline]'"
-    # keeps its brackets.
-    console = _console()
-    console.print(f"gpuwatch {escape(st['version'])}  pid {st['pid']}  up {st['uptime_seconds']:.0f} s  "
-                  f"snapshot age {st.get('snapshot_age_seconds')} s")
-    conf = st.get("config") or {}
-    if conf and not conf.get("success", True):
-        console.print(f"[red]config: the last reload ({_when(conf['error_timestamp'])}) was rejected, running on the "
-                      f"config loaded {_when(conf['success_timestamp'])}: {escape(conf.get('error', ''))}[/red]",
-                      soft_wrap=True)
-    elif conf:
-        console.print(escape(f"config: {conf.get('path') or 'defaults (no file)'}, loaded "
-                             f"{_when(conf['success_timestamp'])}"))
-    for name, info in st.get("exporters", {}).items():
-        web = f"  ({info['scheme']}, web config {info['web_config']})" if info.get("web_config") else ""
-        console.print(escape(f"{name}: {info.get('listen', '')}{web}"))
-    t = Table(box=None, pad_edge=False)
-    for col in ("Probe", "State", "Last (ms)", "Late", "Errors", "Reason"):
-        t.add_column(col)
-    for name, p in sorted(st.get("probes", {}).items()):
-        state = p["state"]
-        color = ("green" if state == "up" else "yellow" if state in ("starting", "late")
-                 else "dim" if state == "disabled" else "red")  # disabled: off by the install, not down
-        t.add_row(escape(name), f"[{color}]{escape(state)}[/{color}]", f"{p['last_duration'] * 1e3:.1f}",
-                  str(p["late_total"]), str(p["errors_total"]), escape(p.get("reason", "")))
-    console.print(t)
-    if st.get("gpus"):
-        console.print()
-        _print_gpus(st["gpus"], st.get("processes") or [])
-    agents = st.get("inprocess_agents") or []
-    if agents:
-        console.print()
-        t = Table(box=None, pad_edge=False, title="in-process agents (gpuwatch run)", title_justify="left")
-        for col in ("PID", "Process", "CUPTI", "Activity", "Records", "Dropped", "Report age (s)"):
-            t.add_column(col)
-        for a in agents:
-            state = a["state"] + (f": {a['reason']}" if a.get("reason") else "")
-            t.add_row(str(a["pid"]), escape(a["process"]), escape(state), escape(a.get("mode") or "off"),
-                      str(a["records"]), str(a["dropped"]), f"{a['report_age_seconds']:.1f}")
-        console.print(t)
-    events = st.get("recent_events") or []
-    console.print()
-    if events:
-        console.print("recent events:")
-        for e in events[-10:]:
-            attrs = ", ".join(f"{k}={v}" for k, v in sorted((e.get("attrs") or {}).items())
-                              if k in _EVENT_ATTRS)
-            console.print(escape(f"  {_when(e['ts'])}  {e['kind']}  {e.get('resource') or ''}"
-                                 + (f"  {attrs}" if attrs else "")), soft_wrap=True)
-    else:
-        console.print("no recent events")
-    store = st.get("store", {})
-    if store.get("error"):
-        console.print(f"[red]store unavailable, nothing is kept across restarts: {escape(store['error'])}[/red]")
-    elif store.get("write_errors"):
-        console.print(f"[red]store write errors: {store['write_errors']} (see the agent's log)[/red]")
-
-
-# What a recent event's line shows of its attributes (the rest: --json, `gpuwatch findings`)
-_EVENT_ATTRS = ("probe", "summary", "severity", "result", "reason", "xid", "pid", "process", "error")
 
 
 def _not_nan(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:

@@ -161,9 +161,14 @@ class Side:
             self.env["PYTHONDONTWRITEBYTECODE"] = "1"
         self.env["PYTHONUNBUFFERED"] = "1"
         self.cwd = tempfile.mkdtemp(prefix="gw-lifecycle-cwd-")  # not the checkout: its own gpuwatch must win
+        # what the console script runs: agent/entry.py's main where the version has it (it answers
+        # `status` before importing click), else click's group
+        self.entry = "gpuwatch.agent.entry" if (tree / "agent" / "entry.py").exists() else "gpuwatch.agent.cli"
 
     def cli(self, *args: str, **kw) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "gpuwatch.agent.cli", *args], env=self.env, cwd=self.cwd, **kw)
+        """`gpuwatch ARGS` as the installed console script runs it (python -m would add runpy's start)."""
+        script = f"import sys; from {self.entry} import main; sys.argv[0] = 'gpuwatch'; sys.exit(main())"
+        return subprocess.Popen([sys.executable, "-c", script, *args], env=self.env, cwd=self.cwd, **kw)
 
 
 def trace_once(side: Side, built: dict, want_calls: int) -> dict:

@@ -156,4 +156,4 @@ def test_console_script(installs, mode):
     assert script.stat().st_mode & 0o111, "gpuwatch console script is not executable"
     text = script.read_text()
     assert text.startswith(f"#!{inst['py']}"), text.splitlines()[0]
-    assert "from gpuwatch.agent.cli import main" in text
+    assert "from gpuwatch.agent.entry import main" in text  # status before click; the rest: click

@@ -18,8 +18,13 @@
 #                fresh read; each one's cost)                                               ~0.5 min
 #   nvml_memory  tests/gpu/nvml_memory.py (36: what each NVML call adds to the daemon resident, and which one
 #                maps libcuda)                                                              ~0.2 min
+#   nvml_flags   tests/gpu/nvml_init_flags.py (36: nvmlInit against nvmlInitWithFlags NO_ATTACH / NO_GPUS:
+#                resident cost, whether libcuda gets mapped, which readings still work)     ~0.2 min
 #   startup      the interpreter's start alone (python3 -c pass, with and without site; site's costliest
 #                imports): the floor under `gpuwatch status`                               ~0.1 min
+#   status_cli   `gpuwatch status` as the console script runs it (agent/entry.py), against an agent on the
+#                real NVML: with the image's Python (its site) and with a venv of its own (no site-packages
+#                but the stdlib's), beside `python -c pass` in each and click's `status`   ~0.3 min
 #   unit_limits  bench/unit_limits.py --gpu (31, 34: the unit's limits with real NVML, eBPF, the CUPTI
 #                sampler and a baseline run that the sampler steps aside for)               ~2.5 min
 #
@@ -84,6 +89,8 @@ for step in "$@"; do
                  { echo; echo "the daemon's loads of libcuda (LD_DEBUG=files):"; grep -h "file=libcuda" "$d"/ld.* | head -5
                    tail -3 "$d/agent.log"; } >> "$logs/nvml_memory.txt"
                  cp "$logs/nvml_memory.txt" "$OUT/"; tail -36 "$logs/nvml_memory.txt" ;;
+    nvml_flags) timeout 120 python3 tests/gpu/nvml_init_flags.py > "$logs/nvml_flags.txt" 2>&1
+                rc=$?; cp "$logs/nvml_flags.txt" "$OUT/"; cat "$logs/nvml_flags.txt" ;;
     startup) # what `gpuwatch status` cannot go under: the interpreter's own start, with and without site
              py=$(python3 -c 'import sys; print(sys.executable)')  # the interpreter itself, not a shim
              { echo "$py"; for flags in "" "-S" "-I" "-I -S"; do
@@ -93,6 +100,25 @@ for step in "$@"; do
                echo "site's costliest imports (-X importtime, cumulative us):"
                "$py" -X importtime -c pass 2>&1 | sort -t'|' -k2 -n | tail -8; } > "$logs/startup.txt" 2>&1
              rc=$?; cp "$logs/startup.txt" "$OUT/"; cat "$logs/startup.txt" ;;
+    status_cli) d=$(mktemp -d); base=$(python3 -c 'import sys; print(sys.base_prefix)')
+                bcc python3 -m gpuwatch.agent.cli agent --config "" --listen 127.0.0.1:0 --state-dir "$d/s" \
+                  --runtime-dir "$d/r" --no-cupti-sampling --no-baseline > "$d/agent.log" 2>&1 &
+                apid=$!
+                for i in $(seq 100); do [ -S "$d/r/control.sock" ] && break; sleep 0.1; done; sleep 2
+                "$base/bin/python3" -m venv --without-pip "$d/own" 2>/dev/null || python3 -m venv --without-pip "$d/own"
+                script="import sys; from gpuwatch.agent.entry import main; sys.argv[0] = 'gpuwatch'; sys.exit(main())"
+                med() { for i in $(seq 21); do s=$(date +%s%N); "$@" > /dev/null 2>&1; e=$(date +%s%N); echo $(( (e-s)/1000 )); done |
+                          sort -n | sed -n 11p | awk '{printf "%.1f", $1/1000}'; }
+                { echo "median of 21 wall times, ms; agent pid $apid on the real NVML"
+                  for py in "$(command -v python3)" "$d/own/bin/python3"; do
+                    "$py" -c "$script" status --json --socket "$d/r/control.sock" > /dev/null || echo "$py: status failed"
+                    echo "$py: python -c pass $(med "$py" -c pass);" \
+                      "gpuwatch status $(med "$py" -c "$script" status --socket "$d/r/control.sock");" \
+                      "status --json $(med "$py" -c "$script" status --json --socket "$d/r/control.sock")"
+                  done
+                  echo "click's status (the image's Python): $(med python3 -m gpuwatch.agent.cli status --socket "$d/r/control.sock")"
+                  "$d/own/bin/python3" -c "$script" status --socket "$d/r/control.sock" | head -20; } > "$logs/status_cli.txt" 2>&1
+                rc=$?; kill -TERM $apid; wait $apid; cp "$logs/status_cli.txt" "$OUT/"; cat "$logs/status_cli.txt" ;;
     unit_limits) bcc timeout 200 python3 bench/unit_limits.py --gpu --seconds 75 > "$logs/unit_limits.txt" 2>&1
                  rc=$?; cp "$logs/unit_limits.txt" "$OUT/"; tail -16 "$logs/unit_limits.txt" ;;
     *) echo "unknown step $step"; rc=2 ;;
