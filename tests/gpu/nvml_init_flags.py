@@ -60,6 +60,22 @@ out["queried"] = state()
 out["failed"] = failed
 out["values"] = {k: v for k, v in values.items() if k != "uuid"}
 N.nvmlShutdown()
+# the daemon's NVML probe, started the same way: which series it gives, and what it holds resident
+if how != "init":
+    N.nvmlInit = lambda: N.nvmlInitWithFlags(getattr(N, how))
+import time
+from gpuwatch.probes.nvml.backend import RealBackend
+from gpuwatch.probes.nvml.probe import NvmlProbe
+p = NvmlProbe(RealBackend, interval=1.0, slow_interval=1.0)
+p.start()
+series = set()
+for _ in range(3):
+    series |= {(s.metric, tuple(sorted(s.labels.items())) if isinstance(s.labels, dict) else tuple(s.labels))
+               for s in p.collect()}
+    time.sleep(0.3)
+out["probe"] = state()
+out["series"] = sorted(f"{m}{dict(l)}" for m, l in series)
+p.shutdown()
 print(json.dumps(out))
 """
 
@@ -80,11 +96,16 @@ def main() -> int:
         if "init_error" in r:
             print(f"{how:26} init failed: {r['init_error']}")
             continue
-        for step in ("imported", "started", "queried"):
+        for step in ("imported", "started", "queried", "probe"):
             s = r[step]
             extra = "; ".join(r["failed"]) if step == "queried" else ""
             print(f"{how:26} {step:9} {s['rss']:>7.1f} {s['anon']:>7.1f} {s['threads']:>4d} {str(s['libcuda']):8} {extra}")
-        print(f"{'':26} values: {json.dumps(r['values'])}")
+        print(f"{'':26} values: {json.dumps(r['values'])}; the probe's series: {len(r['series'])}")
+    full = dict(rows).get("init", {}).get("series")
+    for how, r in rows:
+        if full is not None and "series" in r and how != "init":
+            lost, extra = sorted(set(full) - set(r["series"])), sorted(set(r["series"]) - set(full))
+            print(f"{how}: series lost against nvmlInit: {len(lost)} {lost[:8]}; new: {len(extra)} {extra[:4]}")
     return 0
 
 
