@@ -109,12 +109,22 @@ for step in "$@"; do
                 script="import sys; from gpuwatch.agent.entry import main; sys.argv[0] = 'gpuwatch'; sys.exit(main())"
                 med() { for i in $(seq 21); do s=$(date +%s%N); "$@" > /dev/null 2>&1; e=$(date +%s%N); echo $(( (e-s)/1000 )); done |
                           sort -n | sed -n 11p | awk '{printf "%.1f", $1/1000}'; }
-                { echo "median of 21 wall times, ms; agent pid $apid on the real NVML"
-                  for py in "$(command -v python3)" "$d/own/bin/python3"; do
-                    "$py" -c "$script" status --json --socket "$d/r/control.sock" > /dev/null || echo "$py: status failed"
-                    echo "$py: python -c pass $(med "$py" -c pass);" \
-                      "gpuwatch status $(med "$py" -c "$script" status --socket "$d/r/control.sock");" \
-                      "status --json $(med "$py" -c "$script" status --json --socket "$d/r/control.sock")"
+                { echo "median of 21 wall times, ms; agent pid $apid on the real NVML;" \
+                       "environment: $(env | grep '^PYTHON' | tr '\n' ' ')"
+                  # the image sets PYTHONDONTWRITEBYTECODE: "own, bytecode" is a venv as pip leaves it (compiled)
+                  for side in image own "own, bytecode"; do
+                    py=$(command -v python3); pre=()
+                    [ "$side" = image ] || py=$d/own/bin/python3
+                    [ "$side" = "own, bytecode" ] && pre=(env -u PYTHONDONTWRITEBYTECODE)
+                    "${pre[@]}" "$py" -c "$script" status --json --socket "$d/r/control.sock" > /dev/null || echo "$side: status failed"
+                    echo "$side ($py): python -c pass $(med "${pre[@]}" "$py" -c pass);" \
+                      "gpuwatch status $(med "${pre[@]}" "$py" -c "$script" status --socket "$d/r/control.sock");" \
+                      "status --json $(med "${pre[@]}" "$py" -c "$script" status --json --socket "$d/r/control.sock")"
+                    "${pre[@]}" "$py" -c 'import sys, json, importlib.util as u, os
+print("  ", sys.version.split()[0], sys.base_prefix, "dont_write_bytecode", sys.flags.dont_write_bytecode,
+      "json has bytecode", os.path.exists(u.cache_from_source(json.__file__)))'
+                    PYTHONPROFILEIMPORTTIME=1 "${pre[@]}" "$py" -c "$script" status --json --socket "$d/r/control.sock" 2>&1 >/dev/null |
+                      sort -t'|' -k2 -n | tail -6 | sed 's/^/   /'
                   done
                   echo "click's status (the image's Python): $(med python3 -m gpuwatch.agent.cli status --socket "$d/r/control.sock")"
                   "$d/own/bin/python3" -c "$script" status --socket "$d/r/control.sock" | head -20; } > "$logs/status_cli.txt" 2>&1
