@@ -101,9 +101,9 @@ for step in "$@"; do
                "$py" -X importtime -c pass 2>&1 | sort -t'|' -k2 -n | tail -8; } > "$logs/startup.txt" 2>&1
              rc=$?; cp "$logs/startup.txt" "$OUT/"; cat "$logs/startup.txt" ;;
     status_cli) d=$(mktemp -d); base=$(python3 -c 'import sys; print(sys.base_prefix)')
-                bcc python3 -m gpuwatch.agent.cli agent --config "" --listen 127.0.0.1:0 --state-dir "$d/s" \
+                bcc exec python3 -m gpuwatch.agent.cli agent --config "" --listen 127.0.0.1:0 --state-dir "$d/s" \
                   --runtime-dir "$d/r" --no-cupti-sampling --no-baseline > "$d/agent.log" 2>&1 &
-                apid=$!
+                apid=$!  # the agent itself (exec): a TERM to it stops it
                 for i in $(seq 100); do [ -S "$d/r/control.sock" ] && break; sleep 0.1; done; sleep 2
                 "$base/bin/python3" -m venv --without-pip "$d/own" 2>/dev/null || python3 -m venv --without-pip "$d/own"
                 script="import sys; from gpuwatch.agent.entry import main; sys.argv[0] = 'gpuwatch'; sys.exit(main())"

@@ -18,7 +18,7 @@ CORE = {
     "gpuwatch.agent.wire", "gpuwatch.agent.config", "gpuwatch.agent.safefile", "gpuwatch.agent.registry",
     "gpuwatch.agent.budget", "gpuwatch.agent.logs", "gpuwatch.agent.own", "gpuwatch.agent.allocators",
     "gpuwatch.agent.kernel_headers", "gpuwatch.agent.events",
-    "gpuwatch.agent.control",  # the control socket's two ends: the in-process agent (probes/cupti) is a client
+    "gpuwatch.agent.control", "gpuwatch.agent.control_client",  # the control socket's two ends: the in-process agent (probes/cupti) is a client
     "gpuwatch.probes", "gpuwatch.detectors", "gpuwatch.exporters",  # the packages themselves
     # who a process is: its identity, pod, CUDA devices, what its user may open
     "gpuwatch.probes.process.identity", "gpuwatch.probes.process.kubernetes",
