@@ -35,8 +35,13 @@ def test_native_launch_stacks_name_the_launching_functions(fake_cuda, drivers):
     snap = traced(fake_cuda["lib"], d)
     by = _stacks(snap)
     launches = {k["handle"]: k["launches"] for k in snap["kernels"]}
-    for h in (handle(0xa000), handle(0xb000), handle(0xc000), handle(0xd000)):
+    for h in (handle(0xa000), handle(0xb000), handle(0xc000)):  # each launched by one thread: exact
         assert sum(s["sampled_launches"] for s in by[h]) == samples(launches[h]), h
+    # D's 4 threads race between the count's increment and its read (cuda.bpf.c: "a sample more or
+    # less" where two launches meet at a power of two); its launch count itself stays exact
+    sampled_d = sum(s["sampled_launches"] for s in by[handle(0xd000)])
+    assert abs(sampled_d - samples(launches[handle(0xd000)])) <= 2 and sampled_d >= 1, (sampled_d, launches)
+    for h in (handle(0xa000), handle(0xb000), handle(0xc000), handle(0xd000)):
         for s in by[h]:
             assert s["frames"][0].startswith("cuLaunch") and s["python"] == []
     # D is launched by 4 threads running launcher(); the others from the main workload
