@@ -215,7 +215,9 @@ def import_profile() -> str:
 
 
 def status_profile(sock: str) -> str:
-    r = subprocess.run([PY, "-X", "importtime", "-m", "gpuwatch.agent.cli", "status", "--socket", sock],
+    # as the console script runs it (agent/entry.py: status before click), not python -m
+    script = "import sys; from gpuwatch.agent.entry import main; sys.argv[0] = 'gpuwatch'; sys.exit(main())"
+    r = subprocess.run([PY, "-X", "importtime", "-c", script, "status", "--socket", sock],
                        capture_output=True, text=True, cwd=tempfile.gettempdir())
     if r.returncode != 0:  # an error path imports what the answer does not (psutil, to find agents)
         return f"status failed ({r.returncode}): {r.stdout[-300:]}"
