@@ -1,8 +1,8 @@
 """The `gpuwatch` console script.
 
 `gpuwatch status` is what scripts, health checks and people run most often, and all it does is
-one call to the agent: it is answered here, before click (and rich) are imported, which are most
-of a Python CLI's start (~50 ms of ~90 on the 2-core CPU machine; docs/benchmarks.md). Only the
+one call to the agent: it is answered here, before click and rich are imported (122 -> 40 ms,
+median, on the 2-core CPU machine: the interpreter's start plus ~20 ms; docs/benchmarks.md). Only the
 forms `status [--json] [--socket PATH] [--config FILE]` take this path, with the same environment
 variables, output and errors as click's `status`, which calls the same function; anything else
 (--help, a typo, another command) goes to click, which parses and explains as it always does.
