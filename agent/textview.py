@@ -1,7 +1,7 @@
 """Plain-text views of what the agent says: `gpuwatch status` and the GPU list (`gpuwatch gpus`).
 
 Aligned columns two spaces apart and, on a terminal, a color for each state; no rich, so that
-`gpuwatch status` costs the interpreter's start plus ~15 ms (docs/benchmarks.md). Every piece of
+`gpuwatch status` costs the interpreter's start plus ~20 ms (docs/benchmarks.md). Every piece of
 text from the agent goes through `printable`: a process may call itself "\\x1b[2J", and what
 reaches the terminal is "?[2J".
 """

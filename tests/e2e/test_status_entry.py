@@ -138,3 +138,12 @@ def test_a_reader_that_has_gone_is_no_error(agent_factory):
     finally:
         os.close(wr)
     assert (r.returncode, r.stderr) == (0, "")
+
+
+def test_its_environment_variables_are_clicks():
+    """entry.py names the variables without importing config or click (that is its point): they
+    must stay the ones click's `status` reads."""
+    from gpuwatch.agent import cli, config, entry
+
+    envvars = {p.opts[0]: p.envvar for p in cli.status.params if p.envvar}
+    assert entry._VALUE_OPTIONS == envvars == {"--socket": "GPUWATCH_SOCKET", "--config": config.CONFIG_ENV}
